@@ -1,0 +1,152 @@
+"""Every message that crosses the supervisor <-> worker boundary, one typed class each.
+
+Messages to the worker are imperative (Submit, Abort, Evict); messages from it are facts
+(Ready, Tokens, Finished, Failed, Heartbeat, Bye). Fields hold only msgpack-native types
+(str, int, float, bool, None, list, dict) so the codec can validate them without any
+custom serialisation; errors travel as data (a machine code and a message), never as
+serialised exceptions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+PROTOCOL_VERSION = 1
+
+# Machine codes carried by Failed and surfaced to HTTP clients as the error "code".
+MODEL_EVICTED = "model_evicted"
+WORKER_CRASHED = "worker_crashed"
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+INVALID_REQUEST = "invalid_request"
+ABORTED = "aborted"
+INTERNAL_ERROR = "internal_error"
+
+EVICT_MODES = ("drain", "now")
+FINISH_REASONS = ("stop", "length")
+
+# Worker exit codes, distinct so the supervisor can tell a failed load from a crash.
+EXIT_OK = 0
+EXIT_LOAD_FAILED = 4
+EXIT_PARENT_GONE = 5
+EXIT_PROTOCOL = 6
+
+
+@dataclass(slots=True)
+class Message:
+    KIND: ClassVar[str] = ""
+
+
+# --- supervisor -> worker -------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Submit(Message):
+    """Start one generation. Exactly one of `messages` (chat) or `prompt` (completion)."""
+
+    KIND: ClassVar[str] = "submit"
+    rid: str
+    max_tokens: int
+    messages: list | None = None
+    prompt: str | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    stop: list = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+@dataclass(slots=True)
+class Abort(Message):
+    KIND: ClassVar[str] = "abort"
+    rid: str
+
+
+@dataclass(slots=True)
+class Evict(Message):
+    """Run the orderly exit: stop admitting, abort or drain, close caches, settle, bye."""
+
+    KIND: ClassVar[str] = "evict"
+    mode: str = "now"
+    deadline_s: float = 10.0
+
+
+# --- worker -> supervisor -------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Ready(Message):
+    KIND: ClassVar[str] = "ready"
+    model_id: str
+    pid: int
+    context_length: int
+    vocab_size: int
+    weights_bytes: int
+    memory_bytes: int
+    load_s: float
+
+
+@dataclass(slots=True)
+class Tokens(Message):
+    """Text deltas produced by one engine step, coalesced: [[rid, text, n_tokens], ...]."""
+
+    KIND: ClassVar[str] = "tokens"
+    chunks: list
+
+
+@dataclass(slots=True)
+class Finished(Message):
+    KIND: ClassVar[str] = "finished"
+    rid: str
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class Failed(Message):
+    KIND: ClassVar[str] = "failed"
+    rid: str
+    code: str
+    message: str
+
+
+@dataclass(slots=True)
+class Heartbeat(Message):
+    """Sent from the generation loop itself, so it proves progress, not just a live socket."""
+
+    KIND: ClassVar[str] = "heartbeat"
+    active: int
+    waiting: int
+    batch_size: int
+    max_batch_size: int
+    generated_tokens: int
+    memory_bytes: int
+
+
+@dataclass(slots=True)
+class Bye(Message):
+    """The last message of a worker that exits in order; phases maps phase -> seconds."""
+
+    KIND: ClassVar[str] = "bye"
+    reason: str
+    aborted: int
+    drained: int
+    phases: dict
+    memory_bytes: int
+
+
+ALL_MESSAGES: tuple[type[Message], ...] = (
+    Submit,
+    Abort,
+    Evict,
+    Ready,
+    Tokens,
+    Finished,
+    Failed,
+    Heartbeat,
+    Bye,
+)

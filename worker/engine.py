@@ -1,0 +1,196 @@
+"""The worker's engine: one MLX model and the BatchGenerator that batches its requests.
+
+The only code that touches MLX at generation time. It runs on the worker's main thread
+(MLX aborts at exit when generation ran on other threads) and knows nothing of sockets: the
+loop in worker/server.py feeds it Submit/Abort messages and ships what step() returns.
+
+Invariants: every admitted request ends in exactly one Finished or Failed; a request that is
+aborted or finished is removed from the BatchGenerator at once, so it costs no more compute.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import psutil
+from mlx_lm import load
+from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.sample_utils import make_sampler
+
+from protocol.messages import (
+    CONTEXT_LENGTH_EXCEEDED,
+    INVALID_REQUEST,
+    Failed,
+    Finished,
+    Submit,
+)
+from worker.textstream import TextStream
+
+log = logging.getLogger(__name__)
+
+
+class RequestRejected(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(slots=True)
+class Request:
+    rid: str
+    uid: int
+    prompt_tokens: int
+    text: TextStream
+    completion_tokens: int = 0
+
+
+def process_memory_bytes() -> int:
+    return psutil.Process().memory_info().rss
+
+
+class Engine:
+    def __init__(self, model_path: Path, max_batch_size: int = 32, prefill_batch_size: int = 8,
+                 prefill_step_size: int = 2048) -> None:
+        t0 = time.perf_counter()
+        self.model, self.tokenizer = load(str(model_path))
+        config = json.loads((model_path / "config.json").read_text())
+        self.context_length = int(config.get("max_position_embeddings") or 4096)
+        self.vocab_size = int(config.get("vocab_size") or 0)
+        self.weights_bytes = sum(p.stat().st_size for p in model_path.glob("*.safetensors"))
+        eos = sorted(self.tokenizer.eos_token_ids)
+        self._eos = set(eos)
+        self._stop_eos = StopSequences([[t] for t in eos])
+        self._stop_none = StopSequences(None)
+        self.gen = BatchGenerator(
+            self.model,
+            stop_tokens=[[t] for t in eos],
+            completion_batch_size=max_batch_size,
+            prefill_batch_size=prefill_batch_size,
+            prefill_step_size=prefill_step_size,
+        )
+        self.max_batch_size = max_batch_size
+        self._samplers: dict[tuple, object] = {}
+        self._by_uid: dict[int, Request] = {}
+        self._by_rid: dict[str, Request] = {}
+        self.generated_tokens = 0
+        self.peak_batch_size = 0
+        self.load_s = time.perf_counter() - t0
+
+    # --- admission ---------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._by_rid)
+
+    @property
+    def rids(self) -> list[str]:
+        return list(self._by_rid)
+
+    def batch_size(self) -> int:
+        return len(self.gen._generation_batch)
+
+    def waiting(self) -> int:
+        return len(self._by_rid) - self.batch_size()
+
+    def encode_prompt(self, msg: Submit) -> list[int]:
+        if msg.messages is not None:
+            try:
+                return list(self.tokenizer.apply_chat_template(msg.messages, add_generation_prompt=True))
+            except Exception as exc:  # a template can reject roles or shapes it does not know
+                raise RequestRejected(INVALID_REQUEST, f"chat template rejected the messages: {exc}") from None
+        prompt = msg.prompt or ""
+        bos = self.tokenizer.bos_token
+        add_special = bos is None or not prompt.startswith(bos)
+        return list(self.tokenizer.encode(prompt, add_special_tokens=add_special))
+
+    def _sampler(self, msg: Submit):
+        if msg.temperature == 0:
+            return None  # the generator's greedy fallback; shared, so the batch samples in one call
+        key = (msg.temperature, msg.top_p, msg.top_k, msg.min_p)
+        if key not in self._samplers:
+            top_p = msg.top_p if msg.top_p < 1.0 else 0.0
+            self._samplers[key] = make_sampler(msg.temperature, top_p=top_p, min_p=msg.min_p, top_k=msg.top_k)
+        return self._samplers[key]
+
+    def submit(self, msg: Submit) -> None:
+        if msg.rid in self._by_rid:
+            raise RequestRejected(INVALID_REQUEST, f"request id {msg.rid} is already in flight")
+        tokens = self.encode_prompt(msg)
+        if not tokens:
+            raise RequestRejected(INVALID_REQUEST, "the prompt is empty")
+        if len(tokens) + msg.max_tokens > self.context_length:
+            raise RequestRejected(
+                CONTEXT_LENGTH_EXCEEDED,
+                f"this model's maximum context length is {self.context_length} tokens; the prompt has "
+                f"{len(tokens)} tokens and max_tokens asks for {msg.max_tokens}",
+            )
+        (uid,) = self.gen.insert(
+            [tokens],
+            max_tokens=[msg.max_tokens],
+            samplers=[self._sampler(msg)],
+            stop_sequences=[self._stop_none if msg.ignore_eos else self._stop_eos],
+        )
+        req = Request(msg.rid, uid, len(tokens), TextStream(self.tokenizer.detokenizer, msg.stop))
+        self._by_uid[uid] = req
+        self._by_rid[msg.rid] = req
+
+    def abort(self, rid: str) -> bool:
+        req = self._by_rid.pop(rid, None)
+        if req is None:
+            return False
+        del self._by_uid[req.uid]
+        self.gen.remove([req.uid])
+        return True
+
+    # --- generation --------------------------------------------------------------------
+
+    def step(self) -> tuple[list[list], list[Finished]]:
+        """One BatchGenerator step: text chunks [[rid, text, n]] and the requests that finished."""
+        _, responses = self.gen.next()
+        self.peak_batch_size = max(self.peak_batch_size, len(responses))
+        chunks: list[list] = []
+        finished: list[Finished] = []
+        for r in responses:
+            req = self._by_uid.get(r.uid)
+            if req is None:
+                continue
+            reason = r.finish_reason
+            delta = ""
+            if not (reason == "stop" and r.token in self._eos):
+                req.completion_tokens += 1
+                self.generated_tokens += 1
+                delta = req.text.push(r.token)
+                if req.text.stopped:
+                    reason = "stop"
+            if reason is None:
+                if delta:
+                    chunks.append([req.rid, delta, 1])
+                continue
+            delta += req.text.flush()
+            finished.append(Finished(req.rid, delta, reason, req.prompt_tokens, req.completion_tokens))
+            self._forget(req, still_in_generator=r.finish_reason is None)
+        return chunks, finished
+
+    def _forget(self, req: Request, still_in_generator: bool) -> None:
+        del self._by_uid[req.uid]
+        del self._by_rid[req.rid]
+        if still_in_generator:
+            self.gen.remove([req.uid])
+
+    def fail_all(self, code: str, message: str) -> list[Failed]:
+        failed = [Failed(rid, code, message) for rid in self.rids]
+        for f in failed:
+            self.abort(f.rid)
+        return failed
+
+    def settle(self) -> int:
+        """Release what MLX holds in its buffer cache; return the process footprint left."""
+        self.gen.close()
+        gc.collect()
+        mx.clear_cache()
+        return process_memory_bytes()

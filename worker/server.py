@@ -1,0 +1,176 @@
+"""The worker's loop: ZeroMQ in, engine steps, ZeroMQ out, all on the main thread.
+
+One thread owns the socket and the engine, so nothing here needs a lock. While requests are
+in flight the loop polls the socket without waiting and steps the engine; idle, it waits on
+the socket up to one heartbeat interval. Heartbeats come from this loop, so a heartbeat
+proves the generation loop turns, not merely that a socket is open.
+
+Signals and the lifeline only flip flags (see worker/__main__.py); the loop acts on them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from protocol.codec import ProtocolError, VersionMismatch, decode, encode
+from protocol.messages import (
+    EXIT_OK,
+    EXIT_PARENT_GONE,
+    INTERNAL_ERROR,
+    MODEL_EVICTED,
+    Abort,
+    Evict,
+    Failed,
+    Heartbeat,
+    Message,
+    Ready,
+    Submit,
+    Tokens,
+)
+from worker.engine import Engine, RequestRejected, process_memory_bytes
+from worker.shutdown import Shutdown
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Flags:
+    """Set from signal handlers and the lifeline thread; read by the loop."""
+
+    sigterm: threading.Event = field(default_factory=threading.Event)
+    parent_gone: threading.Event = field(default_factory=threading.Event)
+
+
+class WorkerLoop:
+    def __init__(self, sock: zmq.Socket, engine: Engine, model_id: str, flags: Flags,
+                 heartbeat_s: float = 1.0) -> None:
+        self.sock = sock
+        self.engine = engine
+        self.model_id = model_id
+        self.flags = flags
+        self.heartbeat_s = heartbeat_s
+        self.shutdown: Shutdown | None = None
+        self._next_heartbeat = 0.0
+
+    def send(self, msg: Message) -> None:
+        try:
+            self.sock.send(encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            log.error("[send] supervisor not reading; dropped kind=%s", msg.KIND)
+
+    def announce(self) -> None:
+        e = self.engine
+        self.send(Ready(self.model_id, _pid(), e.context_length, e.vocab_size, e.weights_bytes,
+                        process_memory_bytes(), e.load_s))
+
+    def run(self) -> int:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        idle_ms = int(min(self.heartbeat_s, 0.25) * 1000)
+        while True:
+            self._check_flags()
+            busy = len(self.engine) > 0
+            if poller.poll(0 if busy else idle_ms):
+                self._read_inbox()
+            if self.shutdown is not None and len(self.engine) and self.shutdown.must_abort():
+                for f in self.shutdown.abort_all(self.engine.fail_all):
+                    self.send(f)
+            if len(self.engine):
+                self._step()
+            self._maybe_heartbeat()
+            if self.shutdown is not None and not len(self.engine):
+                return self._exit()
+
+    def _check_flags(self) -> None:
+        if self.flags.parent_gone.is_set() and (self.shutdown is None or self.shutdown.reason != "parent_gone"):
+            self.shutdown = Shutdown.request("parent_gone", "now", 0)
+        elif self.flags.sigterm.is_set() and self.shutdown is None:
+            self.shutdown = Shutdown.request("sigterm", "now", 0)
+
+    def _read_inbox(self) -> None:
+        while True:
+            try:
+                frame = self.sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = decode(frame)
+            except VersionMismatch as exc:
+                log.error("[protocol] refused a message: %s", exc)
+                continue
+            except ProtocolError as exc:
+                log.warning("[protocol] dropped a malformed message: %s", exc)
+                continue
+            self._on_message(msg)
+
+    def _on_message(self, msg: Message) -> None:
+        if isinstance(msg, Submit):
+            self._on_submit(msg)
+        elif isinstance(msg, Abort):
+            self.engine.abort(msg.rid)
+        elif isinstance(msg, Evict):
+            if self.shutdown is None:
+                log.info("[evict] model=%s mode=%s deadline_s=%.1f", self.model_id, msg.mode, msg.deadline_s)
+                self.shutdown = Shutdown.request("evict", msg.mode, msg.deadline_s)
+            elif msg.mode == "now":
+                self.shutdown.mode = "now"  # a second, harder evict tightens the first
+        else:
+            log.warning("[protocol] unexpected message kind=%s", msg.KIND)
+
+    def _on_submit(self, msg: Submit) -> None:
+        if self.shutdown is not None:
+            self.send(Failed(msg.rid, MODEL_EVICTED, "the model is being evicted"))
+            return
+        try:
+            self.engine.submit(msg)
+        except RequestRejected as exc:
+            self.send(Failed(msg.rid, exc.code, str(exc)))
+        except Exception as exc:
+            log.exception("[submit] rid=%s failed", msg.rid)
+            self.send(Failed(msg.rid, INTERNAL_ERROR, f"the worker could not start the request: {exc}"))
+
+    def _step(self) -> None:
+        try:
+            chunks, finished = self.engine.step()
+        except Exception as exc:
+            log.exception("[step] generation failed; failing the batch")
+            for f in self.engine.fail_all(INTERNAL_ERROR, f"generation failed: {exc}"):
+                self.send(f)
+            return
+        if chunks:
+            self.send(Tokens(chunks))
+        for f in finished:
+            self.send(f)
+        if self.shutdown is not None and finished:
+            self.shutdown.note_drained(len(finished))
+
+    def _maybe_heartbeat(self) -> None:
+        now = time.monotonic()
+        if now < self._next_heartbeat:
+            return
+        self._next_heartbeat = now + self.heartbeat_s
+        e = self.engine
+        self.send(Heartbeat(active=len(e), waiting=e.waiting(), batch_size=e.batch_size(),
+                            max_batch_size=e.peak_batch_size, generated_tokens=e.generated_tokens,
+                            memory_bytes=process_memory_bytes()))
+
+    def _exit(self) -> int:
+        assert self.shutdown is not None
+        bye = self.shutdown.finish(close_caches=lambda: None, settle=self.engine.settle)
+        log.info("[evict] model=%s phase=bye reason=%s aborted=%d drained=%d phases=%s", self.model_id,
+                 bye.reason, bye.aborted, bye.drained, {k: round(v, 4) for k, v in bye.phases.items()})
+        if bye.reason == "parent_gone":
+            return EXIT_PARENT_GONE
+        self.send(bye)
+        return EXIT_OK
+
+
+def _pid() -> int:
+    import os
+
+    return os.getpid()
