@@ -123,15 +123,16 @@ class Engine:
         tokens = self.encode_prompt(msg)
         if not tokens:
             raise RequestRejected(INVALID_REQUEST, "the prompt is empty")
-        if len(tokens) + msg.max_tokens > self.context_length:
+        max_tokens = msg.max_tokens or self.context_length - len(tokens)  # 0: up to the context
+        if max_tokens <= 0 or len(tokens) + max_tokens > self.context_length:
             raise RequestRejected(
                 CONTEXT_LENGTH_EXCEEDED,
                 f"this model's maximum context length is {self.context_length} tokens; the prompt has "
-                f"{len(tokens)} tokens and max_tokens asks for {msg.max_tokens}",
+                f"{len(tokens)} tokens and max_tokens asks for {msg.max_tokens or 'the rest'}",
             )
         (uid,) = self.gen.insert(
             [tokens],
-            max_tokens=[msg.max_tokens],
+            max_tokens=[max_tokens],
             samplers=[self._sampler(msg)],
             stop_sequences=[self._stop_none if msg.ignore_eos else self._stop_eos],
         )

@@ -1,0 +1,116 @@
+"""The supervisor's error hierarchy and its one mapping to HTTP statuses and OpenAI error bodies.
+
+Every error a client can see is one of these; app.py turns them into
+`{"error": {"message", "type", "param", "code"}}` with `status`.
+"""
+
+from __future__ import annotations
+
+from protocol.messages import (
+    ABORTED,
+    CONTEXT_LENGTH_EXCEEDED,
+    INTERNAL_ERROR,
+    INVALID_REQUEST,
+    MODEL_EVICTED,
+    WORKER_CRASHED,
+)
+
+
+class MlxsupError(Exception):
+    status = 500
+    type = "server_error"
+    code = INTERNAL_ERROR
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class InvalidRequest(MlxsupError):
+    status = 400
+    type = "invalid_request_error"
+    code = INVALID_REQUEST
+
+
+class ContextLengthExceeded(InvalidRequest):
+    code = CONTEXT_LENGTH_EXCEEDED
+
+
+class Unauthorized(MlxsupError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class ModelNotFound(MlxsupError):
+    status = 404
+    type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class NotFound(MlxsupError):
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+class PayloadTooLarge(MlxsupError):
+    status = 413
+    type = "invalid_request_error"
+    code = "payload_too_large"
+
+
+class WorkerDied(MlxsupError):
+    status = 502
+    type = "server_error"
+    code = WORKER_CRASHED
+
+
+class ModelLoadFailed(MlxsupError):
+    status = 503
+    type = "server_error"
+    code = "model_load_failed"
+
+
+class ModelEvicted(MlxsupError):
+    status = 503
+    type = "server_error"
+    code = MODEL_EVICTED
+
+
+class ShuttingDown(MlxsupError):
+    status = 503
+    type = "server_error"
+    code = "shutting_down"
+
+
+class InsufficientMemory(MlxsupError):
+    status = 507
+    type = "server_error"
+    code = "insufficient_memory"
+
+
+class RequestAborted(MlxsupError):
+    status = 499
+    type = "invalid_request_error"
+    code = ABORTED
+
+
+_BY_WORKER_CODE: dict[str, type[MlxsupError]] = {
+    CONTEXT_LENGTH_EXCEEDED: ContextLengthExceeded,
+    INVALID_REQUEST: InvalidRequest,
+    MODEL_EVICTED: ModelEvicted,
+    WORKER_CRASHED: WorkerDied,
+    ABORTED: RequestAborted,
+}
+
+
+def from_worker(code: str, message: str) -> MlxsupError:
+    """The error for a worker's Failed(code, message)."""
+    return _BY_WORKER_CODE.get(code, MlxsupError)(message, code=code)

@@ -1,0 +1,61 @@
+"""Per-process memory footprint, measured from outside the process.
+
+The platform seam: on macOS the physical footprint (what Activity Monitor shows and what
+jetsam acts on) via `proc_pid_rusage`; elsewhere psutil's USS where readable, else RSS.
+Never a process-wide MLX gauge: each worker is measured as its own process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import sys
+
+import psutil
+
+_RUSAGE_INFO_V2 = 2
+
+
+class _RUsageInfoV2(ctypes.Structure):
+    _fields_ = [
+        ("ri_uuid", ctypes.c_uint8 * 16),
+        *[(name, ctypes.c_uint64) for name in (
+            "ri_user_time", "ri_system_time", "ri_pkg_idle_wkups", "ri_interrupt_wkups", "ri_pageins",
+            "ri_wired_size", "ri_resident_size", "ri_phys_footprint", "ri_proc_start_abstime",
+            "ri_proc_exit_abstime", "ri_child_user_time", "ri_child_system_time",
+            "ri_child_pkg_idle_wkups", "ri_child_interrupt_wkups", "ri_child_pageins",
+            "ri_child_elapsed_abstime", "ri_diskio_bytesread", "ri_diskio_byteswritten",
+        )],
+    ]
+
+
+def _darwin_footprint(pid: int) -> int | None:
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    info = _RUsageInfoV2()
+    if libc.proc_pid_rusage(pid, _RUSAGE_INFO_V2, ctypes.byref(info)) != 0:
+        return None
+    return int(info.ri_phys_footprint)
+
+
+def footprint(pid: int) -> int | None:
+    """Bytes the process holds, or None if it is gone or unreadable."""
+    if sys.platform == "darwin":
+        value = _darwin_footprint(pid)
+        if value is not None:
+            return value
+    try:
+        proc = psutil.Process(pid)
+        try:
+            return int(proc.memory_full_info().uss)
+        except (psutil.AccessDenied, AttributeError):
+            return int(proc.memory_info().rss)
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return None
+
+
+def system_available() -> int:
+    return int(psutil.virtual_memory().available)
+
+
+def system_total() -> int:
+    return int(psutil.virtual_memory().total)

@@ -1,0 +1,138 @@
+"""One worker OS process: spawn by exec, lifeline, stderr capture, kill ladder, reap.
+
+Spawned with `python -m worker` (never fork: the supervisor's event loop, sockets and threads
+must not be duplicated). stdin is a pipe the supervisor never writes: when the supervisor dies,
+even by SIGKILL, the OS closes it and the worker sees EOF and exits (the lifeline, portable to
+macOS where there is no parent-death signal). The worker runs in its own session so a terminal's
+Ctrl-C reaches only the supervisor, which then orders the exit.
+
+Invariant: `exited` is set only after the process has been reaped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+STDERR_TAIL_LINES = 40
+
+
+class WorkerProcess:
+    def __init__(self, model_id: str, argv: list[str], log_path: Path | None = None) -> None:
+        self.model_id = model_id
+        self.argv = argv
+        self.log_path = log_path
+        self.proc: asyncio.subprocess.Process | None = None
+        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
+        self.returncode: int | None = None
+        self.started = asyncio.Event()  # set once the spawn succeeded or failed
+        self.exited = asyncio.Event()
+        self.signals_sent: list[str] = []
+        self._tasks: list[asyncio.Task] = []
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    async def start(self) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                *self.argv,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.PIPE,
+                env=env,
+                start_new_session=True,
+            )
+        except OSError:
+            self.exited.set()
+            raise
+        finally:
+            self.started.set()
+        log.info("[spawn] model=%s pid=%d", self.model_id, self.proc.pid)
+        self._tasks = [
+            asyncio.create_task(self._pump_stderr(), name=f"stderr[{self.model_id}]"),
+            asyncio.create_task(self._reap(), name=f"reap[{self.model_id}]"),
+        ]
+
+    async def _pump_stderr(self) -> None:
+        assert self.proc and self.proc.stderr
+        prefix = f"[{self.model_id} pid={self.proc.pid}]"
+        sink = open(self.log_path, "a", encoding="utf-8") if self.log_path else None
+        try:
+            async for raw in self.proc.stderr:
+                line = raw.decode("utf-8", "replace").rstrip()
+                self.stderr_tail.append(line)
+                if sink:
+                    sink.write(line + "\n")
+                    sink.flush()
+                log.info("%s %s", prefix, line)
+        finally:
+            if sink:
+                sink.close()
+
+    async def _reap(self) -> None:
+        assert self.proc
+        self.returncode = await self.proc.wait()
+        if self.returncode == -signal.SIGKILL:
+            log.error("[reap] model=%s pid=%d was SIGKILLed (out of memory?)", self.model_id, self.proc.pid)
+        else:
+            log.info("[reap] model=%s pid=%d exit=%d", self.model_id, self.proc.pid, self.returncode)
+        self.exited.set()
+
+    def signal(self, sig: signal.Signals) -> None:
+        if self.proc and self.returncode is None:
+            try:
+                self.proc.send_signal(sig)
+                self.signals_sent.append(sig.name)
+            except ProcessLookupError:
+                pass
+
+    async def wait(self, timeout: float | None) -> bool:
+        """Wait for the process to be reaped; True if it was within `timeout`."""
+        try:
+            await asyncio.wait_for(self.exited.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    async def stop(self, grace_s: float, kill_timeout_s: float) -> dict:
+        """The kill ladder: wait for an exit on its own, then SIGTERM, then SIGKILL; always reaps."""
+        t0 = time.monotonic()
+        await self.started.wait()
+        if not await self.wait(grace_s):
+            log.warning("[evict] model=%s pid=%s no exit after %.1fs: SIGTERM", self.model_id, self.pid, grace_s)
+            self.signal(signal.SIGTERM)
+            if not await self.wait(kill_timeout_s):
+                log.error("[evict] model=%s pid=%s ignored SIGTERM for %.1fs: SIGKILL",
+                          self.model_id, self.pid, kill_timeout_s)
+                self.signal(signal.SIGKILL)
+                await self.exited.wait()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.proc and self.proc.stdin:
+            self.proc.stdin.close()
+        return {"exit": self.returncode, "signals": list(self.signals_sent), "wait_s": time.monotonic() - t0}
+
+
+def worker_argv(model_path: Path, model_id: str, endpoint: str, identity: str, heartbeat_s: float,
+                max_batch_size: int, extra: tuple[str, ...] = ()) -> list[str]:
+    return [
+        sys.executable, "-m", "worker",
+        "--model-path", str(model_path),
+        "--model-id", model_id,
+        "--endpoint", endpoint,
+        "--identity", identity,
+        "--heartbeat-s", str(heartbeat_s),
+        "--max-batch-size", str(max_batch_size),
+        "--lifeline",
+        *extra,
+    ]

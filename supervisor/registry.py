@@ -1,0 +1,87 @@
+"""Which models exist: discovered under model directories and listed in the TOML config.
+
+A model directory is any directory holding `config.json` and at least one `*.safetensors`;
+its id is the directory's name. Config entries (`[models.ID]` with `path`, `aliases`, and
+per-model worker options) override discovered ones of the same id. Aliases resolve to ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from supervisor.errors import ModelNotFound
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    id: str
+    path: Path
+    aliases: tuple[str, ...] = ()
+    worker_args: tuple[str, ...] = ()
+    weights_bytes: int = 0
+
+
+def is_model_dir(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def weights_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.glob("*.safetensors"))
+
+
+def discover(model_dir: Path) -> list[ModelSpec]:
+    if not model_dir.is_dir():
+        return []
+    found = []
+    for sub in sorted(model_dir.iterdir()):
+        if sub.is_dir() and is_model_dir(sub):
+            found.append(ModelSpec(sub.name, sub.resolve(), weights_bytes=weights_bytes(sub)))
+    return found
+
+
+def from_config(models: dict, base: Path) -> list[ModelSpec]:
+    """Specs from the config's `[models]` table; relative paths are taken from the config's folder."""
+    specs = []
+    for model_id, entry in models.items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
+            raise ValueError(f"models.{model_id}: needs a 'path' string")
+        path = Path(entry["path"]).expanduser()
+        path = (base / path).resolve() if not path.is_absolute() else path
+        if not is_model_dir(path):
+            raise ValueError(f"models.{model_id}.path: {path} holds no config.json and *.safetensors")
+        aliases = entry.get("aliases", [])
+        args = entry.get("worker_args", [])
+        if not all(isinstance(a, str) for a in [*aliases, *args]):
+            raise ValueError(f"models.{model_id}: aliases and worker_args must be lists of strings")
+        specs.append(ModelSpec(model_id, path, tuple(aliases), tuple(args), weights_bytes(path)))
+    return specs
+
+
+@dataclass
+class Registry:
+    specs: dict[str, ModelSpec] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, model_dirs: list[Path], configured: list[ModelSpec]) -> "Registry":
+        reg = cls()
+        for d in model_dirs:
+            for spec in discover(d):
+                reg.specs.setdefault(spec.id, spec)
+        for spec in configured:
+            reg.specs[spec.id] = spec
+        for spec in reg.specs.values():
+            for alias in spec.aliases:
+                reg.aliases[alias] = spec.id
+        return reg
+
+    def resolve(self, name: str) -> ModelSpec:
+        spec = self.specs.get(self.aliases.get(name, name))
+        if spec is None:
+            available = ", ".join(sorted(self.specs)) or "none"
+            raise ModelNotFound(f"The model '{name}' does not exist. Available models: {available}.", param="model")
+        return spec
+
+    def ids(self) -> list[str]:
+        return sorted(self.specs)

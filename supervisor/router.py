@@ -1,0 +1,351 @@
+"""The router: the single owner of the supervisor's state (workers, leases, request streams).
+
+Everything here runs on the one asyncio loop. Rules that keep it race-free:
+- A check-then-act decision never has an `await` in the middle: a worker is picked and its
+  lease taken in the same loop turn; a worker is marked `evicting` in the same turn that
+  decides to evict it.
+- Slow work (spawn, stop) runs as tasks that report back through futures and events.
+- Message handlers (`_on_<kind>`) never await.
+- A worker's route and accounting are dropped only after its process has been reaped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from protocol.messages import Abort, Bye, Evict, Failed, Finished, Heartbeat, Message, Ready, Submit, Tokens
+from supervisor import errors
+from supervisor.config import Settings
+from supervisor.memory import footprint
+from supervisor.process import WorkerProcess, worker_argv
+from supervisor.registry import ModelSpec, Registry
+from supervisor.transport import Transport
+
+log = logging.getLogger(__name__)
+
+
+class State(enum.StrEnum):
+    LOADING = "loading"
+    READY = "ready"
+    EVICTING = "evicting"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+class Stream:
+    """One request's events, in order: (text, n_tokens) tuples, then a Finished or an error."""
+
+    __slots__ = ("rid", "queue")
+
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def fail(self, error: errors.MlxsupError) -> None:
+        self.queue.put_nowait(error)
+
+    async def events(self) -> AsyncIterator[tuple[str, int] | Finished]:
+        while True:
+            item = await self.queue.get()
+            if isinstance(item, errors.MlxsupError):
+                raise item
+            yield item
+            if isinstance(item, Finished):
+                return
+
+
+@dataclass(eq=False)
+class Worker:
+    spec: ModelSpec
+    identity: bytes
+    ready: asyncio.Future
+    process: WorkerProcess | None = None
+    state: State = State.LOADING
+    info: Ready | None = None
+    streams: dict[str, Stream] = field(default_factory=dict)
+    leases: int = 0
+    started_at: float = field(default_factory=time.monotonic)
+    last_used: float = field(default_factory=time.monotonic)
+    heartbeat: Heartbeat | None = None
+    bye: Bye | None = None
+    evicting: asyncio.Task | None = None
+    gone: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+
+@dataclass
+class ModelRecord:
+    """What outlives one worker process of a model: counts and the last error, for status."""
+
+    starts: int = 0
+    crashes: int = 0
+    last_error: str | None = None
+    last_exit: int | None = None
+    last_stderr: list[str] = field(default_factory=list)
+
+
+class Lease:
+    """A request's claim on a worker, taken when routed and released when its response ends."""
+
+    def __init__(self, router: "Router", worker: Worker) -> None:
+        self._router = router
+        self.worker = worker
+        self.released = False
+
+    def submit(self, msg: Submit) -> Stream:
+        return self._router._submit(self.worker, msg)
+
+    def abort(self, rid: str) -> None:
+        self._router._abort(self.worker, rid)
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.worker.leases -= 1
+            self.worker.last_used = time.monotonic()
+
+
+class Router:
+    def __init__(self, registry: Registry, settings: Settings, runtime_dir: Path) -> None:
+        self.registry = registry
+        self.settings = settings
+        self.transport = Transport(runtime_dir, self._on_message, self._on_refused)
+        self.workers: dict[str, Worker] = {}
+        self.records: dict[str, ModelRecord] = {}
+        self._by_identity: dict[bytes, Worker] = {}
+        self._spawned = 0
+        self.shutting_down = False
+
+    def start(self) -> None:
+        self.transport.start()
+
+    # --- routing -----------------------------------------------------------------------
+
+    async def acquire(self, name: str) -> Lease:
+        """Route to the model's worker, loading it if needed; the lease is taken in the deciding turn."""
+        spec = self.registry.resolve(name)
+        while True:
+            if self.shutting_down:
+                raise errors.ShuttingDown("the server is shutting down")
+            worker = self.workers.get(spec.id)
+            if worker is None:
+                worker = self._start(spec)
+            if worker.state is State.READY:
+                worker.leases += 1
+                return Lease(self, worker)
+            if worker.state is State.EVICTING:
+                await worker.gone.wait()
+                continue
+            await asyncio.shield(worker.ready)
+
+    def _submit(self, worker: Worker, msg: Submit) -> Stream:
+        stream = Stream(msg.rid)
+        if worker.state is not State.READY:
+            stream.fail(errors.ModelEvicted(f"the model '{worker.spec.id}' is being evicted"))
+            return stream
+        worker.streams[msg.rid] = stream
+        if not self.transport.send(worker.identity, msg):
+            del worker.streams[msg.rid]
+            stream.fail(errors.WorkerDied(f"the worker of '{worker.spec.id}' is not reachable"))
+        return stream
+
+    def _abort(self, worker: Worker, rid: str) -> None:
+        if worker.streams.pop(rid, None) is not None:
+            self.transport.send(worker.identity, Abort(rid))
+
+    # --- worker lifecycle --------------------------------------------------------------
+
+    def _start(self, spec: ModelSpec) -> Worker:
+        self._spawned += 1
+        identity = f"{spec.id}#{self._spawned}".encode()
+        worker = Worker(spec, identity, asyncio.get_running_loop().create_future())
+        worker.ready.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved by design
+        self.workers[spec.id] = worker
+        self._by_identity[identity] = worker
+        self.records.setdefault(spec.id, ModelRecord()).starts += 1
+        st = self.settings
+        argv = worker_argv(spec.path, spec.id, self.transport.endpoint, identity.decode(), st.heartbeat_s,
+                           st.max_batch_size, spec.worker_args)
+        log_path = st.log_dir / f"worker-{spec.id.replace('/', '--')}.log" if st.log_dir else None
+        worker.process = WorkerProcess(spec.id, argv, log_path)
+        asyncio.create_task(self._run(worker), name=f"run[{spec.id}]")
+        return worker
+
+    async def _run(self, worker: Worker) -> None:
+        assert worker.process is not None
+        try:
+            await worker.process.start()
+        except OSError as exc:
+            self._on_exited(worker, f"could not start the worker: {exc}")
+            return
+        await worker.process.exited.wait()
+        self._on_exited(worker)
+
+    def _on_exited(self, worker: Worker, reason: str | None = None) -> None:
+        spec = worker.spec
+        record = self.records[spec.id]
+        rc = worker.process.returncode if worker.process else None
+        tail = list(worker.process.stderr_tail) if worker.process else []
+        evicted = worker.state is State.EVICTING
+        if not evicted:
+            record.crashes += 1
+            record.last_error = reason or f"worker exited with code {rc}" + (f": {tail[-1]}" if tail else "")
+            record.last_stderr = tail[-10:]
+        record.last_exit = rc
+        if not worker.ready.done():
+            worker.ready.set_exception(errors.ModelLoadFailed(
+                f"the model '{spec.id}' failed to load: {record.last_error}"))
+        error: errors.MlxsupError = (
+            errors.ModelEvicted(f"the model '{spec.id}' was evicted") if evicted
+            else errors.WorkerDied(f"the worker of '{spec.id}' exited unexpectedly (code {rc})"))
+        for stream in worker.streams.values():
+            stream.fail(error)
+        worker.streams.clear()
+        worker.state = State.STOPPED if evicted else State.FAILED
+        if self.workers.get(spec.id) is worker:
+            del self.workers[spec.id]
+        self._by_identity.pop(worker.identity, None)
+        worker.gone.set()
+
+    async def evict(self, name: str, mode: str = "drain", timeout_s: float | None = None) -> dict:
+        """Run the eviction sequence and wait until the process is reaped. Joins one in progress."""
+        spec = self.registry.resolve(name)
+        worker = self.workers.get(spec.id)
+        if worker is None:
+            return {"model": spec.id, "evicted": False, "reason": "not loaded"}
+        if worker.evicting is None:
+            worker.state = State.EVICTING
+            timeout = self.settings.evict_timeout_s if timeout_s is None else timeout_s
+            worker.evicting = asyncio.create_task(self._evict(worker, mode, timeout), name=f"evict[{spec.id}]")
+        return await asyncio.shield(worker.evicting)
+
+    async def _evict(self, worker: Worker, mode: str, timeout_s: float) -> dict:
+        t0 = time.monotonic()
+        pid = worker.pid
+        memory_before = footprint(pid) if pid else None
+        if worker.info is not None:
+            self.transport.send(worker.identity, Evict(mode=mode, deadline_s=timeout_s))
+            grace = timeout_s + self.settings.settle_grace_s
+        else:  # still loading: nothing to drain, the worker turns SIGTERM into its own orderly exit
+            grace = 0.0
+        assert worker.process is not None
+        ladder = await worker.process.stop(grace, self.settings.kill_timeout_s)
+        await worker.gone.wait()
+        bye = worker.bye
+        report = {
+            "model": worker.spec.id,
+            "evicted": True,
+            "pid": pid,
+            "mode": mode,
+            "memory_before_bytes": memory_before,
+            "duration_s": round(time.monotonic() - t0, 4),
+            "exit": ladder.get("exit"),
+            "signals": ladder.get("signals", []),
+            "aborted": bye.aborted if bye else None,
+            "drained": bye.drained if bye else None,
+            "phases_s": {k: round(v, 4) for k, v in bye.phases.items()} if bye else {},
+            "memory_after_settle_bytes": bye.memory_bytes if bye else None,
+        }
+        log.info("[evict] model=%s pid=%s exit=%s signals=%s ms=%d", worker.spec.id, pid, report["exit"],
+                 report["signals"], report["duration_s"] * 1000)
+        return report
+
+    async def shutdown(self) -> list[dict]:
+        """Refuse new work, then evict every worker in parallel, draining up to the deadline."""
+        self.shutting_down = True
+        reports = await asyncio.gather(
+            *(self.evict(model_id, "drain", self.settings.shutdown_drain_s) for model_id in list(self.workers)),
+            return_exceptions=True)
+        await self.transport.close()
+        return [r for r in reports if isinstance(r, dict)]
+
+    # --- messages from workers (never await) -------------------------------------------
+
+    def _on_message(self, identity: bytes, msg: Message) -> None:
+        worker = self._by_identity.get(identity)
+        if worker is None:
+            log.warning("[transport] message kind=%s from unknown worker %r", msg.KIND, identity)
+            return
+        if isinstance(msg, Tokens):
+            self._on_tokens(worker, msg)
+        elif isinstance(msg, Finished):
+            stream = worker.streams.pop(msg.rid, None)
+            if stream is not None:
+                stream.queue.put_nowait(msg)
+        elif isinstance(msg, Failed):
+            stream = worker.streams.pop(msg.rid, None)
+            if stream is not None:
+                stream.fail(errors.from_worker(msg.code, msg.message))
+        elif isinstance(msg, Heartbeat):
+            worker.heartbeat = msg
+        elif isinstance(msg, Ready):
+            self._on_ready(worker, msg)
+        elif isinstance(msg, Bye):
+            worker.bye = msg
+        else:
+            log.warning("[transport] unexpected kind=%s from %r", msg.KIND, identity)
+
+    def _on_tokens(self, worker: Worker, msg: Tokens) -> None:
+        streams = worker.streams
+        for chunk in msg.chunks:
+            try:
+                rid, text, n = chunk
+            except (TypeError, ValueError):
+                log.warning("[transport] malformed chunk from %r dropped", worker.identity)
+                continue
+            stream = streams.get(rid)
+            if stream is not None:
+                stream.queue.put_nowait((text, n))
+
+    def _on_ready(self, worker: Worker, msg: Ready) -> None:
+        worker.info = msg
+        if worker.state is State.LOADING:
+            worker.state = State.READY
+            worker.last_used = time.monotonic()
+            log.info("[load] model=%s pid=%d ready in %.2fs", worker.spec.id, msg.pid, msg.load_s)
+        if not worker.ready.done():
+            worker.ready.set_result(msg)
+
+    def _on_refused(self, identity: bytes, reason: str) -> None:
+        worker = self._by_identity.get(identity)
+        log.error("[protocol] refused worker %r: %s", identity, reason)
+        if worker is not None:
+            self.records[worker.spec.id].last_error = f"protocol mismatch: {reason}"
+            if not worker.ready.done():
+                worker.ready.set_exception(errors.ModelLoadFailed(f"the worker was refused: {reason}"))
+            if worker.process is not None:
+                import signal
+
+                worker.process.signal(signal.SIGKILL)
+
+    # --- status ------------------------------------------------------------------------
+
+    def model_status(self, model_id: str) -> dict:
+        worker = self.workers.get(model_id)
+        record = self.records.get(model_id, ModelRecord())
+        status = {"id": model_id, "state": "stopped", "pid": None, "in_flight": 0, "leases": 0,
+                  "memory_bytes": None, "restarts": max(0, record.starts - 1), "crashes": record.crashes,
+                  "last_error": record.last_error, "stderr_tail": record.last_stderr}
+        if worker is None:
+            if record.crashes and record.last_error and record.last_exit not in (0, None):
+                status["state"] = State.FAILED.value
+            return status
+        hb = worker.heartbeat
+        status.update(
+            state=worker.state.value, pid=worker.pid, in_flight=len(worker.streams), leases=worker.leases,
+            memory_bytes=footprint(worker.pid) if worker.pid else None,
+            idle_s=round(time.monotonic() - worker.last_used, 1) if not worker.leases else 0.0,
+            batch_size=hb.batch_size if hb else 0, peak_batch_size=hb.max_batch_size if hb else 0,
+            queued=hb.waiting if hb else 0, generated_tokens=hb.generated_tokens if hb else 0,
+            context_length=worker.info.context_length if worker.info else None,
+        )
+        return status

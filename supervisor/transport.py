@@ -1,0 +1,97 @@
+"""The supervisor's ZeroMQ ROUTER socket: bind, read, decode, dispatch; encode and send.
+
+Bound on `ipc://` inside the private runtime directory (0700), or on tcp://127.0.0.1 where
+ipc is unavailable or the path would pass the ~100-byte socket path limit (macOS: 104).
+Invariant: a malformed, oversized or foreign-version frame is logged and dropped, never fatal;
+the reader only moves bytes to the router's handler, which never awaits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+
+from protocol.codec import ProtocolError, VersionMismatch, decode, encode
+from protocol.messages import Message
+
+log = logging.getLogger(__name__)
+
+IPC_PATH_LIMIT = 100
+
+Handler = Callable[[bytes, Message], None]
+Refusal = Callable[[bytes, str], None]
+
+
+def choose_endpoint(runtime_dir: Path) -> str:
+    path = runtime_dir / "router.sock"
+    if zmq.has("ipc") and len(str(path)) < IPC_PATH_LIMIT:
+        return f"ipc://{path}"
+    return "tcp://127.0.0.1:0"
+
+
+class Transport:
+    def __init__(self, runtime_dir: Path, on_message: Handler, on_refused: Refusal) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 64 * 1024 * 1024)
+        endpoint = choose_endpoint(runtime_dir)
+        if endpoint.startswith("ipc://"):
+            Path(endpoint[len("ipc://"):]).unlink(missing_ok=True)  # a stale socket from a dead run
+        self.sock.bind(endpoint)
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._on_message = on_message
+        self._on_refused = on_refused
+        self._reader: asyncio.Task | None = None
+        self.dropped = 0
+
+    def start(self) -> None:
+        self._reader = asyncio.create_task(self._read(), name="reader[router]")
+
+    async def _read(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart(copy=True)
+            if len(frames) != 2:
+                self.dropped += 1
+                log.warning("[transport] dropped a message of %d frames", len(frames))
+                continue
+            identity, frame = frames
+            try:
+                msg = decode(frame)
+            except VersionMismatch as exc:
+                self.dropped += 1
+                self._on_refused(identity, str(exc))
+                continue
+            except ProtocolError as exc:
+                self.dropped += 1
+                log.warning("[transport] dropped a malformed message from %r: %s", identity, exc)
+                continue
+            try:
+                self._on_message(identity, msg)
+            except Exception:
+                log.exception("[transport] handler failed on kind=%s from %r", msg.KIND, identity)
+
+    def send(self, identity: bytes, msg: Message) -> bool:
+        """Send without waiting; False when the worker is gone or not yet connected (EHOSTUNREACH)."""
+        fut = self.sock.send_multipart([identity, encode(msg)], flags=zmq.NOBLOCK)
+        if fut.done() and fut.exception() is not None:
+            log.warning("[transport] could not send kind=%s to %r: %s", msg.KIND, identity, fut.exception())
+            return False
+        return True
+
+    async def close(self) -> None:
+        if self._reader:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        self.sock.close(linger=0)
+        self.ctx.term()
+        if self.endpoint.startswith("ipc://"):
+            Path(self.endpoint[len("ipc://"):]).unlink(missing_ok=True)
