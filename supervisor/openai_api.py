@@ -40,7 +40,7 @@ def new_id(prefix: str) -> str:
 
 
 def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float:
-    value = body.get(key, default)
+    value = body.get(key)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -51,7 +51,7 @@ def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float
 
 
 def _integer(body: dict, key: str, default: int | None, lo: int, hi: int) -> int | None:
-    value = body.get(key, default)
+    value = body.get(key)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int):

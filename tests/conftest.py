@@ -1,0 +1,149 @@
+"""Shared fixtures: models made by `mlxsup make-model`, real daemons, and proof that processes end."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+MLXSUP = [sys.executable, "-m", "supervisor"]
+
+
+def wait_for(predicate: Callable[[], object], timeout: float = 30.0, interval: float = 0.05, what: str = "") -> object:
+    """Poll `predicate` until it returns something truthy, or fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
+        time.sleep(interval)
+
+
+def assert_gone(pids: list[int], timeout: float = 15.0) -> None:
+    def all_gone() -> bool:
+        for pid in pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    return False
+            except psutil.NoSuchProcess:
+                pass
+        return True
+
+    wait_for(all_gone, timeout, what=f"processes {pids} to exit")
+
+
+def make_model(path: Path, preset: str = "tiny", seed: int = 0) -> Path:
+    subprocess.run([*MLXSUP, "make-model", str(path), "--preset", preset, "--seed", str(seed)], check=True,
+                   capture_output=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder with two tiny models, `tiny` and `tiny2` (different seeds)."""
+    root = tmp_path_factory.mktemp("models")
+    make_model(root / "tiny", seed=0)
+    make_model(root / "tiny2", seed=1)
+    return root
+
+
+@dataclass
+class Daemon:
+    proc: subprocess.Popen
+    url: str
+    state_dir: Path
+    seen_pids: set[int] = field(default_factory=set)
+
+    @property
+    def v1(self) -> str:
+        return self.url + "/v1"
+
+    def status(self) -> dict:
+        st = httpx.get(self.url + "/api/status", timeout=10).json()
+        self.seen_pids.update(m["pid"] for m in st["models"] if m["pid"])
+        return st
+
+    def model(self, model_id: str) -> dict:
+        return next(m for m in self.status()["models"] if m["id"] == model_id)
+
+    def children(self) -> list[int]:
+        try:
+            pids = [p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+        self.seen_pids.update(pids)
+        return pids
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        self.children()
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        rc = self.proc.wait(timeout)
+        assert_gone(sorted(self.seen_pids))
+        return rc
+
+
+def start_daemon(state_dir: Path, *args: str, env: dict | None = None) -> Daemon:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    log = open(state_dir / "daemon.log", "ab")
+    proc = subprocess.Popen([*MLXSUP, "serve", "--port", "0", "--state-dir", str(state_dir), *args],
+                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    daemon_file = state_dir / "daemon.json"
+
+    def started() -> dict | None:
+        if proc.poll() is not None:
+            raise AssertionError(f"daemon exited with {proc.returncode}: {(state_dir / 'daemon.log').read_text()}")
+        try:
+            return json.loads(daemon_file.read_text())
+        except (OSError, ValueError):
+            return None
+
+    info = wait_for(started, 60, what="the daemon to start")
+    return Daemon(proc, info["url"], state_dir)
+
+
+@pytest.fixture
+def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
+    """Start daemons on demand; each is stopped and proven gone (with its workers) afterwards."""
+    started: list[Daemon] = []
+
+    def factory(*args: str, name: str = "d", env: dict | None = None) -> Daemon:
+        d = start_daemon(tmp_path / name, *args, env=env)
+        started.append(d)
+        return d
+
+    yield factory
+    for d in started:
+        d.stop()
+
+
+@pytest.fixture(scope="module")
+def daemon(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """One daemon shared by a test module, serving `model_dir`."""
+    d = start_daemon(tmp_path_factory.mktemp("state"), "--model-dir", str(model_dir))
+    yield d
+    assert d.stop() == 0
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_worker_left_behind(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    yield
+    root = str(tmp_path_factory.getbasetemp())
+    left = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if root in cmd and ("-m worker" in cmd or "supervisor serve" in cmd):
+            left.append((p.info["pid"], cmd))
+    assert not left, f"processes left behind: {left}"

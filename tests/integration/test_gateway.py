@@ -1,0 +1,152 @@
+"""The whole path, end to end: the official openai client -> gateway -> router -> real worker -> MLX."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import Daemon, wait_for
+
+CHAT = [{"role": "user", "content": "Tell me a story about a lighthouse."}]
+
+
+@pytest.fixture
+def client(daemon: Daemon) -> openai.OpenAI:
+    return openai.OpenAI(base_url=daemon.v1, api_key="unused", max_retries=0, timeout=60)
+
+
+def test_chat_completion_whole_and_streamed(client: openai.OpenAI) -> None:
+    whole = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=12, temperature=0)
+    assert whole.object == "chat.completion"
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].finish_reason in ("stop", "length")
+    assert whole.usage.completion_tokens >= 1
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+
+    chunks = list(client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=12, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content  # greedy: the same text either way
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+
+
+def test_completion_and_model_list(client: openai.OpenAI) -> None:
+    out = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=10,
+                                    temperature=0, extra_body={"ignore_eos": True})
+    assert out.object == "text_completion"
+    assert out.usage.completion_tokens == 10 and out.choices[0].finish_reason == "length"
+    streamed = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=10,
+                                         temperature=0, stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == out.choices[0].text
+    assert sorted(m.id for m in client.models.list()) == ["tiny", "tiny2"]
+
+
+def test_unknown_model_is_not_found(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as err:
+        client.chat.completions.create(model="no-such-model", messages=CHAT)
+    assert err.value.body["code"] == "model_not_found"
+    assert "tiny" in err.value.body["message"]  # names the available ones
+
+
+def test_invalid_parameters_are_400(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=CHAT, temperature=5)
+    assert err.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="tiny", prompt="x " * 9000, max_tokens=5)
+    assert err.value.body["code"] == "context_length_exceeded"
+
+
+def test_sampling_params_and_stop_strings(client: openai.OpenAI) -> None:
+    base = client.completions.create(model="tiny", prompt="The sea", max_tokens=30, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = base[5:8]
+    assert stop, base
+    cut = client.completions.create(model="tiny", prompt="The sea", max_tokens=30, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == base[: base.index(stop)]
+    sampled = client.completions.create(model="tiny", prompt="The sea", max_tokens=20, temperature=0.8,
+                                        top_p=0.9, extra_body={"top_k": 40, "min_p": 0.05, "ignore_eos": True})
+    assert sampled.usage.completion_tokens == 20
+
+
+def test_sixteen_concurrent_streams_share_one_batched_worker(daemon: Daemon) -> None:
+    client = openai.AsyncOpenAI(base_url=daemon.v1, api_key="unused", max_retries=0, timeout=120)
+    prompts = [f"Request number {i} asks about {'waves ' * (i % 5)}" for i in range(16)]
+
+    async def one(prompt: str) -> tuple[int, int, int]:
+        stream = await client.completions.create(
+            model="tiny2", prompt=prompt, max_tokens=300, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        n_chunks, usage = 0, None
+        async for chunk in stream:
+            n_chunks += bool(chunk.choices and chunk.choices[0].text)
+            usage = chunk.usage or usage
+        return n_chunks, usage.prompt_tokens, usage.completion_tokens
+
+    async def main() -> list:
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    httpx.post(daemon.v1 + "/completions", json={"model": "tiny2", "prompt": "warm", "max_tokens": 1}, timeout=60)
+    pid_before = daemon.model("tiny2")["pid"]
+    assert pid_before
+    results = asyncio.run(main())
+    status = daemon.model("tiny2")
+    assert status["pid"] == pid_before, "all 16 requests were served by the one worker process"
+    assert all(completion == 300 for _, _, completion in results)
+    singles = [httpx.post(daemon.v1 + "/completions", json={"model": "tiny2", "prompt": p, "max_tokens": 1},
+                          timeout=30).json()["usage"]["prompt_tokens"] for p in prompts[:3]]
+    assert [r[1] for r in results[:3]] == singles
+    peak = wait_for(lambda: daemon.model("tiny2")["peak_batch_size"], 10, what="a heartbeat")
+    print(f"peak batch size with 16 concurrent streams: {peak}")
+    assert peak >= 8, f"requests were not batched (peak batch size {peak})"
+
+
+REFERENCE = """
+import json, sys
+from mlx_lm import load, generate
+model, tok = load(sys.argv[1])
+chat = tok.apply_chat_template(json.loads(sys.argv[3]), add_generation_prompt=True)
+print(json.dumps({"completion": generate(model, tok, sys.argv[2], max_tokens=40),
+                  "chat": generate(model, tok, chat, max_tokens=40)}))
+"""
+
+
+def test_greedy_output_matches_mlx_lm_in_process(daemon: Daemon, model_dir) -> None:
+    prompt = "In the beginning there was"
+    ref = json.loads(subprocess.run([sys.executable, "-c", REFERENCE, str(model_dir / "tiny"), prompt,
+                                     json.dumps(CHAT)], check=True, capture_output=True, text=True).stdout)
+    client = openai.OpenAI(base_url=daemon.v1, api_key="unused", max_retries=0)
+    got = client.completions.create(model="tiny", prompt=prompt, max_tokens=40, temperature=0)
+    assert got.choices[0].text == ref["completion"]
+    chat = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=40, temperature=0)
+    assert chat.choices[0].message.content == ref["chat"]
+
+
+def test_client_disconnect_aborts_in_the_worker(daemon: Daemon) -> None:
+    body = {"model": "tiny", "prompt": "go on", "max_tokens": 8000, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", daemon.v1 + "/completions", json=body, timeout=30) as resp:
+        lines = resp.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        assert daemon.model("tiny")["in_flight"] == 1
+    # the connection is closed: the gateway must abort it in the worker and release the lease
+    wait_for(lambda: daemon.model("tiny")["in_flight"] == 0 and daemon.model("tiny")["leases"] == 0, 10,
+             what="the aborted request to leave the router")
+    wait_for(lambda: (m := daemon.model("tiny"))["batch_size"] == 0 and m["queued"] == 0, 10,
+             what="the worker to stop generating for it")
+
+
+def test_status_reports_models(daemon: Daemon) -> None:
+    st = daemon.status()
+    assert st["version"] and st["uptime_s"] >= 0
+    tiny = next(m for m in st["models"] if m["id"] == "tiny")
+    for key in ("state", "pid", "in_flight", "memory_bytes"):
+        assert key in tiny
+    assert httpx.get(daemon.url + "/health").json() == {"status": "ok"}

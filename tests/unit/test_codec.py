@@ -1,0 +1,88 @@
+"""The wire format: golden bytes per message keep it stable; the decoder stops bad input at the boundary."""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgpack
+import pytest
+
+from protocol.codec import MAX_MESSAGE_BYTES, ProtocolError, VersionMismatch, decode, encode
+from tests.unit.golden import GOLDEN_SHA256
+from protocol.messages import (
+    ALL_MESSAGES, PROTOCOL_VERSION, Abort, Bye, Evict, Failed, Finished, Heartbeat, Ready, Submit, Tokens,
+)
+
+SAMPLES = [
+    Submit(rid="r1", max_tokens=16, messages=[{"role": "user", "content": "hi"}], temperature=0.0, stop=["\n"]),
+    Submit(rid="r2", max_tokens=0, prompt="Once", top_p=0.9, top_k=40, min_p=0.05, ignore_eos=True),
+    Abort(rid="r1"),
+    Evict(mode="drain", deadline_s=2.5),
+    Ready(model_id="m", pid=42, context_length=8192, vocab_size=1024, weights_bytes=10, memory_bytes=20, load_s=0.5),
+    Tokens(chunks=[["r1", "héllo", 1], ["r2", "", 2]]),
+    Finished(rid="r1", text="!", finish_reason="stop", prompt_tokens=3, completion_tokens=4, cached_tokens=2),
+    Failed(rid="r1", code="model_evicted", message="gone"),
+    Heartbeat(active=1, waiting=0, batch_size=1, max_batch_size=16, generated_tokens=99, memory_bytes=1 << 30),
+    Bye(reason="evict", aborted=1, drained=2, phases={"settle": 0.01}, memory_bytes=5),
+]
+
+def _key(msg) -> str:
+    return f"{msg.KIND}:{msg.rid}" if isinstance(msg, Submit) else msg.KIND
+
+
+def test_every_message_kind_has_a_sample() -> None:
+    assert {type(m) for m in SAMPLES} == set(ALL_MESSAGES)
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=_key)
+def test_round_trip(msg) -> None:
+    assert decode(encode(msg)) == msg
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=_key)
+def test_golden_bytes(msg) -> None:
+    """A change here is a wire change: it needs a PROTOCOL_VERSION bump."""
+    assert hashlib.sha256(encode(msg)).hexdigest() == GOLDEN_SHA256[_key(msg)]
+
+
+def test_frames_carry_the_version_and_kind() -> None:
+    body = msgpack.unpackb(encode(Abort(rid="x")))
+    assert body == {"v": PROTOCOL_VERSION, "k": "abort", "rid": "x"}
+
+
+def _frame(**body) -> bytes:
+    return msgpack.packb(body)
+
+
+@pytest.mark.parametrize("frame, match", [
+    (b"\xc1garbage", "undecodable"),
+    (msgpack.packb([1, 2, 3]), "not a map"),
+    (_frame(v=PROTOCOL_VERSION, k="nope"), "unknown message kind"),
+    (_frame(v=PROTOCOL_VERSION), "unknown message kind"),
+    (_frame(v=PROTOCOL_VERSION, k="abort"), "missing field 'rid'"),
+    (_frame(v=PROTOCOL_VERSION, k="abort", rid=7), "expected"),
+    (_frame(v=PROTOCOL_VERSION, k="submit", rid="a", max_tokens=True), "expected"),
+    (_frame(v=PROTOCOL_VERSION, k="submit", rid="a", max_tokens=1.5), "expected"),
+    (_frame(v=PROTOCOL_VERSION, k="abort", rid="a", extra=1), "unknown fields"),
+    (_frame(v=PROTOCOL_VERSION, k="tokens", chunks="x"), "expected"),
+])
+def test_decoder_rejects_malformed_frames(frame: bytes, match: str) -> None:
+    with pytest.raises(ProtocolError, match=match):
+        decode(frame)
+
+
+def test_decoder_refuses_other_versions() -> None:
+    with pytest.raises(VersionMismatch) as err:
+        decode(_frame(v=PROTOCOL_VERSION + 1, k="abort", rid="a"))
+    assert err.value.version == PROTOCOL_VERSION + 1
+
+
+def test_decoder_refuses_oversized_frames() -> None:
+    with pytest.raises(ProtocolError, match="exceeds"):
+        decode(b"\x00" * (MAX_MESSAGE_BYTES + 1))
+
+
+def test_no_pickle_or_extension_types() -> None:
+    ext = msgpack.packb({"v": PROTOCOL_VERSION, "k": "abort", "rid": msgpack.ExtType(1, b"x")})
+    with pytest.raises(ProtocolError):
+        decode(ext)

@@ -1,0 +1,54 @@
+"""Model discovery and resolution."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from supervisor.config import ConfigError, Settings, load_file
+from supervisor.errors import ModelNotFound
+from supervisor.registry import Registry, discover
+
+
+def fake_model(path: Path) -> Path:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text("{}")
+    (path / "model.safetensors").write_bytes(b"x" * 10)
+    return path
+
+
+def test_discovery_needs_config_and_weights(tmp_path: Path) -> None:
+    fake_model(tmp_path / "a")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "config.json").write_text("{}")
+    specs = discover(tmp_path)
+    assert [s.id for s in specs] == ["a"] and specs[0].weights_bytes == 10
+
+
+def test_config_models_aliases_and_unknown_names(tmp_path: Path) -> None:
+    fake_model(tmp_path / "models" / "a")
+    fake_model(tmp_path / "elsewhere")
+    cfg = tmp_path / "config.toml"
+    cfg.write_text('[models.big]\npath = "elsewhere"\naliases = ["b", "large"]\n')
+    settings = load_file(cfg, Settings())
+    reg = Registry.build([tmp_path / "models"], settings.models)
+    assert reg.ids() == ["a", "big"]
+    assert reg.resolve("large").id == "big" and reg.resolve("a").id == "a"
+    with pytest.raises(ModelNotFound) as err:
+        reg.resolve("c")
+    assert "a, big" in err.value.message and err.value.status == 404
+
+
+@pytest.mark.parametrize("text, match", [
+    ("[server]\nport = 'x'\n", "server.port"),
+    ("[server]\nwat = 1\n", "server.wat"),
+    ("[models.m]\npath = 'nowhere'\n", "models.m.path"),
+    ("[mystery]\n", "unknown section"),
+    ("not toml = = 1", "config.toml"),
+])
+def test_bad_config_is_rejected_with_the_key(tmp_path: Path, text: str, match: str) -> None:
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        load_file(cfg, Settings())
