@@ -192,11 +192,8 @@ class Gateway:
         return JSONResponse({"status": "shutting_down" if self.router.shutting_down else "ok"})
 
     async def status(self, request: Request) -> Response:
-        return JSONResponse({
-            "version": __version__,
-            "uptime_s": round(time.time() - self.started, 1),
-            "models": [self.router.model_status(m) for m in self.router.registry.ids()],
-        })
+        return JSONResponse({"version": __version__, "uptime_s": round(time.time() - self.started, 1),
+                             **self.router.status()})
 
     async def load(self, request: Request) -> Response:
         t0 = time.monotonic()

@@ -18,7 +18,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from supervisor.config import DEFAULT_PORT, ConfigError, Settings, default_state_dir, load_file
+from supervisor.config import DEFAULT_PORT, ConfigError, Settings, default_state_dir, load_file, parse_size
 
 EXIT_USAGE = 2
 EXIT_NO_DAEMON = 3
@@ -127,6 +127,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.state_dir:
         settings.state_dir = Path(args.state_dir)
     settings.model_dirs += [Path(d) for d in args.model_dir]
+    if args.memory_ceiling is not None:
+        try:
+            settings.memory_ceiling_bytes = parse_size(args.memory_ceiling)
+        except ValueError as exc:
+            raise CliError(f"--memory-ceiling: {exc}", EXIT_USAGE) from None
+    if args.max_loaded_models is not None:
+        settings.max_loaded_models = args.max_loaded_models
+    if args.ttl is not None:
+        settings.default_ttl_s = args.ttl
     settings.demo = args.demo
     settings.log_level = args.log_level
     logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
@@ -147,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", default=None, help="TOML config file (or MLXSUP_CONFIG)")
     s.add_argument("--state-dir", default=None)
     s.add_argument("--demo", action="store_true", help="serve a small random-weight model as 'demo'")
+    s.add_argument("--memory-ceiling", default=None, help="e.g. 24GiB (default: RAM minus a reserve)")
+    s.add_argument("--max-loaded-models", type=int, default=None)
+    s.add_argument("--ttl", type=float, default=None, help="default idle TTL in seconds (default: none)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.set_defaults(func=cmd_serve)
 

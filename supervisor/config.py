@@ -48,6 +48,23 @@ class Settings:
     shutdown_drain_s: float = 5.0
     max_body_bytes: int = 8 * 1024 * 1024
     log_level: str = "info"
+    # lifecycle
+    default_ttl_s: float | None = None  # idle TTL of models that set none; None: never
+    memory_ceiling_bytes: int | None = None  # None: total RAM minus the reserve
+    memory_reserve_bytes: int | None = None  # None: max(2 GiB, 15% of RAM)
+    worker_overhead_bytes: int = 256 * 2**20  # a loading worker's estimate: weights + this
+    max_loaded_models: int | None = None
+    pressure_soft: float = 0.90  # fraction of system memory in use: evict idle workers
+    pressure_hard: float = 0.97  # abort and evict the least recently used busy worker
+    housekeeping_s: float = 0.5  # TTL and pressure checks
+
+    def ceiling(self, total: int) -> int:
+        if self.memory_ceiling_bytes is not None:
+            return self.memory_ceiling_bytes
+        reserve = self.memory_reserve_bytes
+        if reserve is None:
+            reserve = max(2 * 2**30, int(total * 0.15))
+        return max(0, total - reserve)
 
     @property
     def log_dir(self) -> Path:
@@ -62,7 +79,48 @@ _SERVER_KEYS: dict[str, type | tuple[type, ...]] = {
     "host": str, "port": int, "state_dir": str, "model_dirs": list, "heartbeat_s": (int, float),
     "max_batch_size": int, "evict_timeout_s": (int, float), "settle_grace_s": (int, float),
     "kill_timeout_s": (int, float), "shutdown_drain_s": (int, float), "max_body_bytes": int, "log_level": str,
+    "default_ttl_s": (int, float), "housekeeping_s": (int, float),
 }
+_MEMORY_KEYS = {
+    "ceiling": "memory_ceiling_bytes", "reserve": "memory_reserve_bytes", "worker_overhead": "worker_overhead_bytes",
+    "max_loaded_models": "max_loaded_models", "pressure_soft": "pressure_soft", "pressure_hard": "pressure_hard",
+}
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_size(value: int | float | str) -> int:
+    """Bytes from 1234, "512MiB", "8GB", "1.5 GiB"."""
+    if isinstance(value, bool):
+        raise ValueError(f"not a size: {value!r}")
+    if isinstance(value, (int, float)):
+        return int(value)
+    text = value.strip().lower().replace(" ", "")
+    number = text.rstrip("kmgtib")
+    unit = text[len(number):]
+    if unit not in _UNITS or not number:
+        raise ValueError(f"not a size: {value!r} (use bytes or a unit: KiB, MiB, GiB, MB, GB)")
+    return int(float(number) * _UNITS[unit])
+
+
+def _apply_memory(section: dict, settings: "Settings", path: Path) -> None:
+    for key, value in section.items():
+        attr = _MEMORY_KEYS.get(key)
+        if attr is None:
+            raise ConfigError(f"{path}: memory.{key}: unknown key")
+        try:
+            if key in ("pressure_soft", "pressure_hard"):
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+                    raise ValueError("a fraction between 0 and 1")
+                value = float(value)
+            elif key == "max_loaded_models":
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise ValueError("a positive integer")
+            else:
+                value = parse_size(value)
+        except ValueError as exc:
+            raise ConfigError(f"{path}: memory.{key}: expected {exc}") from None
+        setattr(settings, attr, value)
 
 
 def load_file(path: Path, settings: Settings) -> Settings:
@@ -71,7 +129,7 @@ def load_file(path: Path, settings: Settings) -> Settings:
         data = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"{path}: {exc}") from None
-    unknown = set(data) - {"server", "models"}
+    unknown = set(data) - {"server", "models", "memory"}
     if unknown:
         raise ConfigError(f"{path}: unknown section(s) {sorted(unknown)}")
     for key, value in data.get("server", {}).items():
@@ -85,6 +143,7 @@ def load_file(path: Path, settings: Settings) -> Settings:
         elif key == "model_dirs":
             value = [Path(v).expanduser() for v in value]
         setattr(settings, key, value)
+    _apply_memory(data.get("memory", {}), settings, path)
     try:
         settings.models = from_config(data.get("models", {}), path.parent)
     except ValueError as exc:

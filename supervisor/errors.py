@@ -25,11 +25,13 @@ class MlxsupError(Exception):
         super().__init__(message)
         self.message = message
         self.param = param
+        self.extra: dict = {}  # more facts for the error body (what is loaded, what is missing)
         if code is not None:
             self.code = code
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code,
+                          **self.extra}}
 
 
 class InvalidRequest(MlxsupError):

@@ -20,6 +20,8 @@ class ModelSpec:
     aliases: tuple[str, ...] = ()
     worker_args: tuple[str, ...] = ()
     weights_bytes: int = 0
+    ttl_s: float | None = None  # idle time before eviction; None: the server's default
+    pinned: bool = False  # loaded at start-up; only an explicit evict removes it
 
 
 def is_model_dir(path: Path) -> bool:
@@ -50,11 +52,21 @@ def from_config(models: dict, base: Path) -> list[ModelSpec]:
         path = (base / path).resolve() if not path.is_absolute() else path
         if not is_model_dir(path):
             raise ValueError(f"models.{model_id}.path: {path} holds no config.json and *.safetensors")
+        unknown = set(entry) - {"path", "aliases", "worker_args", "ttl_s", "pinned"}
+        if unknown:
+            raise ValueError(f"models.{model_id}.{sorted(unknown)[0]}: unknown key")
         aliases = entry.get("aliases", [])
         args = entry.get("worker_args", [])
         if not all(isinstance(a, str) for a in [*aliases, *args]):
             raise ValueError(f"models.{model_id}: aliases and worker_args must be lists of strings")
-        specs.append(ModelSpec(model_id, path, tuple(aliases), tuple(args), weights_bytes(path)))
+        ttl = entry.get("ttl_s")
+        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl < 0):
+            raise ValueError(f"models.{model_id}.ttl_s: must be a non-negative number of seconds")
+        pinned = entry.get("pinned", False)
+        if not isinstance(pinned, bool):
+            raise ValueError(f"models.{model_id}.pinned: must be true or false")
+        specs.append(ModelSpec(model_id, path, tuple(aliases), tuple(args), weights_bytes(path),
+                               None if ttl is None else float(ttl), pinned))
     return specs
 
 

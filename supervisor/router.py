@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from protocol.messages import Abort, Bye, Evict, Failed, Finished, Heartbeat, Message, Ready, Submit, Tokens
-from supervisor import errors
+from supervisor import errors, policy
 from supervisor.config import Settings
-from supervisor.memory import footprint
+from supervisor.memory import footprint, system_available, system_total
 from supervisor.process import WorkerProcess, worker_argv
 from supervisor.registry import ModelSpec, Registry
 from supervisor.transport import Transport
@@ -75,6 +75,7 @@ class Worker:
     heartbeat: Heartbeat | None = None
     bye: Bye | None = None
     evicting: asyncio.Task | None = None
+    evict_reason: str | None = None
     gone: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -91,6 +92,7 @@ class ModelRecord:
     last_error: str | None = None
     last_exit: int | None = None
     last_stderr: list[str] = field(default_factory=list)
+    last_eviction: dict | None = None
 
 
 class Lease:
@@ -123,21 +125,64 @@ class Router:
         self.records: dict[str, ModelRecord] = {}
         self._by_identity: dict[bytes, Worker] = {}
         self._spawned = 0
+        self._housekeeping: asyncio.Task | None = None
         self.shutting_down = False
 
     def start(self) -> None:
         self.transport.start()
+        for spec in self.registry.specs.values():
+            if spec.pinned:
+                self._start(spec)
+        self._housekeeping = asyncio.create_task(self._keep_house(), name="housekeeping")
+
+    # --- TTL and memory pressure -------------------------------------------------------
+
+    async def _keep_house(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.housekeeping_s)
+            try:
+                self._housekeep()
+            except Exception:
+                log.exception("[housekeeping] failed; going on")
+
+    def _housekeep(self) -> None:
+        if not self.workers:
+            return
+        views = self._views()
+        ttls = {w.spec.id: (w.spec.ttl_s if w.spec.ttl_s is not None else self.settings.default_ttl_s)
+                for w in self.workers.values()}
+        for model_id in policy.ttl_expired(views, ttls, time.monotonic()):
+            self._begin_evict(self.workers[model_id], "drain", None, "ttl")
+        s = self.settings
+        level = policy.pressure_level(system_available(), system_total(), s.pressure_soft, s.pressure_hard)
+        victim = policy.pressure_victim(self._views(), level)
+        if victim is not None:
+            model_id, busy = victim
+            self._begin_evict(self.workers[model_id], "now" if busy else "drain", None, f"pressure-{level}")
 
     # --- routing -----------------------------------------------------------------------
 
     async def acquire(self, name: str) -> Lease:
-        """Route to the model's worker, loading it if needed; the lease is taken in the deciding turn."""
+        """Route to the model's worker, loading it if needed; the lease is taken in the deciding turn.
+
+        A request waiting on a load holds a lease on the loading worker too, so nothing
+        evicts it between its Ready and the request's submit.
+        """
         spec = self.registry.resolve(name)
         while True:
             if self.shutting_down:
                 raise errors.ShuttingDown("the server is shutting down")
             worker = self.workers.get(spec.id)
             if worker is None:
+                decision = policy.admit(self._estimate(spec), self._views(), self.ceiling,
+                                        self.settings.max_loaded_models)
+                if decision.refused:
+                    raise self._insufficient(spec, decision)
+                if decision.evict or decision.wait:
+                    for victim in decision.evict:
+                        self._begin_evict(self.workers[victim], "drain", None, "admission")
+                    await self._evictions_done()
+                    continue
                 worker = self._start(spec)
             if worker.state is State.READY:
                 worker.leases += 1
@@ -145,7 +190,45 @@ class Router:
             if worker.state is State.EVICTING:
                 await worker.gone.wait()
                 continue
-            await asyncio.shield(worker.ready)
+            worker.leases += 1
+            try:
+                await asyncio.shield(worker.ready)
+            finally:
+                worker.leases -= 1
+
+    async def _evictions_done(self) -> None:
+        await asyncio.gather(*(w.gone.wait() for w in list(self.workers.values()) if w.state is State.EVICTING))
+
+    @property
+    def ceiling(self) -> int:
+        return self.settings.ceiling(system_total())
+
+    def _estimate(self, spec: ModelSpec) -> int:
+        return spec.weights_bytes + self.settings.worker_overhead_bytes
+
+    def _bytes(self, worker: Worker) -> int:
+        measured = footprint(worker.pid) if worker.pid else None
+        if worker.state is State.LOADING:
+            return max(measured or 0, self._estimate(worker.spec))
+        return measured if measured is not None else self._estimate(worker.spec)
+
+    def _views(self) -> list[policy.WorkerView]:
+        return [policy.WorkerView(w.spec.id, w.state.value, self._bytes(w), w.leases > 0, w.spec.pinned, w.last_used)
+                for w in self.workers.values()]
+
+    def _insufficient(self, spec: ModelSpec, decision: policy.Admission) -> errors.InsufficientMemory:
+        views = self._views()
+        loaded = ", ".join(f"{v.id} ({v.state}{', busy' if v.busy else ''}{', pinned' if v.pinned else ''}, "
+                           f"{v.bytes / 2**20:.0f} MiB)" for v in views) or "nothing"
+        if decision.too_many:
+            why = f"the limit of {self.settings.max_loaded_models} loaded models is reached and none is idle"
+        else:
+            why = f"{decision.missing_bytes / 2**20:.0f} MiB are missing"
+        err = errors.InsufficientMemory(
+            f"cannot load '{spec.id}' (needs about {self._estimate(spec) / 2**20:.0f} MiB, ceiling "
+            f"{self.ceiling / 2**20:.0f} MiB): {why}. Loaded: {loaded}.")
+        err.extra = {"missing_bytes": decision.missing_bytes, "loaded": [v.__dict__ for v in views]}
+        return err
 
     def _submit(self, worker: Worker, msg: Submit) -> Stream:
         stream = Stream(msg.rid)
@@ -216,17 +299,26 @@ class Router:
         self._by_identity.pop(worker.identity, None)
         worker.gone.set()
 
-    async def evict(self, name: str, mode: str = "drain", timeout_s: float | None = None) -> dict:
+    async def evict(self, name: str, mode: str = "drain", timeout_s: float | None = None,
+                    reason: str = "api") -> dict:
         """Run the eviction sequence and wait until the process is reaped. Joins one in progress."""
         spec = self.registry.resolve(name)
         worker = self.workers.get(spec.id)
         if worker is None:
             return {"model": spec.id, "evicted": False, "reason": "not loaded"}
+        return await asyncio.shield(self._begin_evict(worker, mode, timeout_s, reason))
+
+    def _begin_evict(self, worker: Worker, mode: str, timeout_s: float | None, reason: str) -> asyncio.Task:
+        """Mark the worker evicting in this very turn and start the sequence; idempotent."""
         if worker.evicting is None:
             worker.state = State.EVICTING
+            worker.evict_reason = reason
             timeout = self.settings.evict_timeout_s if timeout_s is None else timeout_s
-            worker.evicting = asyncio.create_task(self._evict(worker, mode, timeout), name=f"evict[{spec.id}]")
-        return await asyncio.shield(worker.evicting)
+            log.info("[evict] model=%s pid=%s reason=%s mode=%s", worker.spec.id, worker.pid, reason, mode)
+            worker.evicting = asyncio.create_task(self._evict(worker, mode, timeout), name=f"evict[{worker.spec.id}]")
+        elif mode == "now" and worker.info is not None:
+            self.transport.send(worker.identity, Evict(mode="now", deadline_s=0))  # tighten a drain
+        return worker.evicting
 
     async def _evict(self, worker: Worker, mode: str, timeout_s: float) -> dict:
         t0 = time.monotonic()
@@ -244,6 +336,7 @@ class Router:
         report = {
             "model": worker.spec.id,
             "evicted": True,
+            "reason": worker.evict_reason,
             "pid": pid,
             "mode": mode,
             "memory_before_bytes": memory_before,
@@ -257,13 +350,17 @@ class Router:
         }
         log.info("[evict] model=%s pid=%s exit=%s signals=%s ms=%d", worker.spec.id, pid, report["exit"],
                  report["signals"], report["duration_s"] * 1000)
+        self.records[worker.spec.id].last_eviction = {k: report[k] for k in ("reason", "mode", "duration_s", "exit")}
         return report
 
     async def shutdown(self) -> list[dict]:
         """Refuse new work, then evict every worker in parallel, draining up to the deadline."""
         self.shutting_down = True
+        if self._housekeeping:
+            self._housekeeping.cancel()
         reports = await asyncio.gather(
-            *(self.evict(model_id, "drain", self.settings.shutdown_drain_s) for model_id in list(self.workers)),
+            *(self._begin_evict(w, "drain", self.settings.shutdown_drain_s, "shutdown")
+              for w in list(self.workers.values())),
             return_exceptions=True)
         await self.transport.close()
         return [r for r in reports if isinstance(r, dict)]
@@ -332,20 +429,36 @@ class Router:
     def model_status(self, model_id: str) -> dict:
         worker = self.workers.get(model_id)
         record = self.records.get(model_id, ModelRecord())
-        status = {"id": model_id, "state": "stopped", "pid": None, "in_flight": 0, "leases": 0,
-                  "memory_bytes": None, "restarts": max(0, record.starts - 1), "crashes": record.crashes,
-                  "last_error": record.last_error, "stderr_tail": record.last_stderr}
+        spec = self.registry.specs[model_id]
+        ttl = spec.ttl_s if spec.ttl_s is not None else self.settings.default_ttl_s
+        status = {"id": model_id, "state": State.STOPPED.value, "pid": None, "memory_bytes": None, "in_flight": 0,
+                  "queued": 0, "leases": 0, "idle_s": None, "ttl_s": ttl, "ttl_remaining_s": None,
+                  "pinned": spec.pinned, "restarts": max(0, record.starts - 1), "crashes": record.crashes,
+                  "last_error": record.last_error, "stderr_tail": record.last_stderr,
+                  "last_eviction": record.last_eviction, "batch_size": 0, "peak_batch_size": 0}
         if worker is None:
-            if record.crashes and record.last_error and record.last_exit not in (0, None):
+            if record.crashes and record.last_exit not in (0, None):
                 status["state"] = State.FAILED.value
             return status
         hb = worker.heartbeat
+        idle = time.monotonic() - worker.last_used if worker.leases == 0 and worker.state is State.READY else 0.0
         status.update(
-            state=worker.state.value, pid=worker.pid, in_flight=len(worker.streams), leases=worker.leases,
-            memory_bytes=footprint(worker.pid) if worker.pid else None,
-            idle_s=round(time.monotonic() - worker.last_used, 1) if not worker.leases else 0.0,
-            batch_size=hb.batch_size if hb else 0, peak_batch_size=hb.max_batch_size if hb else 0,
-            queued=hb.waiting if hb else 0, generated_tokens=hb.generated_tokens if hb else 0,
+            state=worker.state.value, pid=worker.pid, memory_bytes=footprint(worker.pid) if worker.pid else None,
+            in_flight=len(worker.streams), leases=worker.leases, idle_s=round(idle, 1),
+            ttl_remaining_s=round(max(0.0, ttl - idle), 1) if ttl and not spec.pinned else None,
+            queued=hb.waiting if hb else 0, batch_size=hb.batch_size if hb else 0,
+            peak_batch_size=hb.max_batch_size if hb else 0, generated_tokens=hb.generated_tokens if hb else 0,
             context_length=worker.info.context_length if worker.info else None,
         )
         return status
+
+    def status(self) -> dict:
+        views = self._views()
+        return {
+            "ceiling_bytes": self.ceiling,
+            "used_bytes": sum(v.bytes for v in views),
+            "system_available_bytes": system_available(),
+            "system_total_bytes": system_total(),
+            "max_loaded_models": self.settings.max_loaded_models,
+            "models": [self.model_status(m) for m in self.registry.ids()],
+        }

@@ -30,7 +30,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--heartbeat-s", type=float, default=1.0)
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--lifeline", action="store_true", help="exit when stdin reaches EOF")
-    p.add_argument("--ignore-sigterm", action="store_true", help="testing: a worker that ignores SIGTERM")
+    p.add_argument("--fault", action="append", default=[], choices=["ignore-sigterm", "hang-on-evict"],
+                   help="testing: behave like a stuck worker (repeatable)")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     from worker.server import Flags, WorkerLoop
 
     flags = Flags()
-    if args.ignore_sigterm:
+    if "ignore-sigterm" in args.fault:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     else:
         signal.signal(signal.SIGTERM, lambda *_: flags.sigterm.set())
@@ -85,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
             log.error("[load] model=%s path=%s failed: %s", args.model_id, args.model_path, exc)
             return EXIT_LOAD_FAILED
         log.info("[load] model=%s ready in %.2fs", args.model_id, engine.load_s)
-        loop = WorkerLoop(sock, engine, args.model_id, flags, heartbeat_s=args.heartbeat_s)
+        loop = WorkerLoop(sock, engine, args.model_id, flags, heartbeat_s=args.heartbeat_s,
+                          hang_on_evict="hang-on-evict" in args.fault)
         loop.announce()
         return loop.run()
     finally:

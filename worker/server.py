@@ -48,7 +48,7 @@ class Flags:
 
 class WorkerLoop:
     def __init__(self, sock: zmq.Socket, engine: Engine, model_id: str, flags: Flags,
-                 heartbeat_s: float = 1.0) -> None:
+                 heartbeat_s: float = 1.0, hang_on_evict: bool = False) -> None:
         self.sock = sock
         self.engine = engine
         self.model_id = model_id
@@ -56,6 +56,7 @@ class WorkerLoop:
         self.heartbeat_s = heartbeat_s
         self.shutdown: Shutdown | None = None
         self._next_heartbeat = 0.0
+        self._hang_on_evict = hang_on_evict
 
     def send(self, msg: Message) -> None:
         try:
@@ -161,6 +162,9 @@ class WorkerLoop:
 
     def _exit(self) -> int:
         assert self.shutdown is not None
+        if self._hang_on_evict:  # testing the supervisor's kill ladder: a worker stuck in its exit
+            log.warning("[fault] hanging instead of exiting")
+            threading.Event().wait()
         bye = self.shutdown.finish(close_caches=lambda: None, settle=self.engine.settle)
         log.info("[evict] model=%s phase=bye reason=%s aborted=%d drained=%d phases=%s", self.model_id,
                  bye.reason, bye.aborted, bye.drained, {k: round(v, 4) for k, v in bye.phases.items()})

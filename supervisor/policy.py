@@ -1,0 +1,95 @@
+"""Pure eviction decisions: does a load fit, which idle worker goes, who goes under pressure.
+
+Functions of plain values, no I/O, no logging, no clock: the router hands them a snapshot
+(`WorkerView`s) and acts on the answer in the same loop turn. Invariants:
+- a busy worker (leased: a request routed to it or waiting on its load) is never chosen by
+  admission, TTL or soft pressure; only hard pressure may take one, and then the least
+  recently used unpinned one;
+- a pinned worker is never chosen here at all (only an explicit evict removes it);
+- memory of a worker already being evicted counts as used until it is gone, and as on its way
+  back: decisions wait for it rather than evicting more.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    id: str
+    state: str  # "loading" | "ready" | "evicting"
+    bytes: int  # measured footprint; the estimate while loading
+    busy: bool
+    pinned: bool
+    last_used: float
+
+
+@dataclass(frozen=True)
+class Admission:
+    evict: tuple[str, ...] = ()
+    wait: bool = False  # room is on its way (workers being evicted): wait for them, then decide again
+    missing_bytes: int = 0  # > 0: cannot fit even after evicting every idle worker
+    too_many: bool = False  # the max_loaded_models limit cannot be met
+
+    @property
+    def refused(self) -> bool:
+        return self.missing_bytes > 0 or self.too_many
+
+
+def idle_lru(views: list[WorkerView]) -> list[WorkerView]:
+    """Workers that idle eviction may take, least recently used first."""
+    return sorted((v for v in views if v.state == "ready" and not v.busy and not v.pinned),
+                  key=lambda v: v.last_used)
+
+
+def admit(need: int, views: list[WorkerView], ceiling: int, max_loaded: int | None) -> Admission:
+    """Can a new worker needing `need` bytes start, and which idle workers must go first?"""
+    used = sum(v.bytes for v in views)
+    leaving = [v for v in views if v.state == "evicting"]
+    staying = len(views) - len(leaving)
+    over_bytes = used + need - ceiling
+    over_count = staying + 1 - max_loaded if max_loaded else 0
+    if need > ceiling:
+        return Admission(missing_bytes=need - ceiling)
+    if over_bytes <= 0 and over_count <= 0:
+        return Admission()
+    freed = sum(v.bytes for v in leaving)
+    chosen: list[str] = []
+    for v in idle_lru(views):
+        if freed >= over_bytes and len(chosen) >= over_count:
+            break
+        chosen.append(v.id)
+        freed += v.bytes
+    if freed < over_bytes:
+        return Admission(missing_bytes=over_bytes - freed)
+    if len(chosen) < over_count:
+        return Admission(too_many=True)
+    return Admission(evict=tuple(chosen), wait=not chosen)
+
+
+def pressure_victim(views: list[WorkerView], level: str | None) -> tuple[str, bool] | None:
+    """Under memory pressure, the worker to evict and whether it is busy (then abort, don't drain)."""
+    if level is None or any(v.state == "evicting" for v in views):
+        return None  # nothing to do, or memory is already on its way back
+    idle = idle_lru(views)
+    if idle:
+        return idle[0].id, False
+    if level != "hard":
+        return None
+    busy = sorted((v for v in views if v.state == "ready" and v.busy and not v.pinned), key=lambda v: v.last_used)
+    return (busy[0].id, True) if busy else None
+
+
+def pressure_level(available: int, total: int, soft: float, hard: float) -> str | None:
+    used = 1.0 - available / total if total else 0.0
+    if used >= hard:
+        return "hard"
+    if used >= soft:
+        return "soft"
+    return None
+
+
+def ttl_expired(views: list[WorkerView], ttls: dict[str, float | None], now: float) -> list[str]:
+    """Idle, unpinned workers whose idle time passed their TTL (counted from their last request's end)."""
+    return [v.id for v in idle_lru(views) if (ttl := ttls.get(v.id)) and now - v.last_used >= ttl]
