@@ -1,7 +1,9 @@
 """Per-process memory footprint, measured from outside the process.
 
 The platform seam: on macOS the physical footprint (what Activity Monitor shows and what
-jetsam acts on) via `proc_pid_rusage`; elsewhere psutil's USS where readable, else RSS.
+jetsam acts on) via `proc_pid_rusage`; elsewhere psutil's RSS. (USS was tried: it depends on
+how many other workers share the same libraries at that moment, so the same worker measured
+differently from one minute to the next; RSS is stable and errs on the safe side.)
 Never a process-wide MLX gauge: each worker is measured as its own process.
 """
 
@@ -44,12 +46,8 @@ def footprint(pid: int) -> int | None:
         if value is not None:
             return value
     try:
-        proc = psutil.Process(pid)
-        try:
-            return int(proc.memory_full_info().uss)
-        except (psutil.AccessDenied, AttributeError):
-            return int(proc.memory_info().rss)
-    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return int(psutil.Process(pid).memory_info().rss)
+    except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
         return None
 
 

@@ -1,0 +1,60 @@
+"""Eviction policy as tables: pure functions of worker snapshots."""
+
+from __future__ import annotations
+
+import pytest
+
+from supervisor.policy import Admission, WorkerView, admit, pressure_level, pressure_victim, ttl_expired
+
+MiB = 2**20
+
+
+def w(id: str, mib: int, *, state: str = "ready", busy: bool = False, pinned: bool = False,
+      used: float = 0.0) -> WorkerView:
+    return WorkerView(id, state, mib * MiB, busy, pinned, used)
+
+
+@pytest.mark.parametrize("need, views, ceiling, max_loaded, expected", [
+    (100, [], 1000, None, Admission()),
+    (100, [w("a", 500)], 1000, None, Admission()),
+    # least recently used idle worker goes first, and only as many as needed
+    (400, [w("a", 500, used=2), w("b", 300, used=1)], 1000, None, Admission(evict=("b",))),
+    (700, [w("a", 500, used=2), w("b", 300, used=1)], 1000, None, Admission(evict=("b", "a"))),
+    # busy and pinned workers are never chosen
+    (400, [w("a", 500, busy=True), w("b", 300, pinned=True)], 1000, None, Admission(missing_bytes=200 * MiB)),
+    (400, [w("a", 500, busy=True, used=0), w("b", 300, used=5)], 1000, None, Admission(evict=("b",))),
+    # a loading worker is busy by definition (a request waits on it) and not ready: never chosen
+    (400, [w("a", 700, state="loading")], 1000, None, Admission(missing_bytes=100 * MiB)),
+    # memory already on its way back: wait for it rather than evicting more
+    (400, [w("a", 700, state="evicting"), w("b", 100)], 1000, None, Admission(wait=True)),
+    # larger than the ceiling itself: refused outright
+    (2000, [], 1000, None, Admission(missing_bytes=1000 * MiB)),
+    # the count limit
+    (1, [w("a", 1, used=1), w("b", 1, used=0)], 1000, 2, Admission(evict=("b",))),
+    (1, [w("a", 1, busy=True), w("b", 1, busy=True)], 1000, 2, Admission(too_many=True)),
+])
+def test_admit(need, views, ceiling, max_loaded, expected) -> None:
+    assert admit(need * MiB, views, ceiling * MiB, max_loaded) == expected
+
+
+def test_pressure_prefers_idle_and_takes_busy_only_when_hard() -> None:
+    views = [w("busy", 100, busy=True, used=0), w("idle", 100, used=5), w("pin", 100, pinned=True, used=-1)]
+    assert pressure_victim(views, None) is None
+    assert pressure_victim(views, "soft") == ("idle", False)
+    only_busy = [w("b1", 1, busy=True, used=3), w("b2", 1, busy=True, used=1), w("p", 1, pinned=True, busy=True)]
+    assert pressure_victim(only_busy, "soft") is None
+    assert pressure_victim(only_busy, "hard") == ("b2", True)
+    assert pressure_victim([*only_busy, w("x", 1, state="evicting")], "hard") is None
+
+
+def test_pressure_level() -> None:
+    assert pressure_level(50, 100, 0.9, 0.97) is None
+    assert pressure_level(9, 100, 0.9, 0.97) == "soft"
+    assert pressure_level(2, 100, 0.9, 0.97) == "hard"
+
+
+def test_ttl_skips_busy_pinned_and_unset() -> None:
+    views = [w("old", 1, used=0), w("busy", 1, busy=True, used=0), w("pin", 1, pinned=True, used=0),
+             w("fresh", 1, used=9), w("never", 1, used=0)]
+    ttls = {"old": 5, "busy": 5, "pin": 5, "fresh": 5, "never": None}
+    assert ttl_expired(views, ttls, now=10) == ["old"]
