@@ -10,6 +10,7 @@ silently truncated stream.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -21,7 +22,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from protocol.messages import Finished
 from supervisor import __version__, errors
@@ -197,7 +198,7 @@ class Gateway:
 
     async def load(self, request: Request) -> Response:
         t0 = time.monotonic()
-        lease = await self.router.acquire(request.path_params["model"])
+        lease = await self.router.acquire(request.path_params["model"], explicit=True)
         lease.release()
         worker = lease.worker
         return JSONResponse({"model": worker.spec.id, "pid": worker.pid, "state": worker.state.value,
@@ -215,6 +216,25 @@ class Gateway:
             raise errors.InvalidRequest("'timeout' must be a non-negative number of seconds", param="timeout")
         report = await self.router.evict(request.path_params["model"], mode, timeout)
         return JSONResponse(report)
+
+
+class RequireApiKey:
+    """ASGI middleware: every HTTP route but /health needs `Authorization: Bearer <key>`."""
+
+    OPEN = ("/health",)
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in self.OPEN:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                err = errors.Unauthorized("a valid API key is required: send 'Authorization: Bearer <key>'")
+                await error_response(err)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 async def _on_error(request: Request, exc: Exception) -> Response:
@@ -241,4 +261,7 @@ def build_app(router: Router, settings: Settings) -> Starlette:
         Route("/api/models/{model:path}/evict", gw.evict, methods=["POST"]),
     ]
     handlers = {errors.MlxsupError: _on_error, HTTPException: _on_error, Exception: _on_error}
-    return Starlette(routes=routes, exception_handlers=handlers)
+    app = Starlette(routes=routes, exception_handlers=handlers)
+    if settings.api_key:
+        return RequireApiKey(app, settings.api_key)  # type: ignore[return-value]
+    return app

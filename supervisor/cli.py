@@ -44,7 +44,10 @@ def daemon_url(args: argparse.Namespace) -> str:
 
 def call(url: str, method: str = "GET", body: dict | None = None, timeout: float = 600) -> dict:
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if key := os.environ.get("MLXSUP_API_KEY"):
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return json.loads(resp.read())
@@ -136,13 +139,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         settings.max_loaded_models = args.max_loaded_models
     if args.ttl is not None:
         settings.default_ttl_s = args.ttl
+    settings.api_key = os.environ.get("MLXSUP_API_KEY") or settings.api_key
     settings.demo = args.demo
     settings.log_level = args.log_level
     logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from supervisor.daemon import serve
+    from supervisor.daemon import AlreadyRunning, serve
 
-    return asyncio.run(serve(settings))
+    try:
+        return asyncio.run(serve(settings))
+    except AlreadyRunning as exc:
+        raise CliError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,6 +6,7 @@ key and the reason (ConfigError), never half-applied.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import tempfile
@@ -56,7 +57,17 @@ class Settings:
     max_loaded_models: int | None = None
     pressure_soft: float = 0.90  # fraction of system memory in use: evict idle workers
     pressure_hard: float = 0.97  # abort and evict the least recently used busy worker
-    housekeeping_s: float = 0.5  # TTL and pressure checks
+    housekeeping_s: float = 0.5  # TTL, pressure and hang checks
+    # faults
+    hang_timeout_s: float = 30.0  # no heartbeat from a ready worker's loop this long: kill it
+    load_timeout_s: float = 600.0
+    prefill_step_size: int = 512  # prompt tokens per engine step, so heartbeats flow during prefill
+    crash_limit: int = 3  # crashes within crash_window_s mark the model failed
+    crash_window_s: float = 60.0
+    crash_cooldown_s: float = 60.0  # a failed model is tried again after this, or on an explicit load
+    restart_backoff_s: float = 0.5  # doubled per recent crash, capped at restart_backoff_max_s
+    restart_backoff_max_s: float = 10.0
+    api_key: str | None = None  # when set, every route but /health needs "Authorization: Bearer <key>"
 
     def ceiling(self, total: int) -> int:
         if self.memory_ceiling_bytes is not None:
@@ -79,7 +90,10 @@ _SERVER_KEYS: dict[str, type | tuple[type, ...]] = {
     "host": str, "port": int, "state_dir": str, "model_dirs": list, "heartbeat_s": (int, float),
     "max_batch_size": int, "evict_timeout_s": (int, float), "settle_grace_s": (int, float),
     "kill_timeout_s": (int, float), "shutdown_drain_s": (int, float), "max_body_bytes": int, "log_level": str,
-    "default_ttl_s": (int, float), "housekeeping_s": (int, float),
+    "default_ttl_s": (int, float), "housekeeping_s": (int, float), "hang_timeout_s": (int, float),
+    "load_timeout_s": (int, float), "prefill_step_size": int, "crash_limit": int, "crash_window_s": (int, float),
+    "crash_cooldown_s": (int, float), "restart_backoff_s": (int, float), "restart_backoff_max_s": (int, float),
+    "api_key": str,
 }
 _MEMORY_KEYS = {
     "ceiling": "memory_ceiling_bytes", "reserve": "memory_reserve_bytes", "worker_overhead": "worker_overhead_bytes",
@@ -152,10 +166,17 @@ def load_file(path: Path, settings: Settings) -> Settings:
 
 
 def runtime_dir(state_dir: Path) -> Path:
-    """A private (0700) directory for the ZeroMQ socket, short enough for the ipc path limit."""
-    preferred = state_dir / "run"
-    if len(str(preferred / "router.sock")) < 100:
-        preferred.mkdir(parents=True, exist_ok=True)
-        os.chmod(preferred, 0o700)
-        return preferred
-    return Path(tempfile.mkdtemp(prefix="mlxsup-"))
+    """A private (0700) directory for the ZeroMQ socket and worker pidfiles.
+
+    `state_dir/run` when its socket path fits the ~100-byte ipc limit (104 on macOS), else a
+    short one under the temp dir derived from the state dir, so a restart finds it again.
+    """
+    path = state_dir / "run"
+    if len(str(path / "router.sock")) >= 100:
+        digest = hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:12]
+        path = Path(tempfile.gettempdir()) / f"mlxsup-{os.getuid()}-{digest}"
+    path.mkdir(parents=True, exist_ok=True)
+    if path.stat().st_uid != os.getuid():
+        raise ConfigError(f"{path} belongs to another user")
+    os.chmod(path, 0o700)
+    return path

@@ -16,10 +16,12 @@ import signal
 import subprocess
 import sys
 
+import psutil
 import uvicorn
 
 from supervisor.app import build_app
 from supervisor.config import DEMO_MODEL_ID, Settings, runtime_dir
+from supervisor.process import reap_stale
 from supervisor.registry import ModelSpec, Registry, is_model_dir, weights_bytes
 from supervisor.router import Router
 
@@ -46,16 +48,35 @@ def ensure_demo_model(settings: Settings) -> ModelSpec:
     return ModelSpec(DEMO_MODEL_ID, path, weights_bytes=weights_bytes(path))
 
 
+class AlreadyRunning(RuntimeError):
+    pass
+
+
+def claim_state_dir(settings: Settings) -> None:
+    """Refuse to share a state directory with a live daemon; clear what a dead one left."""
+    try:
+        info = json.loads(settings.daemon_file.read_text())
+        proc = psutil.Process(int(info["pid"]))
+        if proc.pid != os.getpid() and "serve" in proc.cmdline():
+            raise AlreadyRunning(f"a daemon already runs on {settings.state_dir} (pid {proc.pid}, {info['url']})")
+    except (OSError, ValueError, KeyError, psutil.Error):
+        pass
+    settings.daemon_file.unlink(missing_ok=True)
+
+
 async def serve(settings: Settings) -> int:
     settings.state_dir.mkdir(parents=True, exist_ok=True)
     settings.log_dir.mkdir(parents=True, exist_ok=True)
+    claim_state_dir(settings)
     configured = list(settings.models)
     if settings.demo:
         configured.append(ensure_demo_model(settings))
     registry = Registry.build(settings.model_dirs, configured)
     if not registry.specs:
         log.warning("[start] no models found: pass --model-dir, --config or --demo")
-    router = Router(registry, settings, runtime_dir(settings.state_dir))
+    run_dir = runtime_dir(settings.state_dir)
+    reap_stale(run_dir)
+    router = Router(registry, settings, run_dir)
     router.start()
     app = build_app(router, settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import logging
 import os
 import signal
@@ -20,16 +21,20 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+
 log = logging.getLogger(__name__)
 
 STDERR_TAIL_LINES = 40
 
 
 class WorkerProcess:
-    def __init__(self, model_id: str, argv: list[str], log_path: Path | None = None) -> None:
+    def __init__(self, model_id: str, argv: list[str], log_path: Path | None = None,
+                 pid_dir: Path | None = None) -> None:
         self.model_id = model_id
         self.argv = argv
         self.log_path = log_path
+        self.pid_dir = pid_dir
         self.proc: asyncio.subprocess.Process | None = None
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
         self.returncode: int | None = None
@@ -59,6 +64,8 @@ class WorkerProcess:
         finally:
             self.started.set()
         log.info("[spawn] model=%s pid=%d", self.model_id, self.proc.pid)
+        if self.pid_dir is not None:  # so the next start can reap it if this supervisor dies hard
+            self._pidfile().write_text(json.dumps({"pid": self.proc.pid, "model": self.model_id}))
         self._tasks = [
             asyncio.create_task(self._pump_stderr(), name=f"stderr[{self.model_id}]"),
             asyncio.create_task(self._reap(), name=f"reap[{self.model_id}]"),
@@ -83,11 +90,17 @@ class WorkerProcess:
     async def _reap(self) -> None:
         assert self.proc
         self.returncode = await self.proc.wait()
+        if self.pid_dir is not None:
+            self._pidfile().unlink(missing_ok=True)
         if self.returncode == -signal.SIGKILL:
             log.error("[reap] model=%s pid=%d was SIGKILLed (out of memory?)", self.model_id, self.proc.pid)
         else:
             log.info("[reap] model=%s pid=%d exit=%d", self.model_id, self.proc.pid, self.returncode)
         self.exited.set()
+
+    def _pidfile(self) -> Path:
+        assert self.pid_dir is not None and self.proc is not None
+        return self.pid_dir / f"worker-{self.proc.pid}.json"
 
     def signal(self, sig: signal.Signals) -> None:
         if self.proc and self.returncode is None:
@@ -123,8 +136,27 @@ class WorkerProcess:
         return {"exit": self.returncode, "signals": list(self.signals_sent), "wait_s": time.monotonic() - t0}
 
 
+def reap_stale(pid_dir: Path, timeout_s: float = 5.0) -> list[int]:
+    """Kill workers a previous supervisor of this state directory left running; return their pids."""
+    stale = []
+    for pidfile in pid_dir.glob("worker-*.json"):
+        try:
+            pid = int(json.loads(pidfile.read_text())["pid"])
+            proc = psutil.Process(pid)
+            if "worker" in proc.cmdline() and "--lifeline" in proc.cmdline():
+                proc.kill()
+                stale.append(proc)
+        except (OSError, ValueError, KeyError, psutil.Error):
+            pass
+        pidfile.unlink(missing_ok=True)
+    psutil.wait_procs(stale, timeout=timeout_s)
+    for proc in stale:
+        log.warning("[start] reaped a worker left by a previous run: pid=%d", proc.pid)
+    return [p.pid for p in stale]
+
+
 def worker_argv(model_path: Path, model_id: str, endpoint: str, identity: str, heartbeat_s: float,
-                max_batch_size: int, extra: tuple[str, ...] = ()) -> list[str]:
+                max_batch_size: int, prefill_step_size: int, extra: tuple[str, ...] = ()) -> list[str]:
     return [
         sys.executable, "-m", "worker",
         "--model-path", str(model_path),
@@ -133,6 +165,7 @@ def worker_argv(model_path: Path, model_id: str, endpoint: str, identity: str, h
         "--identity", identity,
         "--heartbeat-s", str(heartbeat_s),
         "--max-batch-size", str(max_batch_size),
+        "--prefill-step-size", str(prefill_step_size),
         "--lifeline",
         *extra,
     ]

@@ -12,14 +12,18 @@ Everything here runs on the one asyncio loop. Rules that keep it race-free:
 from __future__ import annotations
 
 import asyncio
+import collections
 import enum
 import logging
+import signal
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from protocol.messages import Abort, Bye, Evict, Failed, Finished, Heartbeat, Message, Ready, Submit, Tokens
+from protocol.messages import (
+    EXIT_LOAD_FAILED, Abort, Bye, Evict, Failed, Finished, Heartbeat, Message, Ready, Submit, Tokens,
+)
 from supervisor import errors, policy
 from supervisor.config import Settings
 from supervisor.memory import footprint, system_available, system_total
@@ -76,6 +80,8 @@ class Worker:
     bye: Bye | None = None
     evicting: asyncio.Task | None = None
     evict_reason: str | None = None
+    kill_reason: str | None = None  # why the supervisor killed it (hang, load timeout)
+    last_seen: float = field(default_factory=time.monotonic)  # any message: the loop is turning
     gone: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -93,6 +99,25 @@ class ModelRecord:
     last_exit: int | None = None
     last_stderr: list[str] = field(default_factory=list)
     last_eviction: dict | None = None
+    recent_crashes: collections.deque = field(default_factory=collections.deque)  # monotonic times
+    failed_until: float = 0.0  # crash loop or failed load: refuse to start before this
+    backoff_until: float = 0.0  # after a crash: wait before the next start
+
+    def note_crash(self, now: float, settings: Settings, load_failed: bool) -> None:
+        self.crashes += 1
+        self.recent_crashes.append(now)
+        while self.recent_crashes and now - self.recent_crashes[0] > settings.crash_window_s:
+            self.recent_crashes.popleft()
+        n = len(self.recent_crashes)
+        self.backoff_until = now + min(settings.restart_backoff_s * 2 ** (n - 1), settings.restart_backoff_max_s)
+        if load_failed or n >= settings.crash_limit:
+            self.failed_until = now + settings.crash_cooldown_s
+            why = "the model failed to load" if load_failed else f"{n} crashes within {settings.crash_window_s:.0f}s"
+            self.last_error = f"{why}; marked failed: {self.last_error}"
+
+    def clear(self) -> None:
+        self.failed_until = self.backoff_until = 0.0
+        self.recent_crashes.clear()
 
 
 class Lease:
@@ -120,6 +145,7 @@ class Router:
     def __init__(self, registry: Registry, settings: Settings, runtime_dir: Path) -> None:
         self.registry = registry
         self.settings = settings
+        self.runtime_dir = runtime_dir
         self.transport = Transport(runtime_dir, self._on_message, self._on_refused)
         self.workers: dict[str, Worker] = {}
         self.records: dict[str, ModelRecord] = {}
@@ -148,6 +174,7 @@ class Router:
     def _housekeep(self) -> None:
         if not self.workers:
             return
+        self._watch_liveness(time.monotonic())
         views = self._views()
         ttls = {w.spec.id: (w.spec.ttl_s if w.spec.ttl_s is not None else self.settings.default_ttl_s)
                 for w in self.workers.values()}
@@ -162,18 +189,29 @@ class Router:
 
     # --- routing -----------------------------------------------------------------------
 
-    async def acquire(self, name: str) -> Lease:
+    async def acquire(self, name: str, explicit: bool = False) -> Lease:
         """Route to the model's worker, loading it if needed; the lease is taken in the deciding turn.
 
         A request waiting on a load holds a lease on the loading worker too, so nothing
         evicts it between its Ready and the request's submit.
         """
         spec = self.registry.resolve(name)
+        record = self.records.setdefault(spec.id, ModelRecord())
+        if explicit:
+            record.clear()
         while True:
             if self.shutting_down:
                 raise errors.ShuttingDown("the server is shutting down")
             worker = self.workers.get(spec.id)
             if worker is None:
+                now = time.monotonic()
+                if record.failed_until > now:
+                    raise errors.ModelLoadFailed(
+                        f"the model '{spec.id}' is marked failed ({record.last_error}); it is tried again in "
+                        f"{record.failed_until - now:.0f}s, or now with an explicit load")
+                if record.backoff_until > now:
+                    await asyncio.sleep(record.backoff_until - now)
+                    continue
                 decision = policy.admit(self._estimate(spec), self._views(), self.ceiling,
                                         self.settings.max_loaded_models)
                 if decision.refused:
@@ -257,9 +295,9 @@ class Router:
         self.records.setdefault(spec.id, ModelRecord()).starts += 1
         st = self.settings
         argv = worker_argv(spec.path, spec.id, self.transport.endpoint, identity.decode(), st.heartbeat_s,
-                           st.max_batch_size, spec.worker_args)
+                           st.max_batch_size, st.prefill_step_size, spec.worker_args)
         log_path = st.log_dir / f"worker-{spec.id.replace('/', '--')}.log" if st.log_dir else None
-        worker.process = WorkerProcess(spec.id, argv, log_path)
+        worker.process = WorkerProcess(spec.id, argv, log_path, pid_dir=self.runtime_dir)
         asyncio.create_task(self._run(worker), name=f"run[{spec.id}]")
         return worker
 
@@ -280,9 +318,11 @@ class Router:
         tail = list(worker.process.stderr_tail) if worker.process else []
         evicted = worker.state is State.EVICTING
         if not evicted:
-            record.crashes += 1
-            record.last_error = reason or f"worker exited with code {rc}" + (f": {tail[-1]}" if tail else "")
+            record.last_error = (reason or worker.kill_reason or f"worker exited with code {rc}"
+                                 + (f": {tail[-1]}" if tail else ""))
             record.last_stderr = tail[-10:]
+            record.note_crash(time.monotonic(), self.settings, load_failed=rc == EXIT_LOAD_FAILED)
+            log.error("[crash] model=%s pid=%s exit=%s: %s", spec.id, worker.pid, rc, record.last_error)
         record.last_exit = rc
         if not worker.ready.done():
             worker.ready.set_exception(errors.ModelLoadFailed(
@@ -365,6 +405,23 @@ class Router:
         await self.transport.close()
         return [r for r in reports if isinstance(r, dict)]
 
+    def _watch_liveness(self, now: float) -> None:
+        """Kill workers whose loop stopped turning (no message for hang_timeout_s) or whose load stalls."""
+        s = self.settings
+        for worker in list(self.workers.values()):
+            if worker.kill_reason is not None:
+                continue
+            if worker.state is State.READY and now - worker.last_seen > s.hang_timeout_s:
+                self._kill(worker, f"hung: no heartbeat from its generation loop for {now - worker.last_seen:.1f}s")
+            elif worker.state is State.LOADING and now - worker.started_at > s.load_timeout_s:
+                self._kill(worker, f"the load did not finish within {s.load_timeout_s:.0f}s")
+
+    def _kill(self, worker: Worker, reason: str) -> None:
+        worker.kill_reason = reason
+        log.error("[kill] model=%s pid=%s: %s", worker.spec.id, worker.pid, reason)
+        if worker.process is not None:
+            worker.process.signal(signal.SIGKILL)
+
     # --- messages from workers (never await) -------------------------------------------
 
     def _on_message(self, identity: bytes, msg: Message) -> None:
@@ -372,6 +429,7 @@ class Router:
         if worker is None:
             log.warning("[transport] message kind=%s from unknown worker %r", msg.KIND, identity)
             return
+        worker.last_seen = time.monotonic()
         if isinstance(msg, Tokens):
             self._on_tokens(worker, msg)
         elif isinstance(msg, Finished):
@@ -419,10 +477,7 @@ class Router:
             self.records[worker.spec.id].last_error = f"protocol mismatch: {reason}"
             if not worker.ready.done():
                 worker.ready.set_exception(errors.ModelLoadFailed(f"the worker was refused: {reason}"))
-            if worker.process is not None:
-                import signal
-
-                worker.process.signal(signal.SIGKILL)
+            self._kill(worker, f"protocol mismatch: {reason}")
 
     # --- status ------------------------------------------------------------------------
 
@@ -437,8 +492,9 @@ class Router:
                   "last_error": record.last_error, "stderr_tail": record.last_stderr,
                   "last_eviction": record.last_eviction, "batch_size": 0, "peak_batch_size": 0}
         if worker is None:
-            if record.crashes and record.last_exit not in (0, None):
+            if record.failed_until > time.monotonic():
                 status["state"] = State.FAILED.value
+                status["retry_in_s"] = round(record.failed_until - time.monotonic(), 1)
             return status
         hb = worker.heartbeat
         idle = time.monotonic() - worker.last_used if worker.leases == 0 and worker.state is State.READY else 0.0

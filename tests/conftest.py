@@ -106,9 +106,10 @@ def start_daemon(state_dir: Path, *args: str, env: dict | None = None) -> Daemon
         if proc.poll() is not None:
             raise AssertionError(f"daemon exited with {proc.returncode}: {(state_dir / 'daemon.log').read_text()}")
         try:
-            return json.loads(daemon_file.read_text())
+            info = json.loads(daemon_file.read_text())
         except (OSError, ValueError):
             return None
+        return info if info.get("pid") == proc.pid else None  # not a dead predecessor's file
 
     info = wait_for(started, 60, what="the daemon to start")
     return Daemon(proc, info["url"], state_dir)

@@ -19,6 +19,12 @@ from pathlib import Path
 from protocol.messages import EXIT_LOAD_FAILED, EXIT_PARENT_GONE
 
 PARENT_GONE_GRACE_S = 5.0
+FAULTS = {
+    "ignore-sigterm": "ignore SIGTERM",
+    "hang-on-evict": "never finish the exit sequence",
+    "slow-steps": "sleep 0.4 s in every engine step (a slow but live worker)",
+    "protocol-v2": "announce itself in another protocol version",
+}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -29,9 +35,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--identity", required=True, help="this worker's routing identity")
     p.add_argument("--heartbeat-s", type=float, default=1.0)
     p.add_argument("--max-batch-size", type=int, default=32)
+    p.add_argument("--prefill-step-size", type=int, default=512,
+                   help="prompt tokens per engine step: bounds a step's time, so heartbeats show prefill progress")
     p.add_argument("--lifeline", action="store_true", help="exit when stdin reaches EOF")
-    p.add_argument("--fault", action="append", default=[], choices=["ignore-sigterm", "hang-on-evict"],
-                   help="testing: behave like a stuck worker (repeatable)")
+    p.add_argument("--fault", action="append", default=[], choices=sorted(FAULTS),
+                   help="testing only: misbehave on purpose (repeatable)")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -81,13 +89,13 @@ def main(argv: list[str] | None = None) -> int:
         try:
             from worker.engine import Engine
 
-            engine = Engine(args.model_path, max_batch_size=args.max_batch_size)
+            engine = Engine(args.model_path, max_batch_size=args.max_batch_size,
+                            prefill_step_size=args.prefill_step_size)
         except Exception as exc:
             log.error("[load] model=%s path=%s failed: %s", args.model_id, args.model_path, exc)
             return EXIT_LOAD_FAILED
         log.info("[load] model=%s ready in %.2fs", args.model_id, engine.load_s)
-        loop = WorkerLoop(sock, engine, args.model_id, flags, heartbeat_s=args.heartbeat_s,
-                          hang_on_evict="hang-on-evict" in args.fault)
+        loop = WorkerLoop(sock, engine, args.model_id, flags, heartbeat_s=args.heartbeat_s, faults=set(args.fault))
         loop.announce()
         return loop.run()
     finally:

@@ -15,6 +15,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import msgpack
 import zmq
 
 from protocol.codec import ProtocolError, VersionMismatch, decode, encode
@@ -48,7 +49,7 @@ class Flags:
 
 class WorkerLoop:
     def __init__(self, sock: zmq.Socket, engine: Engine, model_id: str, flags: Flags,
-                 heartbeat_s: float = 1.0, hang_on_evict: bool = False) -> None:
+                 heartbeat_s: float = 1.0, faults: set[str] = frozenset()) -> None:
         self.sock = sock
         self.engine = engine
         self.model_id = model_id
@@ -56,7 +57,7 @@ class WorkerLoop:
         self.heartbeat_s = heartbeat_s
         self.shutdown: Shutdown | None = None
         self._next_heartbeat = 0.0
-        self._hang_on_evict = hang_on_evict
+        self._faults = faults
 
     def send(self, msg: Message) -> None:
         try:
@@ -66,8 +67,13 @@ class WorkerLoop:
 
     def announce(self) -> None:
         e = self.engine
-        self.send(Ready(self.model_id, _pid(), e.context_length, e.vocab_size, e.weights_bytes,
-                        process_memory_bytes(), e.load_s))
+        ready = Ready(self.model_id, _pid(), e.context_length, e.vocab_size, e.weights_bytes,
+                      process_memory_bytes(), e.load_s)
+        if "protocol-v2" in self._faults:  # testing: a worker from another release
+            body = msgpack.unpackb(encode(ready))
+            self.sock.send(msgpack.packb({**body, "v": body["v"] + 1}))
+            return
+        self.send(ready)
 
     def run(self) -> int:
         poller = zmq.Poller()
@@ -136,6 +142,8 @@ class WorkerLoop:
             self.send(Failed(msg.rid, INTERNAL_ERROR, f"the worker could not start the request: {exc}"))
 
     def _step(self) -> None:
+        if "slow-steps" in self._faults:
+            time.sleep(0.4)
         try:
             chunks, finished = self.engine.step()
         except Exception as exc:
@@ -162,7 +170,7 @@ class WorkerLoop:
 
     def _exit(self) -> int:
         assert self.shutdown is not None
-        if self._hang_on_evict:  # testing the supervisor's kill ladder: a worker stuck in its exit
+        if "hang-on-evict" in self._faults:  # testing the supervisor's kill ladder: a worker stuck in its exit
             log.warning("[fault] hanging instead of exiting")
             threading.Event().wait()
         bye = self.shutdown.finish(close_caches=lambda: None, settle=self.engine.settle)
