@@ -1,0 +1,125 @@
+"""Hostile and malformed input against a real daemon: the right 4xx with an OpenAI error body,
+no worker crash, and the service keeps serving. Plus the optional API key."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import MLXSUP, Daemon
+
+MSGS = [{"role": "user", "content": "hi"}]
+CHAT = "/v1/chat/completions"
+COMP = "/v1/completions"
+
+
+def chat(**kw) -> dict:
+    return {"model": "tiny", "messages": MSGS, **kw}
+
+
+def comp(**kw) -> dict:
+    return {"model": "tiny", "prompt": "hi", **kw}
+
+
+# (id, method, path, body: dict | bytes | None, status, expected error code or param)
+CASES = [
+    ("truncated-json", "POST", CHAT, b'{"model": "tiny", "messages": [', 400, "invalid_request"),
+    ("json-array", "POST", CHAT, b"[1, 2]", 400, "invalid_request"),
+    ("json-string", "POST", CHAT, b'"hello"', 400, "invalid_request"),
+    ("empty-body", "POST", CHAT, b"", 400, "invalid_request"),
+    ("non-utf8", "POST", CHAT, b'{"model": "\xff\xfe"}', 400, "invalid_request"),
+    ("missing-model", "POST", CHAT, {"messages": MSGS}, 400, "model"),
+    ("model-not-string", "POST", CHAT, chat(model=123), 400, "model"),
+    ("missing-messages", "POST", CHAT, {"model": "tiny"}, 400, "messages"),
+    ("empty-messages", "POST", CHAT, chat(messages=[]), 400, "messages"),
+    ("messages-not-list", "POST", CHAT, chat(messages="hi"), 400, "messages"),
+    ("message-not-object", "POST", CHAT, chat(messages=["hi"]), 400, "messages[0]"),
+    ("unknown-role", "POST", CHAT, chat(messages=[{"role": "oracle", "content": "x"}]), 400, "messages[0].role"),
+    ("content-number", "POST", CHAT, chat(messages=[{"role": "user", "content": 7}]), 400, "messages[0].content"),
+    ("image-part", "POST", CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), 400,
+     "messages[0].content"),
+    ("max-tokens-negative", "POST", CHAT, chat(max_tokens=-1), 400, "max_tokens"),
+    ("max-tokens-zero", "POST", CHAT, chat(max_tokens=0), 400, "max_tokens"),
+    ("max-tokens-huge", "POST", CHAT, chat(max_tokens=10**12), 400, "max_tokens"),
+    ("max-tokens-string", "POST", CHAT, chat(max_tokens="10"), 400, "max_tokens"),
+    ("max-tokens-float", "POST", CHAT, chat(max_tokens=1.5), 400, "max_tokens"),
+    ("temperature-high", "POST", CHAT, chat(temperature=3), 400, "temperature"),
+    ("temperature-negative", "POST", CHAT, chat(temperature=-0.1), 400, "temperature"),
+    ("temperature-string", "POST", CHAT, chat(temperature="warm"), 400, "temperature"),
+    ("top-p-high", "POST", CHAT, chat(top_p=1.5), 400, "top_p"),
+    ("top-k-negative", "POST", CHAT, chat(top_k=-5), 400, "top_k"),
+    ("min-p-high", "POST", CHAT, chat(min_p=2), 400, "min_p"),
+    ("stop-too-many", "POST", CHAT, chat(stop=list("abcde")), 400, "stop"),
+    ("stop-not-strings", "POST", CHAT, chat(stop=[1]), 400, "stop"),
+    ("stop-too-long", "POST", CHAT, chat(stop=["x" * 300]), 400, "stop"),
+    ("n-three", "POST", CHAT, chat(n=3), 400, "n"),
+    ("stream-not-bool", "POST", CHAT, chat(stream="yes"), 400, "stream"),
+    ("stream-options-alone", "POST", CHAT, chat(stream_options={"include_usage": True}), 400, "stream_options"),
+    ("tools", "POST", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    ("logprobs", "POST", CHAT, chat(logprobs=True), 400, "logprobs"),
+    ("unknown-param", "POST", CHAT, chat(frobnicate=True), 400, "frobnicate"),
+    ("penalty", "POST", CHAT, chat(presence_penalty=1.0), 400, "presence_penalty"),
+    ("prompt-longer-than-context", "POST", COMP, comp(prompt="word " * 9000, max_tokens=4), 400,
+     "context_length_exceeded"),
+    ("max-tokens-past-context", "POST", COMP, comp(max_tokens=9000), 400, "context_length_exceeded"),
+    ("huge-body", "POST", CHAT, b'{"model": "tiny", "pad": "' + b"x" * (9 * 2**20) + b'"}', 413, "payload_too_large"),
+    ("unknown-model", "POST", CHAT, chat(model="gpt-99"), 404, "model_not_found"),
+    ("prompt-missing", "POST", COMP, {"model": "tiny"}, 400, "prompt"),
+    ("prompt-tokens", "POST", COMP, comp(prompt=[1, 2, 3]), 400, "prompt"),
+    ("prompt-empty", "POST", COMP, comp(prompt=""), 400, "prompt"),
+    ("echo", "POST", COMP, comp(echo=True), 400, "echo"),
+    ("wrong-method", "GET", CHAT, None, 405, "invalid_request"),
+    ("unknown-route", "POST", "/v1/engines", b"{}", 404, "not_found"),
+    ("evict-bad-mode", "POST", "/api/models/tiny/evict", {"mode": "gently"}, 400, "mode"),
+    ("evict-bad-timeout", "POST", "/api/models/tiny/evict", {"timeout": -1}, 400, "timeout"),
+    ("evict-unknown-model", "POST", "/api/models/nope/evict", {}, 404, "model_not_found"),
+    ("load-unknown-model", "POST", "/api/models/nope/load", None, 404, "model_not_found"),
+]
+
+
+@pytest.fixture(scope="module")
+def served(daemon: Daemon) -> Daemon:
+    r = httpx.post(daemon.url + "/api/models/tiny/load", timeout=60)
+    assert r.status_code == 200
+    return daemon
+
+
+@pytest.mark.parametrize("name, method, path, body, status, expected", CASES, ids=[c[0] for c in CASES])
+def test_bad_request(served: Daemon, name, method, path, body, status, expected) -> None:
+    kwargs = {"content": body} if isinstance(body, bytes) else ({"json": body} if body is not None else {})
+    r = httpx.request(method, served.url + path, timeout=60, **kwargs)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) >= {"message", "type", "param", "code"} and error["message"]
+    assert expected in (error["code"], error["param"]), error
+
+
+def test_nothing_crashed_and_serving_goes_on(served: Daemon) -> None:
+    status = served.model("tiny")
+    assert status["crashes"] == 0 and status["restarts"] == 0 and status["state"] == "ready"
+    ok = httpx.post(served.v1 + "/completions", json=comp(max_tokens=3), timeout=60)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+    assert len(CASES) >= 30
+
+
+def test_api_key_guards_v1_and_admin_routes(daemon_factory, model_dir: Path) -> None:
+    secret = "s3cret-key-for-tests"
+    d = daemon_factory("--model-dir", str(model_dir), env={"MLXSUP_API_KEY": secret})
+    assert httpx.get(d.url + "/health").status_code == 200
+    for method, path in (("GET", "/v1/models"), ("POST", COMP), ("GET", "/api/status"),
+                         ("POST", "/api/models/tiny/load"), ("POST", "/api/models/tiny/evict")):
+        r = httpx.request(method, d.url + path, json={}, headers={"Authorization": "Bearer wrong"}, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (method, path)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=d.v1, api_key="wrong", max_retries=0).models.list()
+    good = openai.OpenAI(base_url=d.v1, api_key=secret, max_retries=0)
+    assert [m.id for m in good.models.list()] == ["tiny", "tiny2"]
+    cli = subprocess.run([*MLXSUP, "status", "--json", "--url", d.url], capture_output=True, text=True,
+                         env={**__import__("os").environ, "MLXSUP_API_KEY": secret}, timeout=60)
+    assert cli.returncode == 0 and json.loads(cli.stdout)["models"]
+    assert secret not in (d.state_dir / "daemon.log").read_text()  # no secrets in logs
