@@ -1,7 +1,7 @@
 """Every message that crosses the supervisor <-> worker boundary, one typed class each.
 
 Messages to the worker are imperative (Submit, Abort, Evict); messages from it are facts
-(Ready, Tokens, Finished, Failed, Heartbeat, Bye). Fields hold only msgpack-native types
+(Progress, Ready, Tokens, Finished, Failed, Heartbeat, Bye). Fields hold only msgpack-native types
 (str, int, float, bool, None, list, dict) so the codec can validate them without any
 custom serialisation; errors travel as data (a machine code and a message), never as
 serialised exceptions.
@@ -88,6 +88,15 @@ class Ready(Message):
 
 
 @dataclass(slots=True)
+class Progress(Message):
+    """Load progress, before Ready: a stage name and the fraction of the weights in memory."""
+
+    KIND: ClassVar[str] = "progress"
+    stage: str
+    fraction: float
+
+
+@dataclass(slots=True)
 class Tokens(Message):
     """Text deltas produced by one engine step, coalesced: [[rid, text, n_tokens], ...]."""
 
@@ -144,6 +153,7 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     Abort,
     Evict,
     Ready,
+    Progress,
     Tokens,
     Finished,
     Failed,

@@ -27,8 +27,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from protocol.messages import Finished
 from supervisor import __version__, errors
 from supervisor.config import Settings
+from supervisor.call import Call
+from supervisor.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from supervisor.openai_api import Parsed, Shaper, parse_chat, parse_completion
-from supervisor.router import Lease, Router, Stream
+from supervisor.router import Router
 
 log = logging.getLogger(__name__)
 
@@ -117,53 +119,65 @@ class Gateway:
 
     async def _generate(self, request: Request, parse: Callable[[Any], Parsed]) -> Response:
         parsed = parse(await read_json(request, self.settings.max_body_bytes))
-        lease = await self.router.acquire(parsed.model)
-        rid = parsed.submit.rid
-
-        def close() -> None:
-            lease.abort(rid)  # a no-op once the worker has finished it
-            lease.release()
-
+        call = Call(self.router, parsed, request.url.path)
+        shaper = Shaper(parsed, self.router.registry.resolve(parsed.model).id)
+        starting = asyncio.create_task(call.start(), name=f"start[{parsed.submit.rid}]")
+        done, _ = await asyncio.wait({starting}, timeout=self.settings.sse_keepalive_s if parsed.stream else None)
+        if not done:  # a cold load: keep the client's connection alive with SSE comments meanwhile
+            return SSEResponse(self._sse_waiting(call, starting, shaper), call.close)
         try:
-            stream = lease.submit(parsed.submit)
-            events = stream.events()
-            first = await anext(events)  # an error before the first token is an HTTP error
+            starting.result()  # an error before the first token is an HTTP error
         except BaseException:
-            close()
+            call.close()
             raise
-        shaper = Shaper(parsed, lease.worker.spec.id)
         if parsed.stream:
-            return SSEResponse(self._sse(first, events, shaper, parsed.include_usage), close)
+            return SSEResponse(self._sse(call, shaper), call.close)
         try:
-            return await self._whole(request, first, events, shaper)
+            return await self._whole(request, call, shaper)
         finally:
-            close()
+            call.close()
 
-    async def _sse(self, first: Any, events: AsyncIterator, shaper: Shaper, include_usage: bool
-                   ) -> AsyncIterator[bytes]:
-        item, is_first = first, True
+    async def _sse_waiting(self, call: Call, starting: asyncio.Task, shaper: Shaper) -> AsyncIterator[bytes]:
+        try:
+            while not starting.done():
+                worker = self.router.loading(call.parsed.model)
+                note = f"{worker.progress.stage} {worker.progress.fraction:.0%}" if worker else "waiting for memory"
+                yield f": loading {shaper.model}: {note}\n\n".encode()
+                await asyncio.wait({starting}, timeout=self.settings.sse_keepalive_s)
+            starting.result()
+        except errors.MlxsupError as exc:
+            yield sse(exc.body())
+            return
+        finally:
+            if not starting.done():
+                starting.cancel()
+        async for chunk in self._sse(call, shaper):
+            yield chunk
+
+    async def _sse(self, call: Call, shaper: Shaper) -> AsyncIterator[bytes]:
+        item, is_first = call.first, True
         try:
             while True:
                 if isinstance(item, Finished):
                     if item.text or is_first:
                         yield sse(shaper.chunk(item.text, first=is_first))
                     yield sse(shaper.chunk("", item.finish_reason))
-                    if include_usage:
+                    if call.parsed.include_usage:
                         yield sse(shaper.usage_chunk(item))
                     yield SSE_DONE
                     return
                 yield sse(shaper.chunk(item[0], first=is_first))
                 is_first = False
-                item = await anext(events)
+                item = await call.next()
         except errors.MlxsupError as exc:
             yield sse(exc.body())
 
-    async def _whole(self, request: Request, first: Any, events: AsyncIterator, shaper: Shaper) -> Response:
+    async def _whole(self, request: Request, call: Call, shaper: Shaper) -> Response:
         async def collect() -> Response:
-            parts, item = [], first
+            parts, item = [], call.first
             while not isinstance(item, Finished):
                 parts.append(item[0])
-                item = await anext(events)
+                item = await call.next()
             parts.append(item.text)
             return JSONResponse(shaper.whole("".join(parts), item))
 
@@ -197,17 +211,56 @@ class Gateway:
                              **self.router.status()})
 
     async def load(self, request: Request) -> Response:
+        """Load a model now; with {"stream": true}, SSE progress events until it is ready."""
+        body = await self._admin_body(request)
+        name = request.path_params["model"]
+        self.router.registry.resolve(name)
         t0 = time.monotonic()
-        lease = await self.router.acquire(request.path_params["model"], explicit=True)
-        lease.release()
-        worker = lease.worker
-        return JSONResponse({"model": worker.spec.id, "pid": worker.pid, "state": worker.state.value,
-                             "duration_s": round(time.monotonic() - t0, 3)})
+        loading = asyncio.create_task(self.router.acquire(name, explicit=True), name=f"load[{name}]")
 
-    async def evict(self, request: Request) -> Response:
+        def report() -> dict:
+            lease = loading.result()
+            lease.release()
+            w = lease.worker
+            return {"model": w.spec.id, "pid": w.pid, "state": w.state.value,
+                    "duration_s": round(time.monotonic() - t0, 3)}
+
+        if not body.get("stream"):
+            await loading
+            return JSONResponse(report())
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                while not loading.done():
+                    worker = self.router.loading(name)
+                    waits: set[asyncio.Future] = {loading}
+                    if worker is not None:
+                        yield sse({"stage": worker.progress.stage, "fraction": worker.progress.fraction})
+                        waits.add(asyncio.ensure_future(worker.progressed.wait()))
+                    await asyncio.wait(waits, timeout=self.settings.sse_keepalive_s,
+                                       return_when=asyncio.FIRST_COMPLETED)
+                    for w in waits - {loading}:
+                        w.cancel()
+                yield sse(report())
+            except errors.MlxsupError as exc:
+                yield sse(exc.body())
+            finally:
+                if not loading.done():
+                    loading.cancel()
+
+        return SSEResponse(events(), lambda: None)
+
+    async def _admin_body(self, request: Request) -> dict:
         body = await read_json(request, 4096) if await request.body() else {}
         if not isinstance(body, dict):
             raise errors.InvalidRequest("the body must be a JSON object")
+        return body
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(self.router.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+    async def evict(self, request: Request) -> Response:
+        body = await self._admin_body(request)
         mode = body.get("mode", "drain")
         if mode not in ("drain", "now"):
             raise errors.InvalidRequest("'mode' must be 'drain' or 'now'", param="mode")
@@ -257,6 +310,7 @@ def build_app(router: Router, settings: Settings) -> Starlette:
         Route("/v1/models", gw.models, methods=["GET"]),
         Route("/health", gw.health, methods=["GET"]),
         Route("/api/status", gw.status, methods=["GET"]),
+        Route("/metrics", gw.metrics, methods=["GET"]),
         Route("/api/models/{model:path}/load", gw.load, methods=["POST"]),
         Route("/api/models/{model:path}/evict", gw.evict, methods=["POST"]),
     ]

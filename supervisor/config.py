@@ -49,6 +49,7 @@ class Settings:
     shutdown_drain_s: float = 5.0
     max_body_bytes: int = 8 * 1024 * 1024
     log_level: str = "info"
+    sse_keepalive_s: float = 2.0  # a streaming request waiting on a load gets an SSE comment this often
     # lifecycle
     default_ttl_s: float | None = None  # idle TTL of models that set none; None: never
     memory_ceiling_bytes: int | None = None  # None: total RAM minus the reserve
@@ -93,7 +94,7 @@ _SERVER_KEYS: dict[str, type | tuple[type, ...]] = {
     "default_ttl_s": (int, float), "housekeeping_s": (int, float), "hang_timeout_s": (int, float),
     "load_timeout_s": (int, float), "prefill_step_size": int, "crash_limit": int, "crash_window_s": (int, float),
     "crash_cooldown_s": (int, float), "restart_backoff_s": (int, float), "restart_backoff_max_s": (int, float),
-    "api_key": str,
+    "api_key": str, "sse_keepalive_s": (int, float),
 }
 _MEMORY_KEYS = {
     "ceiling": "memory_ceiling_bytes", "reserve": "memory_reserve_bytes", "worker_overhead": "worker_overhead_bytes",

@@ -22,11 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from protocol.messages import (
-    EXIT_LOAD_FAILED, Abort, Bye, Evict, Failed, Finished, Heartbeat, Message, Ready, Submit, Tokens,
+    EXIT_LOAD_FAILED, Abort, Bye, Evict, Failed, Finished, Heartbeat, Message, Progress, Ready, Submit, Tokens,
 )
 from supervisor import errors, policy
 from supervisor.config import Settings
 from supervisor.memory import footprint, system_available, system_total
+from supervisor.metrics import Metrics
 from supervisor.process import WorkerProcess, worker_argv
 from supervisor.registry import ModelSpec, Registry
 from supervisor.transport import Transport
@@ -82,6 +83,8 @@ class Worker:
     evict_reason: str | None = None
     kill_reason: str | None = None  # why the supervisor killed it (hang, load timeout)
     last_seen: float = field(default_factory=time.monotonic)  # any message: the loop is turning
+    progress: Progress = field(default_factory=lambda: Progress("starting", 0.0))
+    progressed: asyncio.Event = field(default_factory=asyncio.Event)  # replaced after each set
     gone: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -153,6 +156,8 @@ class Router:
         self._spawned = 0
         self._housekeeping: asyncio.Task | None = None
         self.shutting_down = False
+        self.metrics = Metrics()
+        self.metrics.watch(self.status)
 
     def start(self) -> None:
         self.transport.start()
@@ -268,6 +273,15 @@ class Router:
         err.extra = {"missing_bytes": decision.missing_bytes, "loaded": [v.__dict__ for v in views]}
         return err
 
+    def is_ready(self, name: str) -> bool:
+        worker = self.workers.get(self.registry.resolve(name).id)
+        return worker is not None and worker.state is State.READY
+
+    def loading(self, name: str) -> Worker | None:
+        """The model's worker while it loads (for progress), else None."""
+        worker = self.workers.get(self.registry.resolve(name).id)
+        return worker if worker is not None and worker.state is State.LOADING else None
+
     def _submit(self, worker: Worker, msg: Submit) -> Stream:
         stream = Stream(msg.rid)
         if worker.state is not State.READY:
@@ -323,10 +337,14 @@ class Router:
             record.last_stderr = tail[-10:]
             record.note_crash(time.monotonic(), self.settings, load_failed=rc == EXIT_LOAD_FAILED)
             log.error("[crash] model=%s pid=%s exit=%s: %s", spec.id, worker.pid, rc, record.last_error)
+            self.metrics.crashes.labels(spec.id).inc()
+            if worker.info is None:
+                self.metrics.loads.labels(spec.id, "failed").inc()
         record.last_exit = rc
         if not worker.ready.done():
-            worker.ready.set_exception(errors.ModelLoadFailed(
-                f"the model '{spec.id}' failed to load: {record.last_error}"))
+            worker.ready.set_exception(
+                errors.ModelEvicted(f"the model '{spec.id}' was evicted while it was loading") if evicted
+                else errors.ModelLoadFailed(f"the model '{spec.id}' failed to load: {record.last_error}"))
         error: errors.MlxsupError = (
             errors.ModelEvicted(f"the model '{spec.id}' was evicted") if evicted
             else errors.WorkerDied(f"the worker of '{spec.id}' exited unexpectedly (code {rc})"))
@@ -355,6 +373,7 @@ class Router:
             worker.evict_reason = reason
             timeout = self.settings.evict_timeout_s if timeout_s is None else timeout_s
             log.info("[evict] model=%s pid=%s reason=%s mode=%s", worker.spec.id, worker.pid, reason, mode)
+            self.metrics.evictions.labels(worker.spec.id, reason).inc()
             worker.evicting = asyncio.create_task(self._evict(worker, mode, timeout), name=f"evict[{worker.spec.id}]")
         elif mode == "now" and worker.info is not None:
             self.transport.send(worker.identity, Evict(mode="now", deadline_s=0))  # tighten a drain
@@ -444,6 +463,10 @@ class Router:
             worker.heartbeat = msg
         elif isinstance(msg, Ready):
             self._on_ready(worker, msg)
+        elif isinstance(msg, Progress):
+            worker.progress = msg
+            worker.progressed.set()
+            worker.progressed = asyncio.Event()
         elif isinstance(msg, Bye):
             worker.bye = msg
         else:
@@ -467,6 +490,9 @@ class Router:
             worker.state = State.READY
             worker.last_used = time.monotonic()
             log.info("[load] model=%s pid=%d ready in %.2fs", worker.spec.id, msg.pid, msg.load_s)
+            self.metrics.loads.labels(worker.spec.id, "ok").inc()
+            self.metrics.load_seconds.labels(worker.spec.id).observe(time.monotonic() - worker.started_at)
+            worker.progressed.set()
         if not worker.ready.done():
             worker.ready.set_result(msg)
 
@@ -490,7 +516,7 @@ class Router:
                   "queued": 0, "leases": 0, "idle_s": None, "ttl_s": ttl, "ttl_remaining_s": None,
                   "pinned": spec.pinned, "restarts": max(0, record.starts - 1), "crashes": record.crashes,
                   "last_error": record.last_error, "stderr_tail": record.last_stderr,
-                  "last_eviction": record.last_eviction, "batch_size": 0, "peak_batch_size": 0}
+                  "last_eviction": record.last_eviction, "worker_active": 0, "batch_size": 0, "peak_batch_size": 0}
         if worker is None:
             if record.failed_until > time.monotonic():
                 status["state"] = State.FAILED.value
@@ -502,10 +528,12 @@ class Router:
             state=worker.state.value, pid=worker.pid, memory_bytes=footprint(worker.pid) if worker.pid else None,
             in_flight=len(worker.streams), leases=worker.leases, idle_s=round(idle, 1),
             ttl_remaining_s=round(max(0.0, ttl - idle), 1) if ttl and not spec.pinned else None,
-            queued=hb.waiting if hb else 0, batch_size=hb.batch_size if hb else 0,
+            queued=hb.waiting if hb else 0, worker_active=hb.active if hb else 0, batch_size=hb.batch_size if hb else 0,
             peak_batch_size=hb.max_batch_size if hb else 0, generated_tokens=hb.generated_tokens if hb else 0,
             context_length=worker.info.context_length if worker.info else None,
         )
+        if worker.state is State.LOADING:
+            status["progress"] = {"stage": worker.progress.stage, "fraction": worker.progress.fraction}
         return status
 
     def status(self) -> dict:

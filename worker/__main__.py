@@ -87,10 +87,15 @@ def main(argv: list[str] | None = None) -> int:
     sock.connect(args.endpoint)
     try:
         try:
+            from protocol.codec import encode
+            from protocol.messages import Progress
             from worker.engine import Engine
 
+            def report(stage: str, fraction: float) -> None:
+                sock.send(encode(Progress(stage, round(fraction, 3))), zmq.NOBLOCK)
+
             engine = Engine(args.model_path, max_batch_size=args.max_batch_size,
-                            prefill_step_size=args.prefill_step_size)
+                            prefill_step_size=args.prefill_step_size, report=report)
         except Exception as exc:
             log.error("[load] model=%s path=%s failed: %s", args.model_id, args.model_path, exc)
             return EXIT_LOAD_FAILED

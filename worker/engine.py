@@ -14,11 +14,13 @@ import gc
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 import psutil
+from mlx.utils import tree_flatten
 from mlx_lm import load
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.sample_utils import make_sampler
@@ -54,11 +56,29 @@ def process_memory_bytes() -> int:
     return psutil.Process().memory_info().rss
 
 
+def load_with_progress(model_path: Path, report: Callable[[str, float], None]) -> tuple:
+    """mlx_lm.load, lazily, then the weights brought into memory in slices, reporting the fraction done."""
+    report("reading", 0.0)
+    model, tokenizer = load(str(model_path), lazy=True)
+    leaves = [v for _, v in tree_flatten(model.parameters())]
+    total = sum(v.nbytes for v in leaves) or 1
+    done, reported = 0, 0.0
+    for leaf in leaves:
+        mx.eval(leaf)
+        done += leaf.nbytes
+        if done / total - reported >= 0.05:
+            reported = done / total
+            report("weights", reported)
+    report("warm-up", 1.0)
+    mx.eval(model(mx.array([[0]])))  # compiles the first kernels now, not in the first request
+    return model, tokenizer
+
+
 class Engine:
     def __init__(self, model_path: Path, max_batch_size: int = 32, prefill_batch_size: int = 8,
-                 prefill_step_size: int = 2048) -> None:
+                 prefill_step_size: int = 2048, report: Callable[[str, float], None] = lambda *_: None) -> None:
         t0 = time.perf_counter()
-        self.model, self.tokenizer = load(str(model_path))
+        self.model, self.tokenizer = load_with_progress(model_path, report)
         config = json.loads((model_path / "config.json").read_text())
         self.context_length = int(config.get("max_position_embeddings") or 4096)
         self.vocab_size = int(config.get("vocab_size") or 0)

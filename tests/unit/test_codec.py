@@ -10,7 +10,8 @@ import pytest
 from protocol.codec import MAX_MESSAGE_BYTES, ProtocolError, VersionMismatch, decode, encode
 from tests.unit.golden import GOLDEN_SHA256
 from protocol.messages import (
-    ALL_MESSAGES, PROTOCOL_VERSION, Abort, Bye, Evict, Failed, Finished, Heartbeat, Ready, Submit, Tokens,
+    ALL_MESSAGES, PROTOCOL_VERSION, Abort, Bye, Evict, Failed, Finished, Heartbeat, Progress, Ready, Submit,
+    Tokens,
 )
 
 SAMPLES = [
@@ -18,6 +19,7 @@ SAMPLES = [
     Submit(rid="r2", max_tokens=0, prompt="Once", top_p=0.9, top_k=40, min_p=0.05, ignore_eos=True),
     Abort(rid="r1"),
     Evict(mode="drain", deadline_s=2.5),
+    Progress(stage="weights", fraction=0.5),
     Ready(model_id="m", pid=42, context_length=8192, vocab_size=1024, weights_bytes=10, memory_bytes=20, load_s=0.5),
     Tokens(chunks=[["r1", "héllo", 1], ["r2", "", 2]]),
     Finished(rid="r1", text="!", finish_reason="stop", prompt_tokens=3, completion_tokens=4, cached_tokens=2),

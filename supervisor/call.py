@@ -1,0 +1,80 @@
+"""One generation request's life in the supervisor: lease, submit, events, close, metrics.
+
+HTTP-agnostic: app.py decides how events are written. Invariant: close() runs once per Call,
+and releases the lease (telling the worker to abort if the request still runs) on every path:
+completion, error, client disconnect, shutdown. Metrics are observed there, once per request.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from protocol.messages import Finished
+from supervisor import errors
+from supervisor.openai_api import Parsed
+from supervisor.router import Lease, Router
+
+
+class Call:
+    def __init__(self, router: Router, parsed: Parsed, endpoint: str) -> None:
+        self.router = router
+        self.parsed = parsed
+        self.endpoint = endpoint
+        self.lease: Lease | None = None
+        self.first: tuple[str, int] | Finished | None = None
+        self.finished: Finished | None = None
+        self.outcome = "disconnected"  # until the request ends otherwise
+        self.t0 = time.monotonic()
+        self.t_first: float | None = None
+        self._events: AsyncIterator | None = None
+        self._closed = False
+
+    @property
+    def model_id(self) -> str:
+        return self.lease.worker.spec.id if self.lease else self.parsed.model
+
+    async def start(self) -> None:
+        """Route, submit and wait for the first event: an error up to here is the response's status."""
+        try:
+            self.lease = await self.router.acquire(self.parsed.model)
+            self._events = self.lease.submit(self.parsed.submit).events()
+            self.first = await self.next()
+        except errors.MlxsupError as exc:
+            self.outcome = exc.code
+            raise
+        self.t_first = time.monotonic()
+
+    async def next(self) -> tuple[str, int] | Finished:
+        assert self._events is not None
+        try:
+            item = await anext(self._events)
+        except errors.MlxsupError as exc:
+            self.outcome = exc.code
+            raise
+        if isinstance(item, Finished):
+            self.finished = item
+            self.outcome = "completed"
+        return item
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.lease is not None:
+            self.lease.abort(self.parsed.submit.rid)  # a no-op once the worker has finished it
+            self.lease.release()
+        self._observe()
+
+    def _observe(self) -> None:
+        model = self.model_id if self.model_id in self.router.registry.specs else "unknown"
+        m = self.router.metrics
+        m.requests.labels(model, self.endpoint, self.outcome).inc()
+        if self.t_first is not None:
+            m.ttft.labels(model).observe(self.t_first - self.t0)
+        fin = self.finished
+        if fin is not None:
+            m.prompt_tokens.labels(model).inc(fin.prompt_tokens)
+            m.completion_tokens.labels(model).inc(fin.completion_tokens)
+            if fin.completion_tokens > 1 and self.t_first is not None:
+                m.itl.labels(model).observe((time.monotonic() - self.t_first) / (fin.completion_tokens - 1))

@@ -1,0 +1,65 @@
+"""Prometheus metrics for GET /metrics (prometheus_client's text format).
+
+One registry per daemon, not the process-global one. Counters and histograms are observed
+once per request or per lifecycle event, never per token, so the hot path pays nothing;
+per-model gauges (memory, in flight, state) are read from the router at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _StatusCollector(Collector):
+    def __init__(self, status: Callable[[], dict]) -> None:
+        self._status = status
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        status = self._status()
+        memory = GaugeMetricFamily("mlxsup_model_memory_bytes", "Measured footprint of a model's worker",
+                                   labels=["model"])
+        in_flight = GaugeMetricFamily("mlxsup_model_in_flight", "Requests in flight per model", labels=["model"])
+        loaded = GaugeMetricFamily("mlxsup_model_state", "1 for the model's current state", labels=["model", "state"])
+        for m in status["models"]:
+            memory.add_metric([m["id"]], m["memory_bytes"] or 0)
+            in_flight.add_metric([m["id"]], m["in_flight"])
+            loaded.add_metric([m["id"], m["state"]], 1)
+        yield memory
+        yield in_flight
+        yield loaded
+        yield GaugeMetricFamily("mlxsup_memory_ceiling_bytes", "Admission ceiling", value=status["ceiling_bytes"])
+        yield GaugeMetricFamily("mlxsup_system_available_bytes", "System memory available",
+                                value=status["system_available_bytes"])
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("mlxsup_requests", "Requests by model, endpoint and outcome",
+                                ["model", "endpoint", "outcome"], registry=r)
+        self.prompt_tokens = Counter("mlxsup_prompt_tokens", "Prompt tokens processed", ["model"], registry=r)
+        self.completion_tokens = Counter("mlxsup_completion_tokens", "Tokens generated", ["model"], registry=r)
+        self.ttft = Histogram("mlxsup_time_to_first_token_seconds", "Time to first token, load included",
+                              ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("mlxsup_inter_token_latency_seconds", "Mean time per token after the first, per request",
+                             ["model"], buckets=TOKEN_BUCKETS, registry=r)
+        self.loads = Counter("mlxsup_loads", "Worker loads by outcome", ["model", "outcome"], registry=r)
+        self.load_seconds = Histogram("mlxsup_load_seconds", "Worker load time", ["model"],
+                                      buckets=LATENCY_BUCKETS, registry=r)
+        self.evictions = Counter("mlxsup_evictions", "Evictions by reason", ["model", "reason"], registry=r)
+        self.crashes = Counter("mlxsup_crashes", "Unexpected worker exits", ["model"], registry=r)
+
+    def watch(self, status: Callable[[], dict]) -> None:
+        self.registry.register(_StatusCollector(status))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
