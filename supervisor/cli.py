@@ -1,4 +1,4 @@
-"""The `mlxsup` command: serve | status | evict | load | make-model.
+"""The `mlxsup` command: serve | status | evict | load | logs | config show | make-model | service.
 
 Client commands talk to a running daemon over HTTP (URL from --url, MLXSUP_URL, or the daemon
 file in the state directory). Every failure is a one-line message on stderr and a non-zero
@@ -16,9 +16,10 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
-from supervisor.config import DEFAULT_PORT, ConfigError, Settings, default_state_dir, load_file, parse_size
+from supervisor.config import DEFAULT_PORT, ConfigError, Settings, describe, parse_size, resolve
 
 EXIT_USAGE = 2
 EXIT_NO_DAEMON = 3
@@ -35,11 +36,20 @@ def daemon_url(args: argparse.Namespace) -> str:
         return args.url.rstrip("/")
     if env := os.environ.get("MLXSUP_URL"):
         return env.rstrip("/")
-    state = Path(args.state_dir) if args.state_dir else default_state_dir()
+    settings = client_settings(args)
     try:
-        return json.loads((state / "daemon.json").read_text())["url"]
+        return json.loads(settings.daemon_file.read_text())["url"]
     except (OSError, ValueError, KeyError):
-        return f"http://127.0.0.1:{DEFAULT_PORT}"
+        return f"http://{settings.host}:{settings.port or DEFAULT_PORT}"
+
+
+def client_settings(args: argparse.Namespace) -> Settings:
+    """Where a running daemon's files are: the same resolution as `serve`, but never fatal."""
+    overrides = {"state_dir": Path(args.state_dir) if getattr(args, "state_dir", None) else None}
+    try:
+        return resolve(getattr(args, "config", None), overrides)[0]
+    except ConfigError:
+        return Settings(**{k: v for k, v in overrides.items() if v is not None})
 
 
 def call(url: str, method: str = "GET", body: dict | None = None, timeout: float = 600) -> dict:
@@ -104,9 +114,90 @@ def cmd_evict(args: argparse.Namespace) -> int:
     return 0
 
 
+def stream_events(url: str, body: dict) -> Iterator[dict]:
+    """POST and yield the JSON of each SSE `data:` line."""
+    headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+    if key := os.environ.get("MLXSUP_API_KEY"):
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST", headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=3600) as resp:
+            for raw in resp:
+                line = raw.decode().strip()
+                if line.startswith("data: "):
+                    yield json.loads(line[6:])
+    except urllib.error.HTTPError as exc:
+        try:
+            message = json.loads(exc.read())["error"]["message"]
+        except Exception:
+            message = str(exc)
+        raise CliError(message, EXIT_USAGE if exc.code in (400, 404) else 1) from None
+    except (urllib.error.URLError, ConnectionError) as exc:
+        raise CliError(f"the mlxsup daemon is not running at {url.split('/api')[0]} ({exc})", EXIT_NO_DAEMON) from None
+
+
 def cmd_load(args: argparse.Namespace) -> int:
-    r = call(f"{daemon_url(args)}/api/models/{args.model}/load", "POST", {})
-    print(f"{r['model']}: {r['state']} (pid {r['pid']}) in {r['duration_s']:.2f}s")
+    tty = sys.stdout.isatty()
+    for event in stream_events(f"{daemon_url(args)}/api/models/{args.model}/load", {"stream": True}):
+        if "error" in event:
+            raise CliError(event["error"]["message"])
+        if "stage" in event:
+            line = f"loading {args.model}: {event['stage']} {event['fraction']:.0%}"
+            print(("\r" + line.ljust(60)) if tty else line, end="" if tty else "\n", flush=True)
+            continue
+        print(("\n" if tty else "") + f"{event['model']}: {event['state']} (pid {event['pid']}) "
+              f"in {event['duration_s']:.2f}s")
+    return 0
+
+
+def log_path(settings: Settings, model: str | None) -> Path:
+    name = f"worker-{model.replace('/', '--')}.log" if model else "mlxsup.log"
+    return settings.log_dir / name
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    path = log_path(client_settings(args), args.model)
+    if not path.exists():
+        what = f"model '{args.model}'" if args.model else "the daemon"
+        raise CliError(f"no log for {what} at {path}", EXIT_USAGE)
+    with open(path, "rb") as f:
+        lines = f.readlines()[-args.lines:] if args.lines else []
+        sys.stdout.write(b"".join(lines).decode("utf-8", "replace"))
+        sys.stdout.flush()
+        if args.follow:
+            follow(path, f)
+    return 0
+
+
+def follow(path: Path, f) -> None:
+    """Print what is appended to `path`, across rotations, until interrupted."""
+    import time
+
+    inode = os.fstat(f.fileno()).st_ino
+    while True:
+        chunk = f.read()
+        if chunk:
+            sys.stdout.write(chunk.decode("utf-8", "replace"))
+            sys.stdout.flush()
+            continue
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            st = None
+        if st is not None and (st.st_ino != inode or st.st_size < f.tell()):  # rotated or truncated
+            f.close()
+            f = open(path, "rb")
+            inode = st.st_ino
+            continue
+        time.sleep(0.25)  # a tail's poll interval
+
+
+def cmd_config_show(args: argparse.Namespace) -> int:
+    try:
+        settings, path = resolve(args.config, {"state_dir": Path(args.state_dir) if args.state_dir else None})
+    except ConfigError as exc:
+        raise CliError(f"bad config: {exc}", EXIT_USAGE) from None
+    print(json.dumps(describe(settings, path), indent=2))
     return 0
 
 
@@ -116,40 +207,36 @@ def cmd_make_model(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    settings = Settings()
-    config_path = args.config or os.environ.get("MLXSUP_CONFIG")
     try:
-        if config_path:
-            load_file(Path(config_path), settings)
-    except ConfigError as exc:
+        ceiling = parse_size(args.memory_ceiling) if args.memory_ceiling is not None else None
+        settings, _ = resolve(args.config, {
+            "host": args.host, "port": args.port, "state_dir": Path(args.state_dir) if args.state_dir else None,
+            "memory_ceiling_bytes": ceiling, "max_loaded_models": args.max_loaded_models,
+            "default_ttl_s": args.ttl, "log_level": args.log_level, "demo": args.demo or None,
+        })
+    except (ConfigError, ValueError) as exc:
         raise CliError(f"bad config: {exc}", EXIT_USAGE) from None
-    if args.host:
-        settings.host = args.host
-    if args.port is not None:
-        settings.port = args.port
-    if args.state_dir:
-        settings.state_dir = Path(args.state_dir)
     settings.model_dirs += [Path(d) for d in args.model_dir]
-    if args.memory_ceiling is not None:
-        try:
-            settings.memory_ceiling_bytes = parse_size(args.memory_ceiling)
-        except ValueError as exc:
-            raise CliError(f"--memory-ceiling: {exc}", EXIT_USAGE) from None
-    if args.max_loaded_models is not None:
-        settings.max_loaded_models = args.max_loaded_models
-    if args.ttl is not None:
-        settings.default_ttl_s = args.ttl
-    settings.api_key = os.environ.get("MLXSUP_API_KEY") or settings.api_key
-    settings.demo = args.demo
-    settings.log_level = args.log_level
-    logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(settings)
     from supervisor.daemon import AlreadyRunning, serve
 
     try:
         return asyncio.run(serve(settings))
     except AlreadyRunning as exc:
         raise CliError(str(exc)) from None
+
+
+def setup_logging(settings: Settings) -> None:
+    """stderr (launchd/systemd capture it) and a rotated file under the state dir."""
+    from logging.handlers import RotatingFileHandler
+
+    settings.log_dir.mkdir(parents=True, exist_ok=True)
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    file_handler = RotatingFileHandler(settings.log_dir / "mlxsup.log", maxBytes=10 * 2**20, backupCount=3)
+    stderr_handler = logging.StreamHandler(sys.stderr)
+    for h in (file_handler, stderr_handler):
+        h.setFormatter(fmt)
+    logging.basicConfig(level=settings.log_level.upper(), handlers=[stderr_handler, file_handler], force=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -166,13 +253,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--memory-ceiling", default=None, help="e.g. 24GiB (default: RAM minus a reserve)")
     s.add_argument("--max-loaded-models", type=int, default=None)
     s.add_argument("--ttl", type=float, default=None, help="default idle TTL in seconds (default: none)")
-    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
     s.set_defaults(func=cmd_serve)
 
     def client(name: str, help_: str):
         c = sub.add_parser(name, help=help_)
         c.add_argument("--url", default=None, help="daemon URL (or MLXSUP_URL)")
         c.add_argument("--state-dir", default=None)
+        c.add_argument("--config", default=None, help="TOML config file (or MLXSUP_CONFIG)")
         return c
 
     c = client("status", "show the loaded models")
@@ -186,9 +274,22 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--timeout", type=float, default=None, help="drain deadline in seconds")
     c.set_defaults(func=cmd_evict)
 
-    c = client("load", "load a model now")
+    c = client("load", "load a model now, showing progress")
     c.add_argument("model")
     c.set_defaults(func=cmd_load)
+
+    c = client("logs", "print the daemon's log, or a model worker's")
+    c.add_argument("model", nargs="?")
+    c.add_argument("-n", "--lines", type=int, default=50)
+    c.add_argument("-f", "--follow", action="store_true")
+    c.set_defaults(func=cmd_logs)
+
+    cfg = sub.add_parser("config", help="configuration")
+    cfg_sub = cfg.add_subparsers(dest="config_command", required=True)
+    c = cfg_sub.add_parser("show", help="print the effective configuration (file < environment < flags)")
+    c.add_argument("--config", default=None)
+    c.add_argument("--state-dir", default=None)
+    c.set_defaults(func=cmd_config_show)
 
     m = sub.add_parser("make-model", help="write a random-weight model (for tests, the demo, benchmarks)")
     m.add_argument("dir")

@@ -1,17 +1,20 @@
 """The supervisor's settings, where its files live, and the TOML config file.
 
-Precedence: command line > config file > defaults. A bad file is rejected at start with the
-key and the reason (ConfigError), never half-applied.
+Precedence: command line > environment (MLXSUP_*) > config file > defaults. The file is
+`--config`, else $MLXSUP_CONFIG, else ~/.config/mlxsup/config.toml when it exists. A bad file
+or variable is rejected at start with the key and the reason (ConfigError), never half-applied.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sys
 import tempfile
 import tomllib
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from supervisor.registry import ModelSpec, from_config
@@ -25,12 +28,23 @@ class ConfigError(ValueError):
 
 
 def default_state_dir() -> Path:
-    if env := os.environ.get("MLXSUP_STATE_DIR"):
-        return Path(env)
     if sys.platform == "darwin":
         return Path.home() / "Library" / "Application Support" / "mlxsup"
     base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return Path(base) / "mlxsup"
+
+
+def default_config_path() -> Path:
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "mlxsup" / "config.toml"
+
+
+def default_hf_cache() -> Path:
+    if hub := os.environ.get("HF_HUB_CACHE"):
+        return Path(hub)
+    if home := os.environ.get("HF_HOME"):
+        return Path(home) / "hub"
+    return Path.home() / ".cache" / "huggingface" / "hub"
 
 
 @dataclass
@@ -69,6 +83,7 @@ class Settings:
     restart_backoff_s: float = 0.5  # doubled per recent crash, capped at restart_backoff_max_s
     restart_backoff_max_s: float = 10.0
     api_key: str | None = None  # when set, every route but /health needs "Authorization: Bearer <key>"
+    hf_cache: Path | None = field(default_factory=default_hf_cache)  # None: no Hugging Face discovery
 
     def ceiling(self, total: int) -> int:
         if self.memory_ceiling_bytes is not None:
@@ -94,7 +109,7 @@ _SERVER_KEYS: dict[str, type | tuple[type, ...]] = {
     "default_ttl_s": (int, float), "housekeeping_s": (int, float), "hang_timeout_s": (int, float),
     "load_timeout_s": (int, float), "prefill_step_size": int, "crash_limit": int, "crash_window_s": (int, float),
     "crash_cooldown_s": (int, float), "restart_backoff_s": (int, float), "restart_backoff_max_s": (int, float),
-    "api_key": str, "sse_keepalive_s": (int, float),
+    "api_key": str, "sse_keepalive_s": (int, float), "hf_cache": str,
 }
 _MEMORY_KEYS = {
     "ceiling": "memory_ceiling_bytes", "reserve": "memory_reserve_bytes", "worker_overhead": "worker_overhead_bytes",
@@ -153,8 +168,8 @@ def load_file(path: Path, settings: Settings) -> Settings:
             raise ConfigError(f"{path}: server.{key}: unknown key")
         if not isinstance(value, expected) or isinstance(value, bool):
             raise ConfigError(f"{path}: server.{key}: expected {expected}, got {value!r}")
-        if key == "state_dir":
-            value = Path(value).expanduser()
+        if key in ("state_dir", "hf_cache"):
+            value = Path(value).expanduser() if value else None
         elif key == "model_dirs":
             value = [Path(v).expanduser() for v in value]
         setattr(settings, key, value)
@@ -181,3 +196,56 @@ def runtime_dir(state_dir: Path) -> Path:
         raise ConfigError(f"{path} belongs to another user")
     os.chmod(path, 0o700)
     return path
+
+
+_ENV: dict[str, tuple[str, Callable[[str], object]]] = {
+    "MLXSUP_HOST": ("host", str),
+    "MLXSUP_PORT": ("port", int),
+    "MLXSUP_STATE_DIR": ("state_dir", Path),
+    "MLXSUP_MODEL_DIRS": ("model_dirs", lambda v: [Path(p) for p in v.split(os.pathsep) if p]),
+    "MLXSUP_LOG_LEVEL": ("log_level", str),
+    "MLXSUP_API_KEY": ("api_key", str),
+    "MLXSUP_MEMORY_CEILING": ("memory_ceiling_bytes", parse_size),
+    "MLXSUP_MAX_LOADED_MODELS": ("max_loaded_models", int),
+    "MLXSUP_DEFAULT_TTL_S": ("default_ttl_s", float),
+    "MLXSUP_HF_CACHE": ("hf_cache", lambda v: Path(v) if v else None),
+}
+
+
+def resolve(config: str | None = None, overrides: dict | None = None) -> tuple[Settings, Path | None]:
+    """The effective settings: defaults, then the file, then MLXSUP_* variables, then `overrides`."""
+    settings = Settings()
+    explicit = config or os.environ.get("MLXSUP_CONFIG")
+    path = Path(explicit).expanduser() if explicit else default_config_path()
+    if path.is_file():
+        load_file(path, settings)
+    elif explicit:
+        raise ConfigError(f"{path}: no such config file")
+    for var, (attr, parse) in _ENV.items():
+        if (raw := os.environ.get(var)) is not None:
+            try:
+                setattr(settings, attr, parse(raw))
+            except ValueError as exc:
+                raise ConfigError(f"${var}: {exc}") from None
+    for attr, value in (overrides or {}).items():
+        if value is not None:
+            setattr(settings, attr, value)
+    return settings, path if path.is_file() else None
+
+
+def describe(settings: Settings, path: Path | None) -> dict:
+    """The effective configuration as plain data, secrets redacted (for `mlxsup config show`)."""
+    skip = {"models"}
+    server = {f.name: getattr(settings, f.name) for f in fields(settings) if f.name not in skip}
+    server["api_key"] = "<set>" if settings.api_key else None
+    server["memory_ceiling_effective_bytes"] = settings.ceiling(_total_memory())
+    models = {m.id: {"path": str(m.path), "aliases": list(m.aliases), "ttl_s": m.ttl_s, "pinned": m.pinned,
+                     "worker_args": list(m.worker_args)} for m in settings.models}
+    return json.loads(json.dumps({"config_file": str(path) if path else None, "settings": server,
+                                  "models": models}, default=str))
+
+
+def _total_memory() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().total)

@@ -71,7 +71,7 @@ async def serve(settings: Settings) -> int:
     configured = list(settings.models)
     if settings.demo:
         configured.append(ensure_demo_model(settings))
-    registry = Registry.build(settings.model_dirs, configured)
+    registry = Registry.build(settings.model_dirs, configured, settings.hf_cache)
     if not registry.specs:
         log.warning("[start] no models found: pass --model-dir, --config or --demo")
     run_dir = runtime_dir(settings.state_dir)

@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import time
+from logging.handlers import RotatingFileHandler
 from pathlib import Path
 
 import psutil
@@ -26,6 +27,8 @@ import psutil
 log = logging.getLogger(__name__)
 
 STDERR_TAIL_LINES = 40
+LOG_MAX_BYTES = 10 * 2**20
+LOG_BACKUPS = 3
 
 
 class WorkerProcess:
@@ -72,16 +75,17 @@ class WorkerProcess:
         ]
 
     async def _pump_stderr(self) -> None:
+        """Worker stderr -> the model's own rotated log, and the supervisor's log with a prefix."""
         assert self.proc and self.proc.stderr
         prefix = f"[{self.model_id} pid={self.proc.pid}]"
-        sink = open(self.log_path, "a", encoding="utf-8") if self.log_path else None
+        sink = RotatingFileHandler(self.log_path, maxBytes=LOG_MAX_BYTES, backupCount=LOG_BACKUPS) \
+            if self.log_path else None
         try:
             async for raw in self.proc.stderr:
                 line = raw.decode("utf-8", "replace").rstrip()
                 self.stderr_tail.append(line)
                 if sink:
-                    sink.write(line + "\n")
-                    sink.flush()
+                    sink.emit(logging.makeLogRecord({"msg": line}))
                 log.info("%s %s", prefix, line)
         finally:
             if sink:

@@ -1,7 +1,7 @@
 """Which models exist: discovered under model directories and listed in the TOML config.
 
 A model directory is any directory holding `config.json` and at least one `*.safetensors`;
-its id is the directory's name. Config entries (`[models.ID]` with `path`, `aliases`, and
+its id is the directory's name. The Hugging Face cache is searched too (ids `org/name`). Config entries (`[models.ID]` with `path`, `aliases`, and
 per-model worker options) override discovered ones of the same id. Aliases resolve to ids.
 """
 
@@ -42,6 +42,28 @@ def discover(model_dir: Path) -> list[ModelSpec]:
     return found
 
 
+def discover_hf(hub: Path) -> list[ModelSpec]:
+    """Models in a Hugging Face cache (`models--ORG--NAME/snapshots/REV/`), named `ORG/NAME`.
+
+    The snapshot is the one `refs/main` names, else the newest; only MLX-loadable snapshots
+    (config.json and *.safetensors) count.
+    """
+    if not hub.is_dir():
+        return []
+    found = []
+    for repo in sorted(hub.glob("models--*")):
+        snapshots = repo / "snapshots"
+        ref = repo / "refs" / "main"
+        snapshot = snapshots / ref.read_text().strip() if ref.is_file() else None
+        if snapshot is None or not snapshot.is_dir():
+            candidates = sorted(snapshots.glob("*"), key=lambda p: p.stat().st_mtime) if snapshots.is_dir() else []
+            snapshot = candidates[-1] if candidates else None
+        if snapshot is not None and is_model_dir(snapshot):
+            model_id = repo.name[len("models--"):].replace("--", "/")
+            found.append(ModelSpec(model_id, snapshot.resolve(), weights_bytes=weights_bytes(snapshot)))
+    return found
+
+
 def from_config(models: dict, base: Path) -> list[ModelSpec]:
     """Specs from the config's `[models]` table; relative paths are taken from the config's folder."""
     specs = []
@@ -76,11 +98,14 @@ class Registry:
     aliases: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def build(cls, model_dirs: list[Path], configured: list[ModelSpec]) -> "Registry":
+    def build(cls, model_dirs: list[Path], configured: list[ModelSpec], hf_cache: Path | None = None) -> "Registry":
+        """Hugging Face cache < model directories < config entries, for the same id."""
         reg = cls()
+        for spec in discover_hf(hf_cache) if hf_cache else []:
+            reg.specs[spec.id] = spec
         for d in model_dirs:
             for spec in discover(d):
-                reg.specs.setdefault(spec.id, spec)
+                reg.specs[spec.id] = spec
         for spec in configured:
             reg.specs[spec.id] = spec
         for spec in reg.specs.values():

@@ -1,0 +1,120 @@
+"""Operating the daemon: effective configuration, logs, /metrics, load progress, cold-load
+keep-alives, and models found in a Hugging Face cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import httpx
+import openai
+
+from tests.conftest import MLXSUP, Daemon, wait_for
+
+
+def mlxsup(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*MLXSUP, *args], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **(env or {})})
+
+
+def test_config_show_applies_file_then_environment_then_flags(tmp_path: Path) -> None:
+    cfg = tmp_path / "config.toml"
+    cfg.write_text('[server]\nport = 9001\nhost = "127.0.0.2"\nlog_level = "debug"\napi_key = "hidden"\n'
+                   '[memory]\nceiling = "2GiB"\n')
+    out = mlxsup("config", "show", "--config", str(cfg), "--state-dir", str(tmp_path / "s"),
+                 env={"MLXSUP_PORT": "9002", "MLXSUP_CONFIG": "/nonexistent"})
+    assert out.returncode == 0, out.stderr
+    shown = json.loads(out.stdout)
+    s = shown["settings"]
+    assert shown["config_file"] == str(cfg)
+    assert (s["host"], s["port"], s["log_level"]) == ("127.0.0.2", 9002, "debug")  # env beats file
+    assert s["state_dir"] == str(tmp_path / "s")  # the flag beats both
+    assert s["memory_ceiling_bytes"] == 2 * 2**30 and s["api_key"] == "<set>" and "hidden" not in out.stdout
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[memory]\nceiling = 'lots'\n")
+    refused = mlxsup("config", "show", "--config", str(bad))
+    assert refused.returncode == 2 and "memory.ceiling" in refused.stderr
+    missing = mlxsup("config", "show", "--config", str(tmp_path / "absent.toml"))
+    assert missing.returncode == 2 and "no such config file" in missing.stderr
+
+
+def test_logs_of_the_daemon_and_of_a_worker(daemon: Daemon) -> None:
+    httpx.post(daemon.url + "/api/models/tiny/load", timeout=60)
+    state = ["--state-dir", str(daemon.state_dir)]
+    main = mlxsup("logs", *state)
+    assert main.returncode == 0 and "[start] mlxsup serving" in main.stdout
+    worker = mlxsup("logs", "tiny", "-n", "200", *state)
+    assert worker.returncode == 0 and "[load] model=tiny" in worker.stdout
+    assert mlxsup("logs", "never-ran", *state).returncode == 2
+
+    follower = subprocess.Popen([*MLXSUP, "logs", "-f", "-n", "0", *state], stdout=subprocess.PIPE, text=True)
+    try:
+        os.set_blocking(follower.stdout.fileno(), False)
+        seen = []
+
+        def evict_line() -> bool:
+            seen.append(follower.stdout.read() or "")
+            return "[evict] model=tiny" in "".join(seen)
+
+        httpx.post(daemon.url + "/api/models/tiny/evict", timeout=60)
+        wait_for(evict_line, 15, what="`mlxsup logs -f` to print the eviction")
+    finally:
+        follower.terminate()
+        follower.wait(10)
+
+
+def test_metrics_count_requests_tokens_latency_and_memory(daemon: Daemon) -> None:
+    client = openai.OpenAI(base_url=daemon.v1, api_key="unused", max_retries=0)
+    client.completions.create(model="tiny", prompt="count me", max_tokens=5, extra_body={"ignore_eos": True})
+    text = httpx.get(daemon.url + "/metrics").text
+    lines = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+             if line and not line.startswith("#")}
+    assert lines['mlxsup_requests_total{endpoint="/v1/completions",model="tiny",outcome="completed"}'] >= 1
+    assert lines['mlxsup_completion_tokens_total{model="tiny"}'] >= 5
+    assert lines['mlxsup_time_to_first_token_seconds_count{model="tiny"}'] >= 1
+    assert lines['mlxsup_inter_token_latency_seconds_count{model="tiny"}'] >= 1
+    assert lines['mlxsup_loads_total{model="tiny",outcome="ok"}'] >= 1
+    assert lines['mlxsup_model_memory_bytes{model="tiny"}'] > 0
+    assert lines['mlxsup_model_state{model="tiny",state="ready"}'] == 1
+
+
+def test_load_shows_progress_and_the_time_it_took(daemon: Daemon) -> None:
+    httpx.post(daemon.url + "/api/models/tiny2/evict", timeout=60)
+    out = mlxsup("load", "tiny2", "--url", daemon.url)
+    assert out.returncode == 0, out.stderr
+    assert "loading tiny2:" in out.stdout and "tiny2: ready (pid" in out.stdout and out.stdout.rstrip().endswith("s")
+    assert mlxsup("load", "nope", "--url", daemon.url).returncode == 2
+
+
+def test_a_stream_waiting_for_a_cold_load_gets_keepalive_comments(daemon_factory, model_dir: Path,
+                                                                   tmp_path: Path) -> None:
+    cfg = tmp_path / "keepalive.toml"
+    cfg.write_text(f'[server]\nmodel_dirs = ["{model_dir}"]\nsse_keepalive_s = 0.05\n')
+    d = daemon_factory("--config", str(cfg))
+    body = {"model": "tiny", "prompt": "cold", "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", d.v1 + "/completions", json=body, timeout=60) as resp:
+        lines = [line for line in resp.iter_lines() if line]
+    first_data = next(i for i, line in enumerate(lines) if line.startswith("data:"))
+    assert first_data > 0 and all(line.startswith(": loading tiny") for line in lines[:first_data])
+    assert lines[-1] == "data: [DONE]"
+    chunks = openai.OpenAI(base_url=d.v1, api_key="x", max_retries=0).completions.create(
+        model="tiny2", prompt="cold too", max_tokens=3, stream=True)  # the official client skips comments
+    assert sum(1 for _ in chunks) >= 1
+
+
+def test_models_in_a_hugging_face_cache_are_served_as_org_name(daemon_factory, model_dir: Path,
+                                                               tmp_path: Path) -> None:
+    repo = tmp_path / "hub" / "models--acme--tiny-chat"
+    shutil.copytree(model_dir / "tiny", repo / "snapshots" / "abc123")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    d = daemon_factory(env={"HF_HUB_CACHE": str(tmp_path / "hub")})
+    client = openai.OpenAI(base_url=d.v1, api_key="x", max_retries=0)
+    assert [m.id for m in client.models.list()] == ["acme/tiny-chat"]
+    out = client.chat.completions.create(model="acme/tiny-chat", messages=[{"role": "user", "content": "hi"}],
+                                         max_tokens=3)
+    assert out.model == "acme/tiny-chat" and out.usage.completion_tokens >= 1
+    assert httpx.post(d.url + "/api/models/acme/tiny-chat/evict", timeout=60).json()["evicted"] is True
