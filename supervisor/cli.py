@@ -296,6 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--preset", default="tiny", choices=["tiny", "small", "1b"])
     m.add_argument("--seed", type=int, default=0)
     m.set_defaults(func=cmd_make_model)
+
+    from supervisor.service import add_service_parser  # here: service.py imports this module
+
+    add_service_parser(sub)
     return p
 
 

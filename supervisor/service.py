@@ -1,0 +1,426 @@
+"""`mlxsup service install | uninstall | restart | status`: run the daemon under the OS service manager.
+
+Renders a launchd user agent (macOS) or a systemd user unit (Linux) for *this* installation,
+writes it where the manager looks, and drives `launchctl` / `systemctl --user`. Invariants:
+- Every path in the plist/unit is absolute: `sys.executable` (not resolved: a venv stays a venv),
+  the config from --config, else MLXSUP_CONFIG, else config.default_config_path(). No shell, no
+  `~`, no `$VAR` left for the manager to expand. The job runs in the config's folder.
+- A missing config is created (0600, minimal `[server]`), so the service has one place to be
+  configured; an existing one is validated before anything is written (no restart loop on a typo).
+- The environment is an allowlist (PATH, MLXSUP_CONFIG, PYTHONUNBUFFERED, and CARRIED when set at
+  install): MLXSUP_API_KEY (or any other secret) is never copied; a key belongs in the config file.
+- SIGTERM goes to the supervisor alone (it stops its own workers), and the manager waits longer than
+  the whole graceful shutdown (shutdown_drain_s + settle_grace_s + kill_timeout_s + STOP_MARGIN_S)
+  before SIGKILL. Restart only after a failure; a clean exit stays down.
+- Install is idempotent: launchd: a loaded job is booted out, and waited for, before bootstrap;
+  systemd: daemon-reload + enable + restart. Restarts are graceful on both (see Launchd.restart).
+- Output: launchd appends stdout/stderr to state_dir/logs/service.{out,err}.log (crashes before
+  logging starts land there); systemd sends them to the journal. The plist uses plistlib.
+- `deploy/` holds both renderings with placeholder paths, kept equal by a test (regenerate:
+  `python -m supervisor.service`).
+The backend follows `sys.platform` (darwin: launchd, else systemd); `--backend` overrides it. The
+home directory is `Path.home()`, which honours HOME.
+"""
+
+from __future__ import annotations
+
+import abc
+import argparse
+import logging
+import math
+import os
+import plistlib
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from supervisor.cli import EXIT_NO_DAEMON, EXIT_USAGE, CliError
+from supervisor.config import ConfigError, Settings, default_config_path, load_file
+
+log = logging.getLogger(__name__)
+
+LABEL = "io.mlxsup.daemon"
+UNIT = "mlxsup.service"
+STOP_MARGIN_S = 15  # past the graceful shutdown, before the manager's SIGKILL
+THROTTLE_S = 10  # at most one restart this often
+NOFILE = 10240  # macOS OPEN_MAX: the highest soft limit setrlimit accepts there
+BOOTSTRAP_RETRIES = 3
+RETRY_DELAY_S = 1.0
+CARRIED = ("MLXSUP_STATE_DIR", "HF_HOME", "HF_HUB_CACHE")  # paths, never secrets: same files as `serve`
+_RACE_CODES = (5, 37)  # launchctl bootstrap while the previous job still leaves: EIO, EALREADY
+MINIMAL_CONFIG = """\
+# mlxsup config, created by `mlxsup service install`. After editing: `mlxsup service restart`.
+# Keep this file private (0600): an api_key set here is the only copy of it.
+[server]
+host = "127.0.0.1"
+port = 8800
+# model_dirs = ["/Users/me/models"]   # folders of model folders
+# api_key = "..."                      # then every route but /health needs a bearer token
+
+# [models.assistant]
+# path = "/Users/me/models/Qwen3-4B-4bit"
+"""
+
+
+@dataclass(frozen=True)
+class Install:
+    """What the plist/unit says: everything absolute, nothing secret."""
+
+    python: Path
+    config: Path
+    log_dir: Path
+    stop_timeout_s: int
+    carried: tuple[tuple[str, str], ...] = ()  # CARRIED variables set at install, made absolute
+
+    @property
+    def argv(self) -> list[str]:
+        return [str(self.python), "-m", "supervisor", "serve", "--config", str(self.config)]
+
+    @property
+    def stdout_log(self) -> Path:
+        return self.log_dir / "service.out.log"
+
+    @property
+    def stderr_log(self) -> Path:
+        return self.log_dir / "service.err.log"
+
+    def environment(self, backend: str) -> dict[str, str]:
+        extra = ["/opt/homebrew/bin"] if backend == "launchd" else []
+        dirs = [str(self.python.parent), *extra, "/usr/local/bin", "/usr/bin", "/bin", "/usr/sbin", "/sbin"]
+        env = {"PATH": ":".join(dict.fromkeys(dirs)), "MLXSUP_CONFIG": str(self.config), "PYTHONUNBUFFERED": "1"}
+        return env | dict(self.carried)
+
+
+def stop_timeout_s(settings: Settings) -> int:
+    """Seconds the manager waits after SIGTERM: the whole graceful shutdown plus a margin."""
+    graceful = settings.shutdown_drain_s + settings.settle_grace_s + settings.kill_timeout_s
+    return math.ceil(graceful) + STOP_MARGIN_S
+
+
+def render_plist(inst: Install) -> bytes:
+    job = {
+        "Label": LABEL,
+        "ProgramArguments": inst.argv,
+        "WorkingDirectory": str(inst.config.parent),
+        "EnvironmentVariables": inst.environment("launchd"),
+        "RunAtLoad": True,
+        "KeepAlive": {"SuccessfulExit": False},
+        "ThrottleInterval": THROTTLE_S,
+        "ExitTimeOut": inst.stop_timeout_s,
+        "ProcessType": "Interactive",
+        "StandardOutPath": str(inst.stdout_log),
+        "StandardErrorPath": str(inst.stderr_log),
+        "SoftResourceLimits": {"NumberOfFiles": NOFILE},
+        "HardResourceLimits": {"NumberOfFiles": NOFILE},
+    }
+    return plistlib.dumps(job, fmt=plistlib.FMT_XML, sort_keys=False)
+
+
+def _unit_escape(text: str) -> str:
+    """Escape systemd specifiers (every % is one)."""
+    return text.replace("%", "%%")
+
+
+def _unit_word(text: str, command: bool = False) -> str:
+    """One double-quoted word of ExecStart= (command: $ expands there) or Environment=."""
+    quoted = text.replace("\\", "\\\\").replace('"', '\\"')
+    if command:
+        quoted = quoted.replace("$", "$$")
+    return '"' + _unit_escape(quoted) + '"'
+
+
+def render_unit(inst: Install) -> str:
+    env = " ".join(_unit_word(f"{k}={v}") for k, v in inst.environment("systemd").items())
+    return "\n".join([
+        "[Unit]",
+        "Description=mlxsup: local LLMs with MLX, one model per worker process",
+        "",
+        "[Service]",
+        "Type=exec",
+        "ExecStart=" + " ".join(_unit_word(a, command=True) for a in inst.argv),
+        "WorkingDirectory=" + _unit_escape(str(inst.config.parent)),
+        "Environment=" + env,
+        "Restart=on-failure",
+        f"RestartSec={THROTTLE_S}",
+        f"RestartPreventExitStatus={EXIT_USAGE}",  # a bad config: restarting will not fix it
+        "KillMode=mixed",  # SIGTERM to the supervisor alone; SIGKILL for leftovers at the end
+        "KillSignal=SIGTERM",
+        f"TimeoutStopSec={inst.stop_timeout_s}",
+        f"LimitNOFILE={NOFILE}",
+        "StandardOutput=journal",  # rotated by journald; the daemon also keeps state_dir/logs/mlxsup.log
+        "StandardError=journal",
+        "",
+        "[Install]",
+        "WantedBy=default.target",
+        "",
+    ])
+
+
+# --- this installation -------------------------------------------------------------------
+
+
+def config_path(arg: str | None) -> Path:
+    raw = arg or os.environ.get("MLXSUP_CONFIG")
+    return (Path(raw).expanduser() if raw else default_config_path()).absolute()
+
+
+def prepare(config_arg: str | None) -> Install:
+    """Create the config if missing, validate it, and describe the service for it."""
+    path = config_path(config_arg)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(MINIMAL_CONFIG)
+        print(f"created {path}: add your models there, then run `mlxsup service restart`")
+    try:
+        settings = load_file(path, Settings())
+    except ConfigError as exc:
+        raise CliError(f"bad config, nothing installed: {exc}", EXIT_USAGE) from None
+    if settings.api_key and path.stat().st_mode & 0o077:
+        log.warning("%s holds an api_key and others can read it: chmod 600 %s", path, path)
+    carried = tuple((k, str(Path(os.environ[k]).absolute())) for k in CARRIED if os.environ.get(k))
+    if env_state := dict(carried).get("MLXSUP_STATE_DIR"):
+        settings.state_dir = Path(env_state)  # the variable beats the file, as in `serve`
+    skip = (*CARRIED, "MLXSUP_CONFIG", "MLXSUP_URL")
+    if left := sorted(k for k in os.environ if k.startswith("MLXSUP_") and k not in skip):
+        print(f"note: not carried into the service: {', '.join(left)}; set them in {path}")
+    # the daemon runs in the config's folder: a relative state_dir is relative to it
+    return Install(python=Path(sys.executable).absolute(), config=path, log_dir=path.parent / settings.log_dir,
+                   stop_timeout_s=stop_timeout_s(settings), carried=carried)
+
+
+def _write(path: Path, data: bytes) -> None:
+    """Replace `path` atomically (a half-written plist/unit must never be loaded)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
+class Backend(abc.ABC):
+    """One service manager and its tool; `path` is where its plist/unit lives."""
+
+    tool = ""
+    path: Path
+
+    def __init__(self) -> None:
+        self.exe = shutil.which(self.tool)
+
+    def require(self) -> str:
+        if self.exe is None:
+            raise CliError(f"{self.tool} not found on PATH: the {self.name} backend cannot work on this host "
+                           f"(choose another with --backend)")
+        return self.exe
+
+    def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        exe = self.require()
+        log.debug("running %s %s", self.tool, " ".join(args))
+        proc = subprocess.run([exe, *args], capture_output=True, text=True)
+        if check and proc.returncode != 0:
+            raise CliError(self.failure(args, proc))
+        return proc
+
+    def failure(self, args: tuple[str, ...], proc: subprocess.CompletedProcess[str]) -> str:
+        detail = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
+        return f"`{self.tool} {' '.join(args)}` failed (exit {proc.returncode}): {detail}"
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__.lower()
+
+    @abc.abstractmethod
+    def install(self, inst: Install) -> None: ...
+
+    @abc.abstractmethod
+    def uninstall(self) -> bool: ...  # False: there was nothing to remove
+
+    @abc.abstractmethod
+    def restart(self) -> None: ...
+
+    @abc.abstractmethod
+    def status(self) -> int: ...  # 0 running, EXIT_NO_DAEMON not
+
+
+class Launchd(Backend):
+    tool = "launchctl"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.domain = f"gui/{os.getuid()}"
+        self.target = f"{self.domain}/{LABEL}"
+        self.path = Path.home() / "Library" / "LaunchAgents" / f"{LABEL}.plist"
+
+    def loaded(self) -> bool:
+        return self.run("print", self.target, check=False).returncode == 0
+
+    def stop_wait_s(self) -> float:
+        """How long the loaded job may take to stop: its own ExitTimeOut, plus a little."""
+        try:
+            return float(plistlib.loads(self.path.read_bytes())["ExitTimeOut"]) + 5
+        except (OSError, ValueError, KeyError, TypeError, plistlib.InvalidFileException):
+            return 120.0
+
+    def bootout(self) -> None:
+        """Unload, then wait until launchd has really let go (bootout can return before that)."""
+        timeout_s = self.stop_wait_s()
+        proc = self.run("bootout", self.target, check=False)
+        if proc.returncode not in (0, 3, 113):  # 3 (ESRCH), 113: it went away meanwhile
+            raise CliError(self.failure(("bootout", self.target), proc))
+        deadline = time.monotonic() + timeout_s
+        while self.loaded():
+            if time.monotonic() > deadline:
+                raise CliError(f"{self.target} still loaded {timeout_s:.0f}s after bootout")
+            time.sleep(0.2)
+
+    def bootstrap(self) -> None:
+        for attempt in range(1, BOOTSTRAP_RETRIES + 1):
+            proc = self.run("bootstrap", self.domain, str(self.path), check=False)
+            if proc.returncode == 0:
+                return
+            if proc.returncode not in _RACE_CODES or attempt == BOOTSTRAP_RETRIES:
+                hint = " (no GUI login session for this user?)" if proc.returncode == 125 else ""
+                raise CliError(self.failure(("bootstrap", self.domain, str(self.path)), proc) + hint)
+            time.sleep(RETRY_DELAY_S)
+
+    def install(self, inst: Install) -> None:
+        if self.loaded():
+            self.bootout()
+        _write(self.path, render_plist(inst))
+        self.bootstrap()
+
+    def uninstall(self) -> bool:
+        found = self.path.exists()
+        if self.loaded():
+            self.bootout()
+            found = True
+        self.path.unlink(missing_ok=True)
+        return found
+
+    def restart(self) -> None:
+        """bootout (SIGTERM, then SIGKILL only past ExitTimeOut) + bootstrap. Not `kickstart -k`:
+        that SIGKILLs at once, so the workers would never drain."""
+        if not self.path.exists():
+            raise CliError(f"not installed ({self.path} missing): run `mlxsup service install`")
+        if self.loaded():
+            self.bootout()
+        self.bootstrap()
+
+    def status(self) -> int:
+        proc = self.run("print", self.target, check=False)
+        print(f"launchd {self.target}: {'loaded' if proc.returncode == 0 else 'not loaded'}; plist {self.path}"
+              f"{'' if self.path.exists() else ' (missing)'}")
+        if proc.returncode != 0:
+            print((proc.stderr or proc.stdout).strip())
+            return EXIT_NO_DAEMON
+        print(proc.stdout.rstrip())
+        return 0
+
+
+class Systemd(Backend):
+    tool = "systemctl"
+
+    def __init__(self) -> None:
+        super().__init__()
+        config_home = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+        self.path = Path(config_home) / "systemd" / "user" / UNIT
+
+    def install(self, inst: Install) -> None:
+        _write(self.path, render_unit(inst).encode())
+        self.run("--user", "daemon-reload")
+        self.run("--user", "enable", UNIT)
+        self.run("--user", "restart", UNIT)  # starts it, or restarts it on the new unit
+        user = os.environ.get("USER") or str(os.getuid())
+        if not Path("/var/lib/systemd/linger", user).exists():
+            print(f"note: it runs while you are logged in; to start it at boot: loginctl enable-linger {user}")
+
+    def uninstall(self) -> bool:
+        if not self.path.exists():
+            return False
+        self.run("--user", "disable", "--now", UNIT)
+        self.path.unlink()
+        self.run("--user", "daemon-reload")
+        return True
+
+    def restart(self) -> None:
+        if not self.path.exists():
+            raise CliError(f"not installed ({self.path} missing): run `mlxsup service install`")
+        self.run("--user", "restart", UNIT)
+
+    def status(self) -> int:
+        proc = self.run("--user", "--no-pager", "status", UNIT, check=False)
+        if proc.returncode not in (0, 3, 4):  # 3: not running, 4: no such unit
+            raise CliError(self.failure(("--user", "--no-pager", "status", UNIT), proc))
+        print(f"systemd --user {UNIT}: {'running' if proc.returncode == 0 else 'not running'}; unit {self.path}"
+              f"{'' if self.path.exists() else ' (missing)'}")
+        print((proc.stdout or proc.stderr).rstrip())
+        return 0 if proc.returncode == 0 else EXIT_NO_DAEMON
+
+
+def backend(name: str | None) -> Backend:
+    name = name or ("launchd" if sys.platform == "darwin" else "systemd")
+    return Launchd() if name == "launchd" else Systemd()
+
+
+# --- the command ---------------------------------------------------------------------------
+
+
+def cmd_service(args: argparse.Namespace) -> int:
+    mgr = backend(args.backend)
+    if args.action == "install":
+        mgr.require()  # before anything is written
+        inst = prepare(args.config)
+        inst.log_dir.mkdir(parents=True, exist_ok=True)  # launchd does not create it
+        mgr.install(inst)
+        print(f"installed {mgr.path} ({mgr.name}); config {inst.config}; logs {inst.log_dir}")
+        return 0
+    if args.action == "uninstall":
+        found = mgr.uninstall()
+        print(f"uninstalled {mgr.path} (config and logs kept)" if found else "not installed: nothing to do")
+        return 0
+    if args.action == "restart":
+        mgr.restart()
+        print(f"restarted ({mgr.name})")
+        return 0
+    return mgr.status()
+
+
+def add_service_parser(sub: argparse._SubParsersAction) -> None:
+    """Register `mlxsup service ...` on the CLI's subparsers."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--backend", choices=["launchd", "systemd"], default=None,
+                        help="service manager (default: launchd on macOS, systemd elsewhere)")
+    s = sub.add_parser("service", help="run the daemon as a launchd agent / systemd user service")
+    actions = s.add_subparsers(dest="action", required=True)
+    i = actions.add_parser("install", parents=[common],
+                           help="write the agent/unit for this installation and start it (re-install replaces)")
+    i.add_argument("--config", default=None,
+                   help="config file (or MLXSUP_CONFIG; default ~/.config/mlxsup/config.toml, created if missing)")
+    actions.add_parser("uninstall", parents=[common], help="stop and remove it (config and logs are kept)")
+    actions.add_parser("restart", parents=[common], help="restart the daemon (after editing the config)")
+    actions.add_parser("status", parents=[common], help="what the service manager says; exit 3 when not running")
+    s.set_defaults(func=cmd_service)
+
+
+# --- deploy/ templates ---------------------------------------------------------------------
+
+TEMPLATE_INSTALL = Install(python=Path("/ABSOLUTE/PATH/TO/venv/bin/python"),
+                           config=Path("/HOME/.config/mlxsup/config.toml"),
+                           log_dir=Path("/STATE_DIR/logs"), stop_timeout_s=stop_timeout_s(Settings()))
+
+
+def templates() -> dict[str, bytes]:
+    """deploy/ paths and their content: the renderers applied to placeholder paths."""
+    return {f"launchd/{LABEL}.plist": render_plist(TEMPLATE_INSTALL),
+            f"systemd/{UNIT}": render_unit(TEMPLATE_INSTALL).encode()}
+
+
+if __name__ == "__main__":
+    root = Path(__file__).resolve().parent.parent / "deploy"
+    for rel, data in templates().items():
+        _write(root / rel, data)
+        print(root / rel)
