@@ -227,16 +227,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def setup_logging(settings: Settings) -> None:
-    """stderr (launchd/systemd capture it) and a rotated file under the state dir."""
+    """A rotated file under the state dir, and stderr unless MLXSUP_LOG_STDERR=0 (set by the launchd
+    agent: launchd's stderr file never rotates; crashes before logging starts still land there)."""
     from logging.handlers import RotatingFileHandler
 
     settings.log_dir.mkdir(parents=True, exist_ok=True)
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
     file_handler = RotatingFileHandler(settings.log_dir / "mlxsup.log", maxBytes=10 * 2**20, backupCount=3)
     stderr_handler = logging.StreamHandler(sys.stderr)
-    for h in (file_handler, stderr_handler):
+    handlers: list[logging.Handler] = [file_handler]
+    if os.environ.get("MLXSUP_LOG_STDERR") != "0":
+        handlers.append(stderr_handler)
+    for h in handlers:
         h.setFormatter(fmt)
-    logging.basicConfig(level=settings.log_level.upper(), handlers=[stderr_handler, file_handler], force=True)
+    logging.basicConfig(level=settings.log_level.upper(), handlers=handlers, force=True)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -91,6 +91,8 @@ class Install:
         extra = ["/opt/homebrew/bin"] if backend == "launchd" else []
         dirs = [str(self.python.parent), *extra, "/usr/local/bin", "/usr/bin", "/bin", "/usr/sbin", "/sbin"]
         env = {"PATH": ":".join(dict.fromkeys(dirs)), "MLXSUP_CONFIG": str(self.config), "PYTHONUNBUFFERED": "1"}
+        if backend == "launchd":  # launchd's stderr file never rotates: the rotated mlxsup.log has it all
+            env["MLXSUP_LOG_STDERR"] = "0"
         return env | dict(self.carried)
 
 
