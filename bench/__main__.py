@@ -1,0 +1,86 @@
+"""python -m bench [--profile cpu|gpu|smoke] [--out DIR] ...   run every benchmark, write JSON, markdown, PNG
+python -m bench render RESULTS.json                          re-render results.md and chart.png"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shlex
+import signal
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+from bench.common import REPO
+from bench.params import PROFILES
+
+SECTIONS = ["throughput", "cold_start", "eviction", "overhead", "profile", "cache"]
+
+
+def _intmap(text: str) -> dict[int, int]:
+    """'256' -> same for all; '1:32,8:12,32:6' -> per concurrency."""
+    if ":" not in text:
+        return {c: int(text) for c in (1, 2, 4, 8, 16, 32, 64, 128)}
+    return {int(k): int(v) for k, v in (kv.split(":") for kv in text.split(","))}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "render":
+        from bench.report import render
+
+        for path in render(Path(argv[1])):
+            print(path)
+        return 0
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    ap.add_argument("--profile", default="cpu", choices=sorted(PROFILES))
+    ap.add_argument("--out", type=Path, default=None, help="results folder (default bench/results/<profile>)")
+    ap.add_argument("--work", type=Path, default=None, help="scratch folder: models, state, logs")
+    ap.add_argument("--model", type=Path, default=None, help="an existing `mlxsup make-model` folder to use")
+    ap.add_argument("--sections", default=",".join(SECTIONS))
+    ap.add_argument("--concurrency", default=None, help="e.g. 1,8,32")
+    ap.add_argument("--tokens", default=None, help="'256' or '1:32,8:12,32:6'")
+    ap.add_argument("--rounds", default=None, help="'5' or '1:3,8:2,32:1'")
+    ap.add_argument("--deadline", type=float, default=None, help="seconds; no new work starts after it")
+    args = ap.parse_args(argv)
+
+    p = PROFILES[args.profile]
+    if args.concurrency:
+        p = replace(p, concurrency=[int(x) for x in args.concurrency.split(",")])
+    if args.tokens:
+        p = replace(p, tokens=_intmap(args.tokens))
+    if args.rounds:
+        p = replace(p, rounds=_intmap(args.rounds))
+    if args.deadline:
+        p = replace(p, deadline_s=args.deadline)
+    out = args.out or REPO / "bench" / "results" / p.profile
+    work = args.work or Path(tempfile.gettempdir()) / f"mlxsup-bench-{p.profile}"
+    sections = [s for s in args.sections.split(",") if s]
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        ap.error(f"unknown sections {sorted(unknown)}")
+
+    from bench.report import render
+    from bench.run import Bench
+
+    bench = Bench(p, work, out, args.model, sections, "python -m bench " + shlex.join(argv))
+
+    async def go() -> dict:
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):  # unwind through every finally: servers get stopped
+            loop.add_signal_handler(sig, task.cancel)
+        return await bench.run()
+
+    try:
+        asyncio.run(go())
+    except asyncio.CancelledError:
+        print("interrupted; partial results written", file=sys.stderr)
+    for path in render(out / "results.json"):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

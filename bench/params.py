@@ -1,0 +1,57 @@
+"""Benchmark parameters and the named profiles. Everything used is recorded in the results."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Params:
+    profile: str
+    preset: str  # mlxsup make-model preset
+    concurrency: list[int] = field(default_factory=lambda: [1, 8, 32])
+    tokens: dict[int, int] = field(default_factory=lambda: {1: 256, 8: 256, 32: 256})  # generated per request
+    rounds: dict[int, int] = field(default_factory=lambda: {1: 5, 8: 5, 32: 5})
+    warmup_tokens: dict[int, int] = field(default_factory=lambda: {1: 256, 8: 256, 32: 256})  # per side and c
+    prompt_words: int = 24
+    cold_rounds: int = 3
+    idle_evict_rounds: int = 5
+    busy_evict_rounds: int = 3
+    busy_streams: int = 8
+    busy_max_tokens: int = 4096
+    burst_probe: bool = True  # n clients connecting at once, no pre-opened connections (informative)
+    overhead_concurrency: list[int] = field(default_factory=lambda: [1, 8])
+    overhead_tokens: int = 256
+    overhead_rounds: int = 3
+    profile_concurrency: list[int] = field(default_factory=lambda: [1, 32])
+    profile_rounds: int = 2
+    run_timeout_s: float = 300.0
+    deadline_s: float = 540.0  # stop starting new work after this; results are still written
+    seed: int = 0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["tokens"] = {str(k): v for k, v in self.tokens.items()}
+        d["rounds"] = {str(k): v for k, v in self.rounds.items()}
+        d["warmup_tokens"] = {str(k): v for k, v in self.warmup_tokens.items()}
+        return d
+
+
+PROFILES: dict[str, Params] = {
+    # The NVIDIA (or Apple GPU) run: the 1b preset, 256 tokens everywhere, five alternating rounds.
+    "gpu": Params(profile="gpu", preset="1b"),
+    # This repo's 2-core CI-class CPU: MLX's CPU matmul runs ~2.4 GFLOP/s whatever the batch, so the
+    # small preset costs ~150 ms per token *per sequence*, prefill included. Token counts shrink with
+    # concurrency to keep the whole run near ten minutes; rounds are fewer at high concurrency.
+    "cpu": Params(profile="cpu", preset="small", tokens={1: 32, 8: 8, 32: 4}, rounds={1: 3, 8: 2, 32: 1},
+                  warmup_tokens={1: 2}, prompt_words=4, cold_rounds=3, idle_evict_rounds=3,
+                  busy_evict_rounds=2, burst_probe=False, overhead_concurrency=[1], overhead_tokens=32, overhead_rounds=2,
+                  profile_concurrency=[1, 8], profile_rounds=1,
+                  run_timeout_s=400, deadline_s=840),
+    # A functional check of the whole suite in about a minute (tiny preset; numbers mean nothing).
+    "smoke": Params(profile="smoke", preset="tiny", tokens={1: 16, 8: 16, 32: 8}, rounds={1: 2, 8: 2, 32: 1},
+                    warmup_tokens={1: 2, 8: 2, 32: 2}, prompt_words=6, cold_rounds=2, idle_evict_rounds=2,
+                    busy_evict_rounds=1, overhead_concurrency=[1], overhead_tokens=16, overhead_rounds=1,
+                    profile_concurrency=[1, 8], profile_rounds=1,
+                    run_timeout_s=120, deadline_s=300),
+}
