@@ -124,7 +124,8 @@ class WorkerProcess:
 
 
 def worker_argv(model_path: Path, model_id: str, endpoint: str, identity: str, heartbeat_s: float,
-                max_batch_size: int, extra: tuple[str, ...] = ()) -> list[str]:
+                max_batch_size: int, extra: tuple[str, ...] = (), cache_args: tuple[str, ...] = ()) -> list[str]:
+    """The worker's command line; `cache_args` from CacheConfig.worker_args, `extra` (config) last."""
     return [
         sys.executable, "-m", "worker",
         "--model-path", str(model_path),
@@ -134,5 +135,6 @@ def worker_argv(model_path: Path, model_id: str, endpoint: str, identity: str, h
         "--heartbeat-s", str(heartbeat_s),
         "--max-batch-size", str(max_batch_size),
         "--lifeline",
+        *cache_args,
         *extra,
     ]

@@ -30,8 +30,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--heartbeat-s", type=float, default=1.0)
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--lifeline", action="store_true", help="exit when stdin reaches EOF")
-    p.add_argument("--fault", action="append", default=[], choices=["ignore-sigterm", "hang-on-evict"],
-                   help="testing: behave like a stuck worker (repeatable)")
+    p.add_argument("--hot-cache-bytes", type=int, default=0, help="hot prefix cache budget (0: off)")
+    p.add_argument("--ssd-cache-root", type=Path, default=None,
+                   help="SSD cache root; blocks go to ROOT/<model fingerprint> (absent: off)")
+    p.add_argument("--ssd-cache-bytes", type=int, default=8 * 2**30, help="SSD cache size cap")
+    p.add_argument("--cache-block-tokens", type=int, default=64)
+    p.add_argument("--cache-close-s", type=float, default=3.0, help="how long closing waits for SSD writes")
+    p.add_argument("--fault", action="append", default=[], choices=[
+        "ignore-sigterm", "hang-on-evict", "ssd-enospc", "ssd-stall", "ssd-slow"],
+                   help="testing: behave like a stuck worker or a failing disk (repeatable)")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -80,8 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         try:
             from worker.engine import Engine
+            from worker.prompt_cache import CacheOptions
 
-            engine = Engine(args.model_path, max_batch_size=args.max_batch_size)
+            cache = CacheOptions(args.hot_cache_bytes, args.ssd_cache_root, args.ssd_cache_bytes,
+                                 args.cache_block_tokens, args.cache_close_s, tuple(args.fault))
+            engine = Engine(args.model_path, max_batch_size=args.max_batch_size, cache=cache, model_id=args.model_id)
         except Exception as exc:
             log.error("[load] model=%s path=%s failed: %s", args.model_id, args.model_path, exc)
             return EXIT_LOAD_FAILED

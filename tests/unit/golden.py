@@ -1,14 +1,17 @@
 """Golden sha256 of each sample message in test_codec.py. Regenerate only with a PROTOCOL_VERSION bump."""
 
 GOLDEN_SHA256 = {
-    "submit:r1": "97856532f94dc3e13015fffc76152cbffe795a91cc1f4992e11188add2c2fe49",
-    "submit:r2": "29bc288f93f91f9784980e8356564b40ea2248bb3974bc9d571c76931c84ca9a",
-    "abort": "8327aea20c128b8124415e42c90aed48616826bb9ae1ac8baed846861c138692",
-    "evict": "3dbc8757451e1dd42ebf510dbf8f74bcb2c7b50570d812d8da38688af594e91e",
-    "ready": "7375b24de830c67905d0550cb29f7e1fb69d028ed9f342f7713d7177c24baacf",
-    "tokens": "671b0a663441f1571350bb0487f0c43f5172ee7dbf1175becc3ab2e658cd6b0f",
-    "finished": "4586f543df6ed61aaeb0dc9f597fa369b22c0a4b185409f75e2b7d6c21d166a8",
-    "failed": "31c41ced56715b61caef8df5f34dfad5c610a2238fa67a4290ea059bd1430b84",
-    "heartbeat": "a1dea44adf9debb7a38c47cd74afe800511905b20c9892ea814244e1e16f8423",
-    "bye": "eddde40fc4e59cab7eebb91b865b6c32e865d50f7c41e26fb8e5ced1d970cc5d",
+    "submit:r1": "3ee48c7c20d00bd7c6cc7ba7f3e4fc94966566899e5c942f64db52a5730775af",
+    "submit:r2": "b3671e74ddd4822975d2be7ce2824d78f332b5a3b91d2e61dfc252f920236ce0",
+    "abort": "6d60528e3e43e309cc1816569c2639d24a4039087f876fc32cfc77e6ca67d7f3",
+    "evict": "693388879bad682fd3f1815a5c249fb25cf61f5b7a6f3ed758b91ec953260ecf",
+    "ready": "dbdf14b85ed8bd516e8b2dd17ebeb090dfc1037832dd025cb3195859875faa7b",
+    "tokens": "6afa93be2716e270f8c8ec224ed8b490e1523a3a8287b49d6839d4bf4d220a2f",
+    "finished": "1304b03fbb1b421f815b07c73c1d6dd0643dc165ccc8647e801ca95e85d882ed",
+    "failed": "9b15f02378096ef08c536ad0f15654513aadaf5d21132dab35917f3156e58a52",
+    "heartbeat": "879eb5af2ad958bba6f6d034ac1a302304d868a73d906406f262d1441e1f3115",
+    "clear_cache": "5de9bab97e080b126dbcd15a366048512909fc5f3b2786e837a0c745088bd9e9",
+    "cache_stats": "a86c4327980ddf39d7ff1d6f07fbe6b12349b335bdbd2c5c632dbd81267a560b",
+    "cache_cleared": "4f470d01fafa8697cc5d057e53996c3f8c8fc4c94c5a0e25f4aed9c3e8600ca4",
+    "bye": "cd2a8e7339706e83964a2ec1235632aed849ceaf148e1c76045915b657e0254c",
 }
