@@ -30,6 +30,7 @@ from protocol.messages import CacheStats
 from worker.hot_cache import HotCache
 from worker.kv_blocks import Block, chain_keys, cut_blocks, is_plain_kv, join_blocks, parent_of
 from worker.ssd_cache import SsdCache
+from worker.shutdown import run_best_effort
 from worker.ssd_format import BlockData
 
 log = logging.getLogger(__name__)
@@ -56,18 +57,6 @@ def _to_numpy(a: mx.array) -> np.ndarray:
 def _from_numpy(a: np.ndarray, dtype: str) -> mx.array:
     arr = mx.array(a)
     return arr.view(mx.bfloat16) if dtype == "bfloat16" else arr
-
-
-def run_best_effort(model_id: str, steps: list[tuple[str, Callable[[], object]]]) -> list[str]:
-    """Run every step even when one fails (logged); return the names of the failed ones."""
-    failed = []
-    for name, step in steps:
-        try:
-            step()
-        except Exception:
-            log.exception("[cache] model=%s close step=%s failed; going on", model_id, name)
-            failed.append(name)
-    return failed
 
 
 class PromptCaches:
@@ -186,4 +175,4 @@ class PromptCaches:
             ssd = self.ssd
             steps.append(("flush_ssd", lambda: ssd.close(self.close_s)))
         steps.append(("release_hot", self.hot.clear))
-        return run_best_effort(self.model_id, steps)
+        return run_best_effort(f"caches model={self.model_id}", steps)
