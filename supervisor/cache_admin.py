@@ -66,6 +66,7 @@ async def _clear_model(router: "Router", model_id: str, which: str) -> dict:
             continue
         rid = f"clear-{uuid.uuid4().hex[:12]}"
         answer: asyncio.Future = asyncio.get_running_loop().create_future()
+        answer.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved even if we stop waiting
         worker.clears[rid] = answer
         if not router.transport.send(worker.identity, ClearCache(rid, which)):
             worker.clears.pop(rid, None)

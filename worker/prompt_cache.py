@@ -65,8 +65,9 @@ class PromptCaches:
         self.block = options.block_tokens
         self.close_s = options.close_s
         self.hits_ssd = self.misses_ssd = self.hit_tokens_ssd = 0
-        self._layers = len(make_prompt_cache(model))
-        supported = is_plain_kv(make_prompt_cache(model))
+        probe = make_prompt_cache(model)
+        self._layers = len(probe)
+        supported = is_plain_kv(probe)
         if not supported and (options.hot_bytes or options.ssd_root):
             log.warning("[cache] model=%s caches=off reason='layers do not all use a plain KVCache'", model_id)
         self.hot = HotCache(options.hot_bytes if supported else 0)
@@ -96,13 +97,10 @@ class PromptCaches:
         if self.hot.enabled:
             self.hot.hits += n_hot > 0
             self.hot.misses += n_hot == 0
-        if n_hot < len(keys) and self.ssd_on:
-            assert self.ssd is not None
-            wanted = [tuple(tokens[i * self.block:(i + 1) * self.block]) for i in range(n_hot, len(keys))]
-            found = [self._promote(d) for d in self.ssd.load_chain(keys[n_hot:], wanted)]
-            found = found[:next((i for i, b in enumerate(found) if b is None), len(found))]
-            self.hot.put(found)  # type: ignore[arg-type]
-            blocks += found  # type: ignore[arg-type]
+        if n_hot < len(keys) and self.ssd is not None and self.ssd.enabled:
+            found = self._from_ssd(self.ssd, tokens, keys, n_hot)
+            self.hot.put(found)  # promoted: the next hit on this prefix comes from memory
+            blocks += found
             self.hits_ssd += bool(found)
             self.misses_ssd += not found
         if not blocks:
@@ -113,11 +111,16 @@ class PromptCaches:
         self.hit_tokens_ssd += n - from_hot
         return n, join_blocks(blocks, n)
 
-    def _promote(self, data: BlockData) -> Block | None:
-        if data.keys.shape[0] != self._layers:
-            return None  # the fingerprint rules this out; a mismatch must not reach the model
-        return Block(data.key, data.parent, data.depth, data.tokens, _from_numpy(data.keys, data.dtype),
-                     _from_numpy(data.values, data.dtype))
+    def _from_ssd(self, ssd: SsdCache, tokens: list[int], keys: list[bytes], start: int) -> list[Block]:
+        """Blocks start.. of the chain from disk, as MLX arrays, up to the first missing one."""
+        wanted = [tuple(tokens[i * self.block:(i + 1) * self.block]) for i in range(start, len(keys))]
+        found = []
+        for data in ssd.load_chain(keys[start:], wanted):
+            if data.keys.shape[0] != self._layers:
+                break  # the fingerprint rules this out; a mismatch must never reach the model
+            found.append(Block(data.key, data.parent, data.depth, data.tokens, _from_numpy(data.keys, data.dtype),
+                               _from_numpy(data.values, data.dtype)))
+        return found
 
     def store(self, tokens: list[int], cache: list) -> None:
         """Keep the full blocks of a finished sequence; `cache` holds exactly `tokens`."""
@@ -129,15 +132,15 @@ class PromptCaches:
         c = cache[0]
         block_bytes = (c.keys.nbytes + c.values.nbytes) // c.keys.shape[2] * self.block * len(cache)
         hot_n = min(len(keys), self.hot.room_for(block_bytes))  # a chain longer than the budget: its head
-        to_disk = [i for i in range(len(keys)) if not self.ssd.has(keys[i])] if self.ssd_on else []  # type: ignore
+        ssd = self.ssd if self.ssd is not None and self.ssd.enabled else None
+        to_disk = [i for i in range(len(keys)) if not ssd.has(keys[i])] if ssd is not None else []
         wanted = sorted(set(range(hot_n)) | set(to_disk))
         have = {i: b for i in wanted if (b := self.hot.get(keys[i])) is not None}
         cut = cut_blocks(cache, tokens, keys, [i for i in wanted if i not in have], self.block)
         made = {b.depth: b for b in cut}
         self.hot.put([have.get(i) or made[i] for i in range(hot_n)])
-        if to_disk:
-            assert self.ssd is not None
-            self.ssd.enqueue([self._numpy_block(have.get(i) or made[i], keys, i) for i in to_disk])
+        if ssd is not None and to_disk:
+            ssd.enqueue([self._numpy_block(have.get(i) or made[i], keys, i) for i in to_disk])
 
     def _numpy_block(self, block: Block, keys: list[bytes], i: int) -> BlockData:
         return BlockData(block.key, parent_of(keys, i, self.block), i, block.tokens, _dtype_name(block.keys),
@@ -158,15 +161,16 @@ class PromptCaches:
         return released
 
     def stats(self) -> CacheStats:
-        ssd = self.ssd  # tested with `is not None`: an SsdCache with no entries is falsy (len 0)
-        on = ssd is not None
-        return CacheStats(
-            block_tokens=self.block, hot_entries=len(self.hot), hot_bytes=self.hot.nbytes,
-            hot_budget_bytes=self.hot.budget, hot_hits=self.hot.hits, hot_misses=self.hot.misses,
-            hot_hit_tokens=self.hot.hit_tokens, ssd_enabled=self.ssd_on, ssd_entries=len(ssd) if on else 0,
-            ssd_bytes=ssd.nbytes if on else 0, ssd_cap_bytes=ssd.cap if on else 0, ssd_hits=self.hits_ssd,
-            ssd_misses=self.misses_ssd, ssd_hit_tokens=self.hit_tokens_ssd,
-            ssd_dir=str(ssd.dir) if on else None, ssd_error=ssd.error if on else None)
+        hot = self.hot
+        stats = CacheStats(
+            block_tokens=self.block, hot_entries=len(hot), hot_bytes=hot.nbytes, hot_budget_bytes=hot.budget,
+            hot_hits=hot.hits, hot_misses=hot.misses, hot_hit_tokens=hot.hit_tokens, ssd_enabled=self.ssd_on,
+            ssd_entries=0, ssd_bytes=0, ssd_cap_bytes=0, ssd_hits=self.hits_ssd, ssd_misses=self.misses_ssd,
+            ssd_hit_tokens=self.hit_tokens_ssd)
+        if self.ssd is not None:  # not `if self.ssd`: an SsdCache with no entries is falsy (len 0)
+            stats.ssd_entries, stats.ssd_bytes, stats.ssd_cap_bytes = len(self.ssd), self.ssd.nbytes, self.ssd.cap
+            stats.ssd_dir, stats.ssd_error = str(self.ssd.dir), self.ssd.error
+        return stats
 
     def close(self) -> list[str]:
         """Flush the SSD writer (within `close_s`), then release the hot cache; best-effort."""

@@ -137,12 +137,12 @@ class WorkerLoop:
         entries = reclaimed = 0
         caches = self.engine.caches
         if msg.which not in CACHE_TIERS:
-            log.warning("[cache] model=%s unknown cache tier %r", self.model_id, msg.which)
+            log.warning("[cache] model=%s clear refused which=%r (not a cache tier)", self.model_id, msg.which)
         elif caches is not None:
             try:
                 entries, reclaimed = caches.clear(msg.which)
             except Exception:
-                log.exception("[cache] model=%s clearing %s failed", self.model_id, msg.which)
+                log.exception("[cache] model=%s clear failed which=%s", self.model_id, msg.which)
         self.send(CacheCleared(msg.rid, msg.which, entries, reclaimed))
         self._send_cache_stats()
 

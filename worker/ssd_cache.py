@@ -84,7 +84,11 @@ class SsdCache:
             self._disable(f"cache directory {self.dir} is not writable: {exc}")
             return
         self.enabled = True
-        self._rebuild()
+        try:
+            self._rebuild()
+        except OSError as exc:
+            self._disable(f"cache directory {self.dir} is not readable: {exc}")
+            return
         self._thread = threading.Thread(target=self._run, name="ssd-cache-writer", daemon=True)
         self._thread.start()
 
@@ -137,7 +141,7 @@ class SsdCache:
                 read_header(Path(entry.path), self.fingerprint, key)
                 st = entry.stat()
             except (ValueError, OSError) as exc:  # BadBlock is a ValueError
-                log.info("[cache] model=%s ssd removing %s: %s", self.model_id, name, exc)
+                log.info("[cache] model=%s ssd=rebuild removed=%s reason=%r", self.model_id, name, str(exc))
                 removed += self._remove(Path(entry.path))
                 continue
             found.append((st.st_mtime_ns, key, st.st_size))
@@ -145,7 +149,7 @@ class SsdCache:
             self._index[key] = size
             self.nbytes += size
         self._evict_to_cap()
-        log.info("[cache] model=%s ssd dir=%s entries=%d bytes=%d removed=%d rebuild_s=%.3f", self.model_id,
+        log.info("[cache] model=%s ssd=rebuild dir=%s entries=%d bytes=%d removed=%d s=%.3f", self.model_id,
                  self.dir, len(self._index), self.nbytes, removed, time.monotonic() - t0)
 
     @staticmethod
@@ -168,7 +172,7 @@ class SsdCache:
             try:
                 found.append(read_block(self.path(key), self.fingerprint, key, toks))
             except (OSError, BadBlock) as exc:
-                log.warning("[cache] model=%s ssd dropping block %s: %s", self.model_id, key.hex(), exc)
+                log.warning("[cache] model=%s ssd=read dropped=%s reason=%r", self.model_id, key.hex(), str(exc))
                 self._forget(key, unlink=not isinstance(exc, FileNotFoundError))
                 break
         self._touch([b.key for b in found])
@@ -231,7 +235,7 @@ class SsdCache:
             except OSError as exc:
                 self._disable(f"writing to {self.dir} failed: {exc}")
             except Exception as exc:  # a bug must not kill serving: the SSD tier goes off instead
-                log.exception("[cache] model=%s ssd writer failed", self.model_id)
+                log.exception("[cache] model=%s ssd=writer failed", self.model_id)
                 self._disable(f"the writer failed: {exc}")
             finally:
                 with self._lock:
@@ -272,7 +276,7 @@ class SsdCache:
             if "ssd-stall" in self.faults and block.depth == STALL_DEPTH:
                 f.write(b"\0" * (block.nbytes // 2))
                 f.flush()
-                log.warning("[fault] ssd writer stalls halfway through %s", tmp.name)
+                log.warning("[fault] ssd=writer stalls halfway file=%s", tmp.name)
                 threading.Event().wait()
             size = write_block(f, block, self.fingerprint)
             f.flush()
@@ -323,7 +327,7 @@ class SsdCache:
         self._thread.join(deadline_s)
         if self._thread.is_alive():
             self._abandon = True
-            log.warning("[cache] model=%s ssd writer did not finish in %.1fs; abandoning %d queued blocks",
+            log.warning("[cache] model=%s ssd=close deadline_s=%.1f abandoned_blocks=%d (the writer did not finish)",
                         self.model_id, deadline_s, len(self._pending))
         else:
-            log.info("[cache] model=%s ssd flushed=%d blocks in %.3fs", self.model_id, queued, time.monotonic() - t0)
+            log.info("[cache] model=%s ssd=close flushed_blocks=%d s=%.3f", self.model_id, queued, time.monotonic() - t0)
