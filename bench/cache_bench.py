@@ -146,7 +146,8 @@ def run(args: argparse.Namespace, work: Path) -> dict:
     same = cold["text"] == hot["text"] == ssd["text"]
     return {"preset": args.preset, "prompt_tokens": cold["prompt_tokens"], "max_tokens": args.max_tokens,
             "block_tokens": block, "cold": cold, "hot": hot, "ssd": ssd, "greedy_output_identical": same,
-            "hot_ratio": round(hot["ttft_s"] / cold["ttft_s"], 4), "ssd_ratio": round(ssd["ttft_s"] / cold["ttft_s"], 4),
+            "hot_ratio": round(hot["ttft_s"] / cold["ttft_s"], 4),
+            "ssd_ratio": round(ssd["ttft_s"] / cold["ttft_s"], 4),
             "reload_s": round(reload_s, 3), "evict_phases_s": evict.get("phases_s"), "cache_after": cache,
             "tokenizer_prompt_tokens": n_tokens}
 
@@ -167,6 +168,8 @@ def markdown(r: dict, m: dict, command: str) -> str:
         row("cold", r["cold"], None, None),
         row("hot hit", r["hot"], r["hot_ratio"], TARGETS["hot"]),
         row("SSD hit after evict + reload", r["ssd"], r["ssd_ratio"], TARGETS["ssd"]), "",
+        f"Cold prefill ran at {r['prompt_tokens'] / r['cold']['ttft_s']:.1f} tokens/s, which bounds the prompt "
+        "length a run can afford on this machine.", "",
         f"Greedy output identical in all three cases: **{r['greedy_output_identical']}**. "
         f"Reload before the SSD case (not in its TTFT): {r['reload_s']:.2f} s.", "",
         f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, {m['os']}; "

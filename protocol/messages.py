@@ -1,9 +1,9 @@
 """Every message that crosses the supervisor <-> worker boundary, one typed class each.
 
 Messages to the worker are imperative (Submit, Abort, Evict, ClearCache); messages from it
-are facts (Ready, Tokens, Finished, Failed, Heartbeat, CacheStats, CacheCleared, Bye). Fields hold only msgpack-native types
-(str, int, float, bool, None, list, dict) so the codec can validate them without any
-custom serialisation; errors travel as data (a machine code and a message), never as
+are facts (Ready, Tokens, Finished, Failed, Heartbeat, CacheStats, CacheCleared, Bye). Fields
+hold only msgpack-native types (str, int, float, bool, None, list, dict) so the codec can
+validate them without any custom serialisation; errors travel as data (a machine code and a message), never as
 serialised exceptions.
 """
 

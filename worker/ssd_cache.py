@@ -330,4 +330,5 @@ class SsdCache:
             log.warning("[cache] model=%s ssd=close deadline_s=%.1f abandoned_blocks=%d (the writer did not finish)",
                         self.model_id, deadline_s, len(self._pending))
         else:
-            log.info("[cache] model=%s ssd=close flushed_blocks=%d s=%.3f", self.model_id, queued, time.monotonic() - t0)
+            log.info("[cache] model=%s ssd=close flushed_blocks=%d s=%.3f", self.model_id, queued,
+                     time.monotonic() - t0)

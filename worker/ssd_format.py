@@ -111,8 +111,9 @@ def read_header(path: Path, fingerprint: str, key: bytes) -> dict:
             raise BadBlock("key does not match the file name")
         if header["dtype"] not in STORED_DTYPES:
             raise BadBlock(f"unknown dtype {header['dtype']!r}")
-        if size != header["_data_offset"] + int(header["payload_bytes"]):
-            raise BadBlock(f"{size} bytes on disk, the header announces {header['_data_offset'] + header['payload_bytes']}")
+        announced = header["_data_offset"] + int(header["payload_bytes"])
+        if size != announced:
+            raise BadBlock(f"{size} bytes on disk, the header announces {announced}")
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, BadBlock):
             raise

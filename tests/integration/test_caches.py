@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -20,6 +21,7 @@ import pytest
 from tests.conftest import Daemon, assert_gone, wait_for
 
 BLOCK = 64
+Factory = Callable[..., Daemon]
 
 
 def write_config(path: Path, model_dir: Path, cache: str = "", model: str = "") -> Path:
@@ -70,7 +72,7 @@ def reload(d: Daemon, model: str = "tiny") -> int:
     return post(d, f"/api/models/{model}/load")["pid"]
 
 
-def test_hot_hit_is_token_for_token_the_same(daemon_factory, model_dir: Path, tmp_path: Path) -> None:
+def test_hot_hit_is_token_for_token_the_same(daemon_factory: Factory, model_dir: Path, tmp_path: Path) -> None:
     d = daemon_factory("--config", str(write_config(tmp_path / "c.toml", model_dir)))
     prompt = long_prompt(1)
     cold_text, n, cold_cached = complete(d, prompt)
@@ -96,7 +98,7 @@ def test_hot_hit_is_token_for_token_the_same(daemon_factory, model_dir: Path, tm
     assert 0 < stats["hot"]["bytes"] <= stats["hot"]["budget_bytes"]
 
 
-def test_hit_joining_a_running_batch_is_the_same(daemon_factory, model_dir: Path, tmp_path: Path) -> None:
+def test_hit_joining_a_running_batch_is_the_same(daemon_factory: Factory, model_dir: Path, tmp_path: Path) -> None:
     d = daemon_factory("--config", str(write_config(tmp_path / "c.toml", model_dir)))
     prompt = long_prompt(3)
     cold_text, n, _ = complete(d, prompt, max_tokens=40)
@@ -119,7 +121,7 @@ def test_hit_joining_a_running_batch_is_the_same(daemon_factory, model_dir: Path
     assert wait_for(lambda: d.model("tiny")["peak_batch_size"] >= 2, 10, what="a heartbeat")
 
 
-def test_ssd_hit_after_evict_and_reload_is_the_same(daemon_factory, model_dir: Path, tmp_path: Path) -> None:
+def test_ssd_hit_after_evict_and_reload_is_the_same(daemon_factory: Factory, model_dir: Path, tmp_path: Path) -> None:
     d = daemon_factory("--config", str(write_config(tmp_path / "c.toml", model_dir)))
     prompt = long_prompt(5)
     cold_text, n, _ = complete(d, prompt)
@@ -137,7 +139,7 @@ def test_ssd_hit_after_evict_and_reload_is_the_same(daemon_factory, model_dir: P
     assert wait_for(lambda: cache(d)["hot"]["hits"] == 1, 10, what="a hot hit")
 
 
-def test_clear_endpoints_reclaim_what_they_say(daemon_factory, model_dir: Path, tmp_path: Path) -> None:
+def test_clear_endpoints_reclaim_what_they_say(daemon_factory: Factory, model_dir: Path, tmp_path: Path) -> None:
     d = daemon_factory("--config", str(write_config(tmp_path / "c.toml", model_dir)), "--model-dir", str(model_dir))
     prompt = long_prompt(6)
     _, n, _ = complete(d, prompt)
@@ -173,7 +175,7 @@ def test_clear_endpoints_reclaim_what_they_say(daemon_factory, model_dir: Path, 
     assert post(d, "/api/hot-cache/clear", {"model": "nope"}, 404)["error"]["code"] == "model_not_found"
 
 
-def test_ssd_cache_survives_a_worker_killed_mid_write(daemon_factory, model_dir: Path, tmp_path: Path) -> None:
+def test_ssd_cache_survives_a_worker_killed_mid_write(daemon_factory: Factory, model_dir: Path, tmp_path: Path) -> None:
     shared = tmp_path / "shared-cache"
     stall = write_config(tmp_path / "stall.toml", model_dir, f'ssd_dir = "{shared}"',
                          'worker_args = ["--fault", "ssd-stall"]')
@@ -201,7 +203,7 @@ def test_ssd_cache_survives_a_worker_killed_mid_write(daemon_factory, model_dir:
     assert again == text
 
 
-def test_full_disk_turns_the_ssd_cache_off_and_serving_goes_on(daemon_factory, model_dir: Path,
+def test_full_disk_turns_the_ssd_cache_off_and_serving_goes_on(daemon_factory: Factory, model_dir: Path,
                                                                tmp_path: Path) -> None:
     cfg = write_config(tmp_path / "c.toml", model_dir, model='worker_args = ["--fault", "ssd-enospc"]')
     d = daemon_factory("--config", str(cfg))
@@ -213,7 +215,7 @@ def test_full_disk_turns_the_ssd_cache_off_and_serving_goes_on(daemon_factory, m
     assert cached == expected_hit(n) and again == text  # the hot cache still serves
 
 
-def test_unwritable_cache_dir_turns_the_ssd_cache_off(daemon_factory, model_dir: Path, tmp_path: Path) -> None:
+def test_unwritable_cache_dir_turns_the_ssd_cache_off(daemon_factory: Factory, model_dir: Path, tmp_path: Path) -> None:
     (tmp_path / "a-file").write_text("not a folder")
     d = daemon_factory("--config", str(write_config(tmp_path / "c.toml", model_dir,
                                                       f'ssd_dir = "{tmp_path / "a-file" / "cache"}"')))
@@ -223,7 +225,7 @@ def test_unwritable_cache_dir_turns_the_ssd_cache_off(daemon_factory, model_dir:
     assert complete(d, long_prompt(9)) == (text, n, expected_hit(n))
 
 
-def test_evict_flushes_queued_ssd_writes(daemon_factory, model_dir: Path, tmp_path: Path) -> None:
+def test_evict_flushes_queued_ssd_writes(daemon_factory: Factory, model_dir: Path, tmp_path: Path) -> None:
     cfg = write_config(tmp_path / "c.toml", model_dir, model='worker_args = ["--fault", "ssd-slow"]')
     d = daemon_factory("--config", str(cfg))
     _, n, _ = complete(d, long_prompt(10, 40))  # 0.25 s a block: most are still queued when the evict comes
@@ -233,7 +235,7 @@ def test_evict_flushes_queued_ssd_writes(daemon_factory, model_dir: Path, tmp_pa
     assert len(list(directory.glob("*.kvb"))) == (n + 24) // BLOCK
 
 
-def test_budget_and_footprint_hold_over_200_distinct_long_prompts(daemon_factory, model_dir: Path,
+def test_budget_and_footprint_hold_over_200_distinct_long_prompts(daemon_factory: Factory, model_dir: Path,
                                                                   tmp_path: Path) -> None:
     """200 prompts of ~650 tokens would pin ~80 MiB of KV in the tiny model's worker without the budget.
 
