@@ -1,9 +1,9 @@
 """Every message that crosses the supervisor <-> worker boundary, one typed class each.
 
-Messages to the worker are imperative (Submit, Abort, Evict); messages from it are facts
-(Progress, Ready, Tokens, Finished, Failed, Heartbeat, Bye). Fields hold only msgpack-native types
-(str, int, float, bool, None, list, dict) so the codec can validate them without any
-custom serialisation; errors travel as data (a machine code and a message), never as
+Messages to the worker are imperative (Submit, Abort, Evict, ClearCache); messages from it
+are facts (Progress, Ready, Tokens, Finished, Failed, Heartbeat, CacheStats, CacheCleared, Bye).
+Fields hold only msgpack-native types (str, int, float, bool, None, list, dict) so the codec can
+validate them without any custom serialisation; errors travel as data (a machine code and a message), never as
 serialised exceptions.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: prompt caches (ClearCache, CacheCleared, CacheStats)
 
 # Machine codes carried by Failed and surfaced to HTTP clients as the error "code".
 MODEL_EVICTED = "model_evicted"
@@ -23,6 +23,7 @@ ABORTED = "aborted"
 INTERNAL_ERROR = "internal_error"
 
 EVICT_MODES = ("drain", "now")
+CACHE_TIERS = ("hot", "ssd")  # ClearCache.which: the in-memory prefix cache or the on-disk one
 FINISH_REASONS = ("stop", "length")
 
 # Worker exit codes, distinct so the supervisor can tell a failed load from a crash.
@@ -70,6 +71,15 @@ class Evict(Message):
     KIND: ClassVar[str] = "evict"
     mode: str = "now"
     deadline_s: float = 10.0
+
+
+@dataclass(slots=True)
+class ClearCache(Message):
+    """Drop every entry of one cache tier (`which` in CACHE_TIERS); answered by CacheCleared(rid)."""
+
+    KIND: ClassVar[str] = "clear_cache"
+    rid: str
+    which: str
 
 
 # --- worker -> supervisor -------------------------------------------------------------
@@ -137,6 +147,45 @@ class Heartbeat(Message):
 
 
 @dataclass(slots=True)
+class CacheStats(Message):
+    """The worker's prompt caches, sent with every heartbeat. Entries are KV blocks.
+
+    hits/misses count lookups (one per request whose prompt spans at least one block); the
+    SSD tier is consulted only for what the hot tier did not have. `ssd_error` says why the
+    SSD tier is off (unwritable directory, full disk), None while it works or was never asked for.
+    """
+
+    KIND: ClassVar[str] = "cache_stats"
+    block_tokens: int
+    hot_entries: int
+    hot_bytes: int
+    hot_budget_bytes: int
+    hot_hits: int
+    hot_misses: int
+    hot_hit_tokens: int
+    ssd_enabled: bool
+    ssd_entries: int
+    ssd_bytes: int
+    ssd_cap_bytes: int
+    ssd_hits: int
+    ssd_misses: int
+    ssd_hit_tokens: int
+    ssd_dir: str | None = None
+    ssd_error: str | None = None
+
+
+@dataclass(slots=True)
+class CacheCleared(Message):
+    """The answer to ClearCache: what was dropped, in bytes actually given back (memory or disk)."""
+
+    KIND: ClassVar[str] = "cache_cleared"
+    rid: str
+    which: str
+    entries: int
+    reclaimed_bytes: int
+
+
+@dataclass(slots=True)
 class Bye(Message):
     """The last message of a worker that exits in order; phases maps phase -> seconds."""
 
@@ -152,11 +201,14 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     Submit,
     Abort,
     Evict,
+    ClearCache,
     Ready,
     Progress,
     Tokens,
     Finished,
     Failed,
     Heartbeat,
+    CacheStats,
+    CacheCleared,
     Bye,
 )

@@ -270,6 +270,22 @@ class Gateway:
         report = await self.router.evict(request.path_params["model"], mode, timeout)
         return JSONResponse(report)
 
+    async def clear_hot_cache(self, request: Request) -> Response:
+        return await self._clear_cache(request, "hot")
+
+    async def clear_ssd_cache(self, request: Request) -> Response:
+        return await self._clear_cache(request, "ssd")
+
+    async def _clear_cache(self, request: Request, which: str) -> Response:
+        """Body `{"model": id}` for one model, none (or `{}`) for all; answers with the bytes reclaimed."""
+        body = await read_json(request, 4096) if await request.body() else {}
+        if not isinstance(body, dict) or set(body) - {"model"}:
+            raise errors.InvalidRequest("the body must be a JSON object with at most a 'model' key")
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise errors.InvalidRequest("'model' must be a string", param="model")
+        return JSONResponse(await self.router.clear_cache(which, model))
+
 
 class RequireApiKey:
     """ASGI middleware: every HTTP route but /health needs `Authorization: Bearer <key>`."""
@@ -313,6 +329,8 @@ def build_app(router: Router, settings: Settings) -> Starlette:
         Route("/metrics", gw.metrics, methods=["GET"]),
         Route("/api/models/{model:path}/load", gw.load, methods=["POST"]),
         Route("/api/models/{model:path}/evict", gw.evict, methods=["POST"]),
+        Route("/api/hot-cache/clear", gw.clear_hot_cache, methods=["POST"]),
+        Route("/api/ssd-cache/clear", gw.clear_ssd_cache, methods=["POST"]),
     ]
     handlers = {errors.MlxsupError: _on_error, HTTPException: _on_error, Exception: _on_error}
     app = Starlette(routes=routes, exception_handlers=handlers)

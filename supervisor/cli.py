@@ -83,10 +83,14 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps(status, indent=2))
         return 0
     print(f"mlxsup {status['version']}  up {status['uptime_s']:.0f}s")
-    rows = [("MODEL", "STATE", "PID", "MEMORY", "IN-FLIGHT", "BATCH", "LAST ERROR")]
+    rows = [("MODEL", "STATE", "PID", "MEMORY", "IN-FLIGHT", "BATCH", "HOT CACHE", "SSD CACHE", "LAST ERROR")]
     for m in status["models"]:
+        cache = m.get("cache") or {}
+        hot, ssd = cache.get("hot") or {}, cache.get("ssd") or {}
         rows.append((m["id"], m["state"], str(m["pid"] or "-"), _mib(m["memory_bytes"]), str(m["in_flight"]),
-                     str(m.get("batch_size", "-")), (m.get("last_error") or "")[:60]))
+                     str(m.get("batch_size", "-")), _mib(hot.get("bytes")),
+                     _mib(ssd.get("bytes")) if ssd.get("enabled") else ("off" if ssd else "-"),
+                     (m.get("last_error") or "")[:60]))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())

@@ -17,7 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from supervisor.cache_config import DEFAULTS as CACHE_DEFAULTS
+from supervisor.cache_config import CacheConfig, parse_cache
 from supervisor.registry import ModelSpec, from_config
+from supervisor.units import parse_size
 
 DEFAULT_PORT = 8800
 DEMO_MODEL_ID = "demo"
@@ -84,6 +87,11 @@ class Settings:
     restart_backoff_max_s: float = 10.0
     api_key: str | None = None  # when set, every route but /health needs "Authorization: Bearer <key>"
     hf_cache: Path | None = field(default_factory=default_hf_cache)  # None: no Hugging Face discovery
+    cache: CacheConfig = CACHE_DEFAULTS  # prompt caches: the [cache] section over the defaults
+
+    def model_cache(self, spec: ModelSpec) -> CacheConfig:
+        """A model's effective cache settings: its own overrides, then [cache], then the defaults."""
+        return spec.cache.over(self.cache)
 
     def ceiling(self, total: int) -> int:
         if self.memory_ceiling_bytes is not None:
@@ -115,22 +123,6 @@ _MEMORY_KEYS = {
     "ceiling": "memory_ceiling_bytes", "reserve": "memory_reserve_bytes", "worker_overhead": "worker_overhead_bytes",
     "max_loaded_models": "max_loaded_models", "pressure_soft": "pressure_soft", "pressure_hard": "pressure_hard",
 }
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
-
-
-def parse_size(value: int | float | str) -> int:
-    """Bytes from 1234, "512MiB", "8GB", "1.5 GiB"."""
-    if isinstance(value, bool):
-        raise ValueError(f"not a size: {value!r}")
-    if isinstance(value, (int, float)):
-        return int(value)
-    text = value.strip().lower().replace(" ", "")
-    number = text.rstrip("kmgtib")
-    unit = text[len(number):]
-    if unit not in _UNITS or not number:
-        raise ValueError(f"not a size: {value!r} (use bytes or a unit: KiB, MiB, GiB, MB, GB)")
-    return int(float(number) * _UNITS[unit])
 
 
 def _apply_memory(section: dict, settings: "Settings", path: Path) -> None:
@@ -159,7 +151,7 @@ def load_file(path: Path, settings: Settings) -> Settings:
         data = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"{path}: {exc}") from None
-    unknown = set(data) - {"server", "models", "memory"}
+    unknown = set(data) - {"server", "models", "memory", "cache"}
     if unknown:
         raise ConfigError(f"{path}: unknown section(s) {sorted(unknown)}")
     for key, value in data.get("server", {}).items():
@@ -175,6 +167,7 @@ def load_file(path: Path, settings: Settings) -> Settings:
         setattr(settings, key, value)
     _apply_memory(data.get("memory", {}), settings, path)
     try:
+        settings.cache = parse_cache(data.get("cache", {}), "cache", path.parent).over(CACHE_DEFAULTS)
         settings.models = from_config(data.get("models", {}), path.parent)
     except ValueError as exc:
         raise ConfigError(f"{path}: {exc}") from None

@@ -160,7 +160,9 @@ def reap_stale(pid_dir: Path, timeout_s: float = 5.0) -> list[int]:
 
 
 def worker_argv(model_path: Path, model_id: str, endpoint: str, identity: str, heartbeat_s: float,
-                max_batch_size: int, prefill_step_size: int, extra: tuple[str, ...] = ()) -> list[str]:
+                max_batch_size: int, prefill_step_size: int, extra: tuple[str, ...] = (),
+                cache_args: tuple[str, ...] = ()) -> list[str]:
+    """The worker's command line; `cache_args` from CacheConfig.worker_args, `extra` (config) last."""
     return [
         sys.executable, "-m", "worker",
         "--model-path", str(model_path),
@@ -171,5 +173,6 @@ def worker_argv(model_path: Path, model_id: str, endpoint: str, identity: str, h
         "--max-batch-size", str(max_batch_size),
         "--prefill-step-size", str(prefill_step_size),
         "--lifeline",
+        *cache_args,
         *extra,
     ]

@@ -1,8 +1,9 @@
 """Which models exist: discovered under model directories and listed in the TOML config.
 
 A model directory is any directory holding `config.json` and at least one `*.safetensors`;
-its id is the directory's name. The Hugging Face cache is searched too (ids `org/name`). Config entries (`[models.ID]` with `path`, `aliases`, and
-per-model worker options) override discovered ones of the same id. Aliases resolve to ids.
+its id is the directory's name. The Hugging Face cache is searched too (ids `org/name`). Config
+entries (`[models.ID]` with `path`, `aliases`, and per-model worker and cache options) override
+discovered ones of the same id. Aliases resolve to ids.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from supervisor.cache_config import CacheConfig, parse_cache
 from supervisor.errors import ModelNotFound
 
 
@@ -22,6 +24,7 @@ class ModelSpec:
     weights_bytes: int = 0
     ttl_s: float | None = None  # idle time before eviction; None: the server's default
     pinned: bool = False  # loaded at start-up; only an explicit evict removes it
+    cache: CacheConfig = CacheConfig()  # overrides of the [cache] section; unset keys inherit
 
 
 def is_model_dir(path: Path) -> bool:
@@ -74,7 +77,7 @@ def from_config(models: dict, base: Path) -> list[ModelSpec]:
         path = (base / path).resolve() if not path.is_absolute() else path
         if not is_model_dir(path):
             raise ValueError(f"models.{model_id}.path: {path} holds no config.json and *.safetensors")
-        unknown = set(entry) - {"path", "aliases", "worker_args", "ttl_s", "pinned"}
+        unknown = set(entry) - {"path", "aliases", "worker_args", "ttl_s", "pinned", "cache"}
         if unknown:
             raise ValueError(f"models.{model_id}.{sorted(unknown)[0]}: unknown key")
         aliases = entry.get("aliases", [])
@@ -87,8 +90,9 @@ def from_config(models: dict, base: Path) -> list[ModelSpec]:
         pinned = entry.get("pinned", False)
         if not isinstance(pinned, bool):
             raise ValueError(f"models.{model_id}.pinned: must be true or false")
+        cache = parse_cache(entry.get("cache", {}), f"models.{model_id}.cache", base)
         specs.append(ModelSpec(model_id, path, tuple(aliases), tuple(args), weights_bytes(path),
-                               None if ttl is None else float(ttl), pinned))
+                               None if ttl is None else float(ttl), pinned, cache))
     return specs
 
 

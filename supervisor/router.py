@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from protocol.messages import (
-    EXIT_LOAD_FAILED, Abort, Bye, Evict, Failed, Finished, Heartbeat, Message, Progress, Ready, Submit, Tokens,
+    EXIT_LOAD_FAILED, Abort, Bye, CacheCleared, CacheStats, Evict, Failed, Finished, Heartbeat, Message, Progress,
+    Ready, Submit, Tokens,
 )
-from supervisor import errors, policy
+from supervisor import cache_admin, errors, policy
 from supervisor.config import Settings
 from supervisor.memory import footprint, system_available, system_total
 from supervisor.metrics import Metrics
@@ -79,6 +80,8 @@ class Worker:
     last_used: float = field(default_factory=time.monotonic)
     heartbeat: Heartbeat | None = None
     bye: Bye | None = None
+    cache: CacheStats | None = None
+    clears: dict[str, asyncio.Future] = field(default_factory=dict)  # ClearCache rid -> its CacheCleared
     evicting: asyncio.Task | None = None
     evict_reason: str | None = None
     kill_reason: str | None = None  # why the supervisor killed it (hang, load timeout)
@@ -309,7 +312,8 @@ class Router:
         self.records.setdefault(spec.id, ModelRecord()).starts += 1
         st = self.settings
         argv = worker_argv(spec.path, spec.id, self.transport.endpoint, identity.decode(), st.heartbeat_s,
-                           st.max_batch_size, st.prefill_step_size, spec.worker_args)
+                           st.max_batch_size, st.prefill_step_size, spec.worker_args,
+                           tuple(st.model_cache(spec).worker_args(st.state_dir)))
         log_path = st.log_dir / f"worker-{spec.id.replace('/', '--')}.log" if st.log_dir else None
         worker.process = WorkerProcess(spec.id, argv, log_path, pid_dir=self.runtime_dir)
         asyncio.create_task(self._run(worker), name=f"run[{spec.id}]")
@@ -351,6 +355,10 @@ class Router:
         for stream in worker.streams.values():
             stream.fail(error)
         worker.streams.clear()
+        for pending in worker.clears.values():
+            if not pending.done():
+                pending.set_exception(error)
+        worker.clears.clear()
         worker.state = State.STOPPED if evicted else State.FAILED
         if self.workers.get(spec.id) is worker:
             del self.workers[spec.id]
@@ -461,6 +469,12 @@ class Router:
                 stream.fail(errors.from_worker(msg.code, msg.message))
         elif isinstance(msg, Heartbeat):
             worker.heartbeat = msg
+        elif isinstance(msg, CacheStats):
+            worker.cache = msg
+        elif isinstance(msg, CacheCleared):
+            pending = worker.clears.pop(msg.rid, None)
+            if pending is not None and not pending.done():
+                pending.set_result(msg)
         elif isinstance(msg, Ready):
             self._on_ready(worker, msg)
         elif isinstance(msg, Progress):
@@ -516,7 +530,8 @@ class Router:
                   "queued": 0, "leases": 0, "idle_s": None, "ttl_s": ttl, "ttl_remaining_s": None,
                   "pinned": spec.pinned, "restarts": max(0, record.starts - 1), "crashes": record.crashes,
                   "last_error": record.last_error, "stderr_tail": record.last_stderr,
-                  "last_eviction": record.last_eviction, "worker_active": 0, "batch_size": 0, "peak_batch_size": 0}
+                  "last_eviction": record.last_eviction, "worker_active": 0, "batch_size": 0, "peak_batch_size": 0,
+                  "cache": None}
         if worker is None:
             if record.failed_until > time.monotonic():
                 status["state"] = State.FAILED.value
@@ -531,10 +546,15 @@ class Router:
             queued=hb.waiting if hb else 0, worker_active=hb.active if hb else 0, batch_size=hb.batch_size if hb else 0,
             peak_batch_size=hb.max_batch_size if hb else 0, generated_tokens=hb.generated_tokens if hb else 0,
             context_length=worker.info.context_length if worker.info else None,
+            cache=cache_admin.stats_view(worker.cache),
         )
         if worker.state is State.LOADING:
             status["progress"] = {"stage": worker.progress.stage, "fraction": worker.progress.fraction}
         return status
+
+    async def clear_cache(self, which: str, name: str | None = None) -> dict:
+        """Empty one cache tier of one model (`name`) or of all; see supervisor/cache_admin.py."""
+        return await cache_admin.clear(self, which, name)
 
     def status(self) -> dict:
         views = self._views()

@@ -23,7 +23,10 @@ FAULTS = {
     "ignore-sigterm": "ignore SIGTERM",
     "hang-on-evict": "never finish the exit sequence",
     "slow-steps": "sleep 0.4 s in every engine step (a slow but live worker)",
-    "protocol-v2": "announce itself in another protocol version",
+    "foreign-protocol": "announce itself in another protocol version",
+    "ssd-enospc": "the SSD cache's disk is full",
+    "ssd-stall": "the SSD writer stops halfway through a block (to be killed mid-write)",
+    "ssd-slow": "the SSD writer is slow",
 }
 
 
@@ -38,6 +41,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prefill-step-size", type=int, default=512,
                    help="prompt tokens per engine step: bounds a step's time, so heartbeats show prefill progress")
     p.add_argument("--lifeline", action="store_true", help="exit when stdin reaches EOF")
+    p.add_argument("--hot-cache-bytes", type=int, default=0, help="hot prefix cache budget (0: off)")
+    p.add_argument("--ssd-cache-root", type=Path, default=None,
+                   help="SSD cache root; blocks go to ROOT/<model fingerprint> (absent: off)")
+    p.add_argument("--ssd-cache-bytes", type=int, default=8 * 2**30, help="SSD cache size cap")
+    p.add_argument("--cache-block-tokens", type=int, default=64)
+    p.add_argument("--cache-close-s", type=float, default=3.0, help="how long closing waits for SSD writes")
     p.add_argument("--fault", action="append", default=[], choices=sorted(FAULTS),
                    help="testing only: misbehave on purpose (repeatable)")
     p.add_argument("--log-level", default="INFO")
@@ -90,12 +99,16 @@ def main(argv: list[str] | None = None) -> int:
             from protocol.codec import encode
             from protocol.messages import Progress
             from worker.engine import Engine
+            from worker.prompt_cache import CacheOptions
 
             def report(stage: str, fraction: float) -> None:
                 sock.send(encode(Progress(stage, round(fraction, 3))), zmq.NOBLOCK)
 
+            cache = CacheOptions(args.hot_cache_bytes, args.ssd_cache_root, args.ssd_cache_bytes,
+                                 args.cache_block_tokens, args.cache_close_s, tuple(args.fault))
             engine = Engine(args.model_path, max_batch_size=args.max_batch_size,
-                            prefill_step_size=args.prefill_step_size, report=report)
+                            prefill_step_size=args.prefill_step_size, report=report, cache=cache,
+                            model_id=args.model_id)
         except Exception as exc:
             log.error("[load] model=%s path=%s failed: %s", args.model_id, args.model_path, exc)
             return EXIT_LOAD_FAILED

@@ -6,6 +6,9 @@ loop in worker/server.py feeds it Submit/Abort messages and ships what step() re
 
 Invariants: every admitted request ends in exactly one Finished or Failed; a request that is
 aborted or finished is removed from the BatchGenerator at once, so it costs no more compute.
+With prompt caches (worker/prompt_cache.py), a request joins the batch with its cached prefix
+as its starting cache and only the rest of its prompt to compute; a finished one leaves its
+KV state to the caches. A cache failure is logged and costs only the cache's benefit.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from protocol.messages import (
     Finished,
     Submit,
 )
+from worker.prompt_cache import CacheOptions, PromptCaches
 from worker.textstream import TextStream
 
 log = logging.getLogger(__name__)
@@ -50,6 +54,7 @@ class Request:
     prompt_tokens: int
     text: TextStream
     completion_tokens: int = 0
+    cached_tokens: int = 0
 
 
 def process_memory_bytes() -> int:
@@ -76,7 +81,8 @@ def load_with_progress(model_path: Path, report: Callable[[str, float], None]) -
 
 class Engine:
     def __init__(self, model_path: Path, max_batch_size: int = 32, prefill_batch_size: int = 8,
-                 prefill_step_size: int = 2048, report: Callable[[str, float], None] = lambda *_: None) -> None:
+                 prefill_step_size: int = 2048, report: Callable[[str, float], None] = lambda *_: None,
+                 cache: CacheOptions | None = None, model_id: str = "") -> None:
         t0 = time.perf_counter()
         self.model, self.tokenizer = load_with_progress(model_path, report)
         config = json.loads((model_path / "config.json").read_text())
@@ -100,6 +106,7 @@ class Engine:
         self._by_rid: dict[str, Request] = {}
         self.generated_tokens = 0
         self.peak_batch_size = 0
+        self.caches = PromptCaches(self.model, model_path, cache, model_id) if cache else None
         self.load_s = time.perf_counter() - t0
 
     # --- admission ---------------------------------------------------------------------
@@ -150,15 +157,36 @@ class Engine:
                 f"this model's maximum context length is {self.context_length} tokens; the prompt has "
                 f"{len(tokens)} tokens and max_tokens asks for {msg.max_tokens or 'the rest'}",
             )
+        cached, prefix = self._lookup(msg.rid, tokens)
         (uid,) = self.gen.insert(
-            [tokens],
+            [tokens[cached:]],
             max_tokens=[max_tokens],
+            caches=[prefix],
+            all_tokens=[tokens[:cached]],
             samplers=[self._sampler(msg)],
             stop_sequences=[self._stop_none if msg.ignore_eos else self._stop_eos],
         )
-        req = Request(msg.rid, uid, len(tokens), TextStream(self.tokenizer.detokenizer, msg.stop))
+        req = Request(msg.rid, uid, len(tokens), TextStream(self.tokenizer.detokenizer, msg.stop),
+                      cached_tokens=cached)
         self._by_uid[uid] = req
         self._by_rid[msg.rid] = req
+
+    def _lookup(self, rid: str, tokens: list[int]) -> tuple[int, list | None]:
+        if self.caches is None:
+            return 0, None
+        try:
+            return self.caches.lookup(tokens)
+        except Exception:
+            log.exception("[cache] rid=%s lookup failed; computing the whole prompt", rid)
+            return 0, None
+
+    def _store(self, tokens: list[int] | None, cache: list | None) -> None:
+        if self.caches is None or not tokens or not cache:
+            return
+        try:
+            self.caches.store(list(tokens), cache)
+        except Exception:
+            log.exception("[cache] storing a finished sequence failed; going on")
 
     def abort(self, rid: str) -> bool:
         req = self._by_rid.pop(rid, None)
@@ -193,21 +221,26 @@ class Engine:
                     chunks.append([req.rid, delta, 1])
                 continue
             delta += req.text.flush()
-            finished.append(Finished(req.rid, delta, reason, req.prompt_tokens, req.completion_tokens))
-            self._forget(req, still_in_generator=r.finish_reason is None)
+            finished.append(Finished(req.rid, delta, reason, req.prompt_tokens, req.completion_tokens,
+                                     req.cached_tokens))
+            del self._by_uid[req.uid]
+            del self._by_rid[req.rid]
+            if r.finish_reason is None:  # a stop string ended it: the generator still runs it
+                cache, tokens = self.gen.remove([req.uid], return_prompt_caches=True).get(req.uid, (None, None))
+            else:
+                cache, tokens = r.prompt_cache, r.all_tokens
+            self._store(tokens, cache)
         return chunks, finished
-
-    def _forget(self, req: Request, still_in_generator: bool) -> None:
-        del self._by_uid[req.uid]
-        del self._by_rid[req.rid]
-        if still_in_generator:
-            self.gen.remove([req.uid])
 
     def fail_all(self, code: str, message: str) -> list[Failed]:
         failed = [Failed(rid, code, message) for rid in self.rids]
         for f in failed:
             self.abort(f.rid)
         return failed
+
+    def close_caches(self) -> None:
+        if self.caches is not None:
+            self.caches.close()
 
     def settle(self) -> int:
         """Release what MLX holds in its buffer cache; return the process footprint left."""

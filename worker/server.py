@@ -24,7 +24,10 @@ from protocol.messages import (
     EXIT_PARENT_GONE,
     INTERNAL_ERROR,
     MODEL_EVICTED,
+    CACHE_TIERS,
     Abort,
+    CacheCleared,
+    ClearCache,
     Evict,
     Failed,
     Heartbeat,
@@ -69,11 +72,16 @@ class WorkerLoop:
         e = self.engine
         ready = Ready(self.model_id, _pid(), e.context_length, e.vocab_size, e.weights_bytes,
                       process_memory_bytes(), e.load_s)
-        if "protocol-v2" in self._faults:  # testing: a worker from another release
+        if "foreign-protocol" in self._faults:  # testing: a worker from another release
             body = msgpack.unpackb(encode(ready))
             self.sock.send(msgpack.packb({**body, "v": body["v"] + 1}))
             return
         self.send(ready)
+        self._send_cache_stats()
+
+    def _send_cache_stats(self) -> None:
+        if self.engine.caches is not None:
+            self.send(self.engine.caches.stats())
 
     def run(self) -> int:
         poller = zmq.Poller()
@@ -120,6 +128,8 @@ class WorkerLoop:
             self._on_submit(msg)
         elif isinstance(msg, Abort):
             self.engine.abort(msg.rid)
+        elif isinstance(msg, ClearCache):
+            self._on_clear_cache(msg)
         elif isinstance(msg, Evict):
             if self.shutdown is None:
                 log.info("[evict] model=%s mode=%s deadline_s=%.1f", self.model_id, msg.mode, msg.deadline_s)
@@ -128,6 +138,19 @@ class WorkerLoop:
                 self.shutdown.mode = "now"  # a second, harder evict tightens the first
         else:
             log.warning("[protocol] unexpected message kind=%s", msg.KIND)
+
+    def _on_clear_cache(self, msg: ClearCache) -> None:
+        entries = reclaimed = 0
+        caches = self.engine.caches
+        if msg.which not in CACHE_TIERS:
+            log.warning("[cache] model=%s clear refused which=%r (not a cache tier)", self.model_id, msg.which)
+        elif caches is not None:
+            try:
+                entries, reclaimed = caches.clear(msg.which)
+            except Exception:
+                log.exception("[cache] model=%s clear failed which=%s", self.model_id, msg.which)
+        self.send(CacheCleared(msg.rid, msg.which, entries, reclaimed))
+        self._send_cache_stats()
 
     def _on_submit(self, msg: Submit) -> None:
         if self.shutdown is not None:
@@ -167,13 +190,14 @@ class WorkerLoop:
         self.send(Heartbeat(active=len(e), waiting=e.waiting(), batch_size=e.batch_size(),
                             max_batch_size=e.peak_batch_size, generated_tokens=e.generated_tokens,
                             memory_bytes=process_memory_bytes()))
+        self._send_cache_stats()
 
     def _exit(self) -> int:
         assert self.shutdown is not None
         if "hang-on-evict" in self._faults:  # testing the supervisor's kill ladder: a worker stuck in its exit
             log.warning("[fault] hanging instead of exiting")
             threading.Event().wait()
-        bye = self.shutdown.finish(close_caches=lambda: None, settle=self.engine.settle)
+        bye = self.shutdown.finish(close_caches=self.engine.close_caches, settle=self.engine.settle)
         log.info("[evict] model=%s phase=bye reason=%s aborted=%d drained=%d phases=%s", self.model_id,
                  bye.reason, bye.aborted, bye.drained, {k: round(v, 4) for k, v in bye.phases.items()})
         if bye.reason == "parent_gone":

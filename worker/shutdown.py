@@ -65,3 +65,15 @@ class Shutdown:
         self.phases["total"] = time.monotonic() - self.started
         return Bye(reason=self.reason, aborted=self.aborted, drained=self.drained,
                    phases=self.phases, memory_bytes=memory)
+
+
+def run_best_effort(what: str, steps: list[tuple[str, Callable[[], object]]]) -> list[str]:
+    """Run every step even when one fails (logged with `what`); return the names of the failed ones."""
+    failed = []
+    for name, step in steps:
+        try:
+            step()
+        except Exception:
+            log.exception("[close] %s step=%s failed; going on", what, name)
+            failed.append(name)
+    return failed

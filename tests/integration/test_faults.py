@@ -16,6 +16,7 @@ import psutil
 import pytest
 import zmq
 
+from protocol.messages import PROTOCOL_VERSION
 from tests.conftest import Daemon, assert_gone, start_daemon, wait_for
 
 LONG = {"max_tokens": 8000, "extra_body": {"ignore_eos": True}}
@@ -215,13 +216,13 @@ def test_malformed_frames_are_dropped_and_serving_goes_on(daemon: Daemon) -> Non
 
 
 def test_worker_of_another_protocol_version_is_refused(daemon_factory, model_dir: Path, tmp_path: Path) -> None:
-    d = daemon_factory("--config", config(tmp_path, "v2", f"""
+    d = daemon_factory("--config", config(tmp_path, "foreign", f"""
 [models.future]
 path = "{model_dir / 'tiny'}"
-worker_args = ["--fault", "protocol-v2"]
+worker_args = ["--fault", "foreign-protocol"]
 """))
     r = httpx.post(d.v1 + "/completions", json={"model": "future", "prompt": "x"}, timeout=60)
-    assert r.status_code == 503 and "protocol version 2" in r.json()["error"]["message"]
+    assert r.status_code == 503 and f"protocol version {PROTOCOL_VERSION + 1}" in r.json()["error"]["message"]
     wait_for(lambda: d.model("future")["pid"] is None, 10, what="the refused worker to be gone")
 
 

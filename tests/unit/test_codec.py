@@ -10,8 +10,8 @@ import pytest
 from protocol.codec import MAX_MESSAGE_BYTES, ProtocolError, VersionMismatch, decode, encode
 from tests.unit.golden import GOLDEN_SHA256
 from protocol.messages import (
-    ALL_MESSAGES, PROTOCOL_VERSION, Abort, Bye, Evict, Failed, Finished, Heartbeat, Progress, Ready, Submit,
-    Tokens,
+    ALL_MESSAGES, PROTOCOL_VERSION, Abort, Bye, CacheCleared, CacheStats, ClearCache, Evict, Failed, Finished,
+    Heartbeat, Progress, Ready, Submit, Tokens,
 )
 
 SAMPLES = [
@@ -25,6 +25,11 @@ SAMPLES = [
     Finished(rid="r1", text="!", finish_reason="stop", prompt_tokens=3, completion_tokens=4, cached_tokens=2),
     Failed(rid="r1", code="model_evicted", message="gone"),
     Heartbeat(active=1, waiting=0, batch_size=1, max_batch_size=16, generated_tokens=99, memory_bytes=1 << 30),
+    ClearCache(rid="c1", which="ssd"),
+    CacheStats(block_tokens=64, hot_entries=3, hot_bytes=3 << 20, hot_budget_bytes=1 << 30, hot_hits=2, hot_misses=1,
+               hot_hit_tokens=128, ssd_enabled=True, ssd_entries=5, ssd_bytes=5 << 20, ssd_cap_bytes=8 << 30,
+               ssd_hits=1, ssd_misses=1, ssd_hit_tokens=64, ssd_dir="/s/cache/abc", ssd_error=None),
+    CacheCleared(rid="c1", which="ssd", entries=5, reclaimed_bytes=5 << 20),
     Bye(reason="evict", aborted=1, drained=2, phases={"settle": 0.01}, memory_bytes=5),
 ]
 
@@ -67,6 +72,8 @@ def _frame(**body) -> bytes:
     (_frame(v=PROTOCOL_VERSION, k="submit", rid="a", max_tokens=1.5), "expected"),
     (_frame(v=PROTOCOL_VERSION, k="abort", rid="a", extra=1), "unknown fields"),
     (_frame(v=PROTOCOL_VERSION, k="tokens", chunks="x"), "expected"),
+    (_frame(v=PROTOCOL_VERSION, k="clear_cache", rid="c", which=None), "expected"),
+    (_frame(v=PROTOCOL_VERSION, k="cache_cleared", rid="c", which="hot", entries=1, reclaimed_bytes=True), "expected"),
 ])
 def test_decoder_rejects_malformed_frames(frame: bytes, match: str) -> None:
     with pytest.raises(ProtocolError, match=match):

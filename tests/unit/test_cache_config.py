@@ -1,0 +1,73 @@
+"""Cache settings: the [cache] section, per-model overrides, validation, and the worker's arguments."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from supervisor.cache_config import DEFAULTS
+from supervisor.config import ConfigError, Settings, load_file
+from supervisor.process import worker_argv
+
+
+def model(root: Path, name: str) -> Path:
+    d = root / name
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    (d / "model.safetensors").write_bytes(b"\0" * 16)
+    return d
+
+
+def load(tmp_path: Path, text: str) -> Settings:
+    path = tmp_path / "mlxsup.toml"
+    path.write_text(text)
+    return load_file(path, Settings(state_dir=tmp_path / "state"))
+
+
+def test_defaults_put_the_ssd_cache_under_the_state_dir(tmp_path: Path) -> None:
+    model(tmp_path, "m")
+    st = load(tmp_path, '[models.m]\npath = "m"\n')
+    args = st.model_cache(st.models[0]).worker_args(st.state_dir)
+    assert args == ["--hot-cache-bytes", str(DEFAULTS.hot_budget), "--cache-block-tokens", "64",
+                    "--ssd-cache-root", str(tmp_path / "state" / "cache"), "--ssd-cache-bytes", str(DEFAULTS.ssd_cap)]
+
+
+def test_section_and_model_overrides(tmp_path: Path) -> None:
+    model(tmp_path, "a")
+    model(tmp_path, "b")
+    st = load(tmp_path, """
+[cache]
+hot_budget = "256MiB"
+ssd_dir = "disk"
+ssd_cap = "2GB"
+
+[models.a]
+path = "a"
+cache = { ssd = false, hot_budget = "1GiB" }
+
+[models.b]
+path = "b"
+cache = { enabled = false }
+""")
+    a, b = (st.model_cache(s) for s in st.models)
+    assert a.hot_budget == 2**30 and not a.ssd_on and a.block_tokens == 64
+    assert a.worker_args(st.state_dir) == ["--hot-cache-bytes", str(2**30), "--cache-block-tokens", "64"]
+    assert not b.hot_on and not b.ssd_on and b.ssd_cap == 2 * 10**9 and b.ssd_dir == tmp_path / "disk"
+    argv = worker_argv(Path("/m"), "b", "ipc://x", "b#1", 1.0, 8, 512, ("--fault", "ssd-slow"),
+                       tuple(b.worker_args(st.state_dir)))
+    assert argv[-6:] == ["--hot-cache-bytes", "0", "--cache-block-tokens", "64", "--fault", "ssd-slow"]
+
+
+@pytest.mark.parametrize("text, match", [
+    ('[cache]\nhot_budget = "lots"\n', "cache.hot_budget: expected a size"),
+    ('[cache]\nssd = "yes"\n', "cache.ssd: must be true or false"),
+    ('[cache]\nblock_tokens = 0\n', "cache.block_tokens"),
+    ('[cache]\nsize = 1\n', "cache.size: unknown key"),
+    ('[models.m]\npath = "m"\ncache = { ssd_cap = -1 }\n', "models.m.cache.ssd_cap: must not be negative"),
+    ('[models.m]\npath = "m"\ncache = 3\n', "models.m.cache: must be a table"),
+])
+def test_bad_cache_settings_are_refused_with_the_key(tmp_path: Path, text: str, match: str) -> None:
+    model(tmp_path, "m")
+    with pytest.raises(ConfigError, match=match):
+        load(tmp_path, text)

@@ -1,0 +1,66 @@
+"""The hot cache's bookkeeping: longest-prefix walks, the byte budget, and which blocks go first."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from worker.hot_cache import HotCache
+from worker.shutdown import run_best_effort
+
+
+@dataclass(eq=False)
+class Blk:  # what HotCache reads of a block: its key and its size
+    key: bytes
+    nbytes: int = 100
+
+
+def chain(name: str, n: int) -> list[Blk]:
+    return [Blk(f"{name}{i}".encode()) for i in range(n)]
+
+
+def test_prefix_walks_until_the_first_missing_block() -> None:
+    hot = HotCache(10_000)
+    a = chain("a", 4)
+    hot.put(a[:2])
+    assert hot.prefix([b.key for b in a]) == a[:2]
+    assert hot.prefix([b"zz", a[0].key]) == []  # a prefix, not any match
+
+
+def test_budget_is_kept_and_old_tails_go_before_their_heads() -> None:
+    hot = HotCache(500)
+    a, b = chain("a", 3), chain("b", 3)
+    hot.put(a)
+    hot.put(b)
+    assert hot.nbytes == 500 and len(hot) == 5
+    assert a[2].key not in hot and a[0].key in hot  # the oldest chain lost its tail, not its head
+    hot.prefix([x.key for x in a[:2]])  # a is used again: now b is the least recent
+    hot.put(chain("c", 2))
+    assert hot.nbytes <= 500
+    assert [x.key in hot for x in b] == [True, False, False]
+
+
+def test_blocks_larger_than_the_budget_and_a_zero_budget_are_refused() -> None:
+    hot = HotCache(50)
+    hot.put(chain("a", 2))
+    assert len(hot) == 0 and hot.nbytes == 0
+    off = HotCache(0)
+    off.put(chain("a", 1))
+    assert not off.enabled and len(off) == 0
+
+
+def test_clear_reports_what_it_released() -> None:
+    hot = HotCache(1000)
+    hot.put(chain("a", 3))
+    assert hot.clear() == (3, 300)
+    assert hot.nbytes == 0 and len(hot) == 0
+
+
+def test_best_effort_close_runs_every_step() -> None:
+    ran = []
+
+    def fails() -> None:
+        ran.append("flush")
+        raise OSError("disk gone")
+
+    assert run_best_effort("test", [("flush", fails), ("release", lambda: ran.append("release"))]) == ["flush"]
+    assert ran == ["flush", "release"]

@@ -1,0 +1,201 @@
+"""The SSD cache without MLX: its file format, the writer thread, the index rebuild, the cap, clear and close.
+
+Blocks here are plain numpy (what the worker's main thread hands the writer); the real files,
+thread and fsync are used.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from protocol.cachedir import clear_dir, model_cache_dir, model_fingerprint
+from tests.conftest import wait_for
+from worker.ssd_cache import SsdCache
+from worker.ssd_format import BadBlock, BlockData, read_block, read_header, write_block
+
+FP = "f" * 24
+
+
+def chain(n: int, seed: int = 0, dtype: str = "float32", tokens: int = 4) -> list[BlockData]:
+    rng = np.random.default_rng(seed)
+    stored = np.uint16 if dtype == "bfloat16" else np.dtype(dtype)
+    blocks, parent = [], b"\0" * 16
+    for i in range(n):
+        key = bytes([seed, i]) + b"k" * 14
+        toks = tuple(int(t) for t in rng.integers(0, 1000, tokens))
+        k = rng.integers(0, 2**15, (2, 2, tokens, 8)).astype(stored)
+        v = rng.integers(0, 2**15, (2, 2, tokens, 8)).astype(stored)
+        blocks.append(BlockData(key, parent, i, toks, dtype, k, v))
+        parent = key
+    return blocks
+
+
+def write(directory: Path, block: BlockData, fingerprint: str = FP) -> Path:
+    path = directory / f"{block.key.hex()}.kvb"
+    with open(path, "wb") as f:
+        write_block(f, block, fingerprint)
+    return path
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_format_round_trip_holds_only_the_block(tmp_path: Path, dtype: str) -> None:
+    block = chain(1, dtype=dtype)[0]
+    path = write(tmp_path, block)
+    header = read_header(path, FP, block.key)
+    assert path.stat().st_size == header["_data_offset"] + block.nbytes  # the payload is the used part only
+    got = read_block(path, FP, block.key, block.tokens)
+    assert got.dtype == dtype and got.depth == 0 and got.parent == block.parent
+    assert np.array_equal(got.keys, block.keys) and np.array_equal(got.values, block.values)
+
+
+def _damaged(path: Path, how: str) -> None:
+    data = bytearray(path.read_bytes())
+    if how == "truncated":
+        del data[-7:]
+    elif how == "version":
+        data[8] += 1
+    elif how == "payload":
+        data[-1] ^= 0xFF
+    elif how == "garbage":
+        data = bytearray(b"not a block at all")
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how, match", [("truncated", "bytes on disk"), ("version", "format version"),
+                                        ("payload", "checksum"), ("garbage", "not a KV block")])
+def test_format_refuses_damaged_files(tmp_path: Path, how: str, match: str) -> None:
+    block = chain(1)[0]
+    path = write(tmp_path, block)
+    _damaged(path, how)
+    with pytest.raises(BadBlock, match=match):
+        read_block(path, FP, block.key, block.tokens)
+
+
+def test_format_refuses_another_model_key_or_tokens(tmp_path: Path) -> None:
+    block = chain(1)[0]
+    path = write(tmp_path, block)
+    with pytest.raises(BadBlock, match="another model"):
+        read_header(path, "0" * 24, block.key)
+    with pytest.raises(BadBlock, match="key"):
+        read_header(path, FP, b"x" * 16)
+    with pytest.raises(BadBlock, match="other tokens"):
+        read_block(path, FP, block.key, tuple(t + 1 for t in block.tokens))
+
+
+def test_writes_then_rebuild_keeps_complete_blocks_and_removes_the_rest(tmp_path: Path) -> None:
+    ssd = SsdCache(tmp_path, FP, 1 << 30)
+    blocks = chain(5)
+    assert ssd.enqueue(blocks) == 5
+    ssd.close(10)
+    assert len(ssd) == 5 and ssd.nbytes == sum(p.stat().st_size for p in tmp_path.glob("*.kvb"))
+    junk = {"truncated": blocks[3], "version": blocks[4]}
+    for how, block in junk.items():
+        _damaged(ssd.path(block.key), how)
+    (tmp_path / f"{'ab' * 16}.kvb").write_bytes(b"garbage")
+    (tmp_path / f"{blocks[0].key.hex()}.kvb.123.tmp").write_bytes(b"half a block")
+    other = chain(1, seed=9)[0]
+    write(tmp_path, other, fingerprint="0" * 24)
+
+    again = SsdCache(tmp_path, FP, 1 << 30)
+    assert len(again) == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"{b.key.hex()}.kvb" for b in blocks[:3])
+    found = again.load_chain([b.key for b in blocks], [b.tokens for b in blocks])
+    assert [b.key for b in found] == [b.key for b in blocks[:3]]
+    again.close(1)
+
+
+def test_cap_evicts_least_recent_tails_first(tmp_path: Path) -> None:
+    a, b = chain(3, seed=1), chain(3, seed=2)
+    size = len(write(tmp_path, a[0]).read_bytes())
+    (tmp_path / f"{a[0].key.hex()}.kvb").unlink()
+    ssd = SsdCache(tmp_path, FP, cap_bytes=int(4.5 * size))  # room for 4 blocks
+    ssd.enqueue(a)
+    wait_for(lambda: len(ssd) == 3, 10)
+    ssd.enqueue(b)
+    ssd.close(10)
+    assert ssd.nbytes <= 4.5 * size
+    kept = {p.name for p in tmp_path.glob("*.kvb")}
+    # chain a is older: its tail goes first, its root stays; the newer chain b is whole
+    assert kept == {f"{x.key.hex()}.kvb" for x in [a[0], *b]}
+
+
+def test_bounded_queue_drops_the_tail_of_a_chain(tmp_path: Path) -> None:
+    blocks = chain(6)
+    ssd = SsdCache(tmp_path, FP, 1 << 30, queue_bytes=3 * blocks[0].nbytes, faults=("ssd-slow",))
+    taken = ssd.enqueue(blocks)
+    assert taken == 3 and ssd.dropped_blocks == 1
+    ssd.close(10)
+    assert {p.name for p in tmp_path.glob("*.kvb")} == {f"{b.key.hex()}.kvb" for b in blocks[:3]}
+
+
+def test_close_flushes_the_queue(tmp_path: Path) -> None:
+    ssd = SsdCache(tmp_path, FP, 1 << 30, faults=("ssd-slow",))  # 0.25 s a block
+    ssd.enqueue(chain(4))
+    ssd.close(10)
+    assert len(list(tmp_path.glob("*.kvb"))) == 4
+
+
+def test_close_gives_up_at_its_deadline(tmp_path: Path) -> None:
+    ssd = SsdCache(tmp_path, FP, 1 << 30, faults=("ssd-stall",))  # stalls forever in the block of depth 4
+    ssd.enqueue(chain(6))
+    wait_for(lambda: list(tmp_path.glob("*.tmp")), 10)
+    t0 = time.monotonic()
+    ssd.close(0.3)
+    assert time.monotonic() - t0 < 2
+    assert len(list(tmp_path.glob("*.kvb"))) == 4
+
+
+def test_clear_reclaims_the_bytes_on_disk(tmp_path: Path) -> None:
+    ssd = SsdCache(tmp_path, FP, 1 << 30)
+    ssd.enqueue(chain(3))
+    wait_for(lambda: len(ssd) == 3, 10)
+    on_disk = sum(p.stat().st_size for p in tmp_path.glob("*.kvb"))
+    assert ssd.clear() == (3, on_disk)
+    assert len(ssd) == 0 and ssd.nbytes == 0 and not list(tmp_path.glob("*.kvb"))
+    ssd.close(1)
+
+
+def test_unwritable_directory_turns_it_off(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("a file where a folder should be")
+    ssd = SsdCache(tmp_path / "file" / "cache", FP, 1 << 30)
+    assert not ssd.enabled and "not writable" in (ssd.error or "")
+    assert ssd.enqueue(chain(1)) == 0
+    assert ssd.load_chain([chain(1)[0].key], [chain(1)[0].tokens]) == []
+    ssd.close(1)
+
+
+def test_full_disk_turns_it_off(tmp_path: Path) -> None:
+    ssd = SsdCache(tmp_path, FP, 1 << 30, faults=("ssd-enospc",))
+    assert ssd.enabled
+    ssd.enqueue(chain(2))
+    wait_for(lambda: not ssd.enabled, 10)
+    assert "No space left" in (ssd.error or "")
+    assert ssd.enqueue(chain(2, seed=3)) == 0
+    assert not list(tmp_path.iterdir())  # no temp file left behind
+    ssd.close(1)
+
+
+def test_model_directory_follows_the_weights(tmp_path: Path) -> None:
+    def model(name: str, weights: bytes) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text('{"model_type": "llama"}')
+        (d / "tokenizer.json").write_text("{}")
+        (d / "model.safetensors").write_bytes(len(b"{}").to_bytes(8, "little") + b"{}" + weights)
+        return d
+
+    a, same, other = model("a", b"\1" * 4096), model("b", b"\1" * 4096), model("c", b"\2" * 4096)
+    assert model_fingerprint(a) == model_fingerprint(same) != model_fingerprint(other)
+    (same / "tokenizer.json").write_text('{"changed": true}')
+    assert model_fingerprint(a) != model_fingerprint(same)
+    d = model_cache_dir(tmp_path / "root", a)
+    d.mkdir(parents=True)
+    (d / "x.kvb").write_bytes(b"12345")
+    (d / "y.kvb.1.tmp").write_bytes(b"12")
+    (d / "keep.txt").write_bytes(b"1")
+    assert clear_dir(d) == (1, 7)
+    assert [p.name for p in d.iterdir()] == ["keep.txt"]

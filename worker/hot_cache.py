@@ -1,0 +1,82 @@
+"""The hot cache: KV blocks in worker memory, least recently used first out, under a byte budget.
+
+Blocks are looked up by chained key (worker/kv_blocks.py), so the longest cached prefix of a
+prompt is a walk along its keys. Recency is kept so that a prefix outlives its extensions: a
+chain is always touched from its deepest block back to its root, which leaves the root the
+most recent, and eviction (oldest first) therefore takes the tails of old chains before their
+heads; a block whose parent went anyway is unreachable and simply ages out.
+
+Invariants: `nbytes` is the sum of the held blocks' `nbytes` and never exceeds `budget` once
+a call returns; a budget of 0 turns the cache off. Main thread only (blocks are MLX arrays).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # only the type: this module holds blocks but does no MLX work itself
+    from worker.kv_blocks import Block
+
+
+class HotCache:
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget = max(0, budget_bytes)
+        self._blocks: OrderedDict[bytes, Block] = OrderedDict()
+        self.nbytes = 0
+        self.hits = 0
+        self.misses = 0
+        self.hit_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._blocks
+
+    @property
+    def enabled(self) -> bool:
+        return self.budget > 0
+
+    def get(self, key: bytes) -> "Block | None":
+        return self._blocks.get(key)
+
+    def prefix(self, keys: list[bytes]) -> "list[Block]":
+        """The cached blocks of the longest prefix of `keys`, touched as used."""
+        found = []
+        for key in keys:
+            block = self._blocks.get(key)
+            if block is None:
+                break
+            found.append(block)
+        self.touch([b.key for b in found])
+        return found
+
+    def touch(self, keys: list[bytes]) -> None:
+        for key in reversed(keys):  # deepest first, so the root ends up the most recent
+            if key in self._blocks:
+                self._blocks.move_to_end(key)
+
+    def room_for(self, block_bytes: int) -> int:
+        """How many blocks of `block_bytes` the whole budget holds."""
+        return self.budget // block_bytes if block_bytes > 0 else 0
+
+    def put(self, blocks: "list[Block]") -> None:
+        """Add a chain's blocks (root side first), then evict the least recent down to the budget."""
+        if not self.enabled:
+            return
+        for block in blocks:
+            if block.key not in self._blocks and block.nbytes <= self.budget:
+                self._blocks[block.key] = block
+                self.nbytes += block.nbytes
+        self.touch([b.key for b in blocks])
+        while self.nbytes > self.budget and self._blocks:
+            _, old = self._blocks.popitem(last=False)
+            self.nbytes -= old.nbytes
+
+    def clear(self) -> tuple[int, int]:
+        """Drop every block; return (blocks, bytes) released."""
+        released = (len(self._blocks), self.nbytes)
+        self._blocks.clear()
+        self.nbytes = 0
+        return released

@@ -1,0 +1,334 @@
+"""The SSD cache: KV blocks as files in one directory per model fingerprint, written in the background.
+
+Layout: `<dir>/<key hex>.kvb`, one block per file (format in worker/ssd_format.py). The index
+(key -> file size, least recently used first) lives in memory and is rebuilt at start-up from
+the directory, in file-modification order; files that are not complete, intact blocks of this
+model (other format version or fingerprint, truncated, garbage) and leftover temp files are
+removed then. A block's payload is verified (CRC-32) again when it is read; a bad one is a
+miss, and its file goes.
+
+Writes: the main thread hands over numpy copies of a chain's new blocks (`enqueue`), never MLX
+arrays; one writer thread writes each to a temp file, fsyncs it and renames it into place, so
+a block file is either absent or complete, also after SIGKILL. The queue is bounded in bytes:
+when it is full, the tail of a chain is dropped (its head, the useful part, goes first). A
+size cap is kept by evicting the least recently used files; chains are touched deepest block
+first so heads outlive tails, as in the hot cache.
+
+Failure: an unwritable directory or a failed write (full disk) turns the SSD cache off with
+a warning; serving goes on with the hot cache. `clear` bumps an epoch so that a write already
+under way is discarded rather than indexed. `close` lets the writer finish the queue, joins
+it within a deadline and abandons what is left after it.
+
+Thread rules: `_lock` guards the index, queue, epoch and `enabled`; file I/O happens outside it.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from pathlib import Path
+
+from protocol.cachedir import BLOCK_SUFFIX, TEMP_SUFFIX
+from worker.ssd_format import BadBlock, BlockData, read_block, read_header, write_block
+
+log = logging.getLogger(__name__)
+
+DEFAULT_QUEUE_BYTES = 256 * 2**20
+# Testing faults (`--fault`): ssd-enospc fails every write as a full disk does; ssd-stall stops the
+# writer forever halfway through the block of depth STALL_DEPTH; ssd-slow takes SLOW_WRITE_S a block.
+STALL_DEPTH = 4
+SLOW_WRITE_S = 0.25
+
+
+@dataclass(slots=True)
+class _Job:
+    epoch: int
+    blocks: list[BlockData]
+    nbytes: int
+
+
+class SsdCache:
+    def __init__(self, directory: Path, fingerprint: str, cap_bytes: int, model_id: str = "",
+                 queue_bytes: int = DEFAULT_QUEUE_BYTES, faults: tuple[str, ...] = ()) -> None:
+        self.dir = directory
+        self.fingerprint = fingerprint
+        self.cap = cap_bytes
+        self.model_id = model_id
+        self.queue_bytes = queue_bytes
+        self.faults = faults
+        self.enabled = False
+        self.error: str | None = None
+        self.nbytes = 0
+        self.dropped_blocks = 0
+        self._index: OrderedDict[bytes, int] = OrderedDict()
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._jobs: deque[_Job] = deque()
+        self._queued_bytes = 0
+        self._pending: set[bytes] = set()
+        self._epoch = 0
+        self._closing = False
+        self._abandon = False
+        self._thread: threading.Thread | None = None
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            probe = self.dir / f".probe-{os.getpid()}{TEMP_SUFFIX}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            self._disable(f"cache directory {self.dir} is not writable: {exc}")
+            return
+        self.enabled = True
+        try:
+            self._rebuild()
+        except OSError as exc:
+            self._disable(f"cache directory {self.dir} is not readable: {exc}")
+            return
+        self._thread = threading.Thread(target=self._run, name="ssd-cache-writer", daemon=True)
+        self._thread.start()
+
+    # --- state shared with the writer --------------------------------------------------
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._index)
+
+    def has(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._index or key in self._pending
+
+    def path(self, key: bytes) -> Path:
+        return self.dir / f"{key.hex()}{BLOCK_SUFFIX}"
+
+    def _disable(self, reason: str) -> None:
+        with self._lock:
+            if self.error is None:
+                log.warning("[cache] model=%s ssd=off reason=%r (serving goes on with the hot cache)",
+                            self.model_id, reason)
+            self.enabled = False
+            self.error = reason
+            self._drop_queue()
+            self._wake.notify_all()
+
+    def _drop_queue(self) -> None:
+        """Forget the jobs not yet started (with `_lock` held); the one under way settles itself."""
+        for job in self._jobs:
+            self._queued_bytes -= job.nbytes
+            self._pending.difference_update(b.key for b in job.blocks)
+        self._jobs.clear()
+
+    # --- start-up ----------------------------------------------------------------------
+
+    def _rebuild(self) -> None:
+        """Index the directory's complete blocks, oldest first; remove everything else."""
+        t0 = time.monotonic()
+        found: list[tuple[int, bytes, int]] = []
+        removed = 0
+        for entry in os.scandir(self.dir):
+            name = entry.name
+            if name.endswith(TEMP_SUFFIX):
+                removed += self._remove(Path(entry.path))
+                continue
+            if not name.endswith(BLOCK_SUFFIX):
+                continue
+            try:
+                key = bytes.fromhex(name[: -len(BLOCK_SUFFIX)])
+                read_header(Path(entry.path), self.fingerprint, key)
+                st = entry.stat()
+            except (ValueError, OSError) as exc:  # BadBlock is a ValueError
+                log.info("[cache] model=%s ssd=rebuild removed=%s reason=%r", self.model_id, name, str(exc))
+                removed += self._remove(Path(entry.path))
+                continue
+            found.append((st.st_mtime_ns, key, st.st_size))
+        for _, key, size in sorted(found, key=lambda f: f[0]):
+            self._index[key] = size
+            self.nbytes += size
+        self._evict_to_cap()
+        log.info("[cache] model=%s ssd=rebuild dir=%s entries=%d bytes=%d removed=%d s=%.3f", self.model_id,
+                 self.dir, len(self._index), self.nbytes, removed, time.monotonic() - t0)
+
+    @staticmethod
+    def _remove(path: Path) -> int:
+        try:
+            path.unlink()
+            return 1
+        except OSError:
+            return 0
+
+    # --- reads (main thread) -----------------------------------------------------------
+
+    def load_chain(self, keys: list[bytes], tokens: list[tuple[int, ...]]) -> list[BlockData]:
+        """The blocks of the longest prefix of `keys` on disk, verified, touched as used."""
+        found: list[BlockData] = []
+        for key, toks in zip(keys, tokens):
+            with self._lock:
+                if not self.enabled or key not in self._index:
+                    break
+            try:
+                found.append(read_block(self.path(key), self.fingerprint, key, toks))
+            except (OSError, BadBlock) as exc:
+                log.warning("[cache] model=%s ssd=read dropped=%s reason=%r", self.model_id, key.hex(), str(exc))
+                self._forget(key, unlink=not isinstance(exc, FileNotFoundError))
+                break
+        self._touch([b.key for b in found])
+        return found
+
+    def _forget(self, key: bytes, unlink: bool) -> None:
+        with self._lock:
+            size = self._index.pop(key, None)
+            if size is not None:
+                self.nbytes -= size
+        if unlink:
+            self._remove(self.path(key))
+
+    def _touch(self, keys: list[bytes]) -> None:
+        """Mark a chain used: in the index and in the files' mtimes, the root the most recent."""
+        now = time.time_ns()
+        with self._lock:
+            for key in reversed(keys):
+                if key in self._index:
+                    self._index.move_to_end(key)
+        for i, key in enumerate(keys):
+            try:
+                os.utime(self.path(key), ns=(now - i, now - i))
+            except OSError:
+                pass
+
+    # --- writes ------------------------------------------------------------------------
+
+    def enqueue(self, blocks: list[BlockData]) -> int:
+        """Queue a chain's blocks (root side first) for writing; return how many were taken."""
+        with self._lock:
+            if not self.enabled or self._closing:
+                return 0
+            taken, nbytes = [], 0
+            for b in blocks:
+                if b.key in self._index or b.key in self._pending:
+                    continue
+                if self._queued_bytes + nbytes + b.nbytes > self.queue_bytes or b.nbytes > self.cap:
+                    self.dropped_blocks += 1
+                    break  # the rest of the chain is useless without this block
+                taken.append(b)
+                nbytes += b.nbytes
+            if taken:
+                self._jobs.append(_Job(self._epoch, taken, nbytes))
+                self._queued_bytes += nbytes
+                self._pending.update(b.key for b in taken)
+                self._wake.notify()
+            return len(taken)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._jobs and not self._closing:
+                    self._wake.wait()
+                if not self._jobs or self._abandon:
+                    return
+                job = self._jobs.popleft()
+            try:
+                self._write_job(job)
+            except OSError as exc:
+                self._disable(f"writing to {self.dir} failed: {exc}")
+            except Exception as exc:  # a bug must not kill serving: the SSD tier goes off instead
+                log.exception("[cache] model=%s ssd=writer failed", self.model_id)
+                self._disable(f"the writer failed: {exc}")
+            finally:
+                with self._lock:
+                    self._queued_bytes -= job.nbytes
+                    self._pending.difference_update(b.key for b in job.blocks)
+
+    def _write_job(self, job: _Job) -> None:
+        written: list[bytes] = []
+        for block in job.blocks:
+            if self._abandon:
+                break
+            final = self.path(block.key)
+            tmp = final.with_name(f"{final.name}.{os.getpid()}{TEMP_SUFFIX}")
+            try:
+                size = self._write_file(tmp, block)
+                os.replace(tmp, final)
+            except BaseException:
+                self._remove(tmp)
+                raise
+            with self._lock:
+                keep = self.enabled and job.epoch == self._epoch
+                if keep:
+                    self._index[block.key] = size
+                    self.nbytes += size
+            if not keep:  # cleared (or turned off) while this block was being written
+                self._remove(final)
+                return
+            written.append(block.key)
+        self._touch(written)
+        self._evict_to_cap()
+
+    def _write_file(self, tmp: Path, block: BlockData) -> int:
+        if "ssd-enospc" in self.faults:
+            raise OSError(errno.ENOSPC, "No space left on device (injected fault ssd-enospc)")
+        if "ssd-slow" in self.faults:
+            time.sleep(SLOW_WRITE_S)
+        with open(tmp, "wb") as f:
+            if "ssd-stall" in self.faults and block.depth == STALL_DEPTH:
+                f.write(b"\0" * (block.nbytes // 2))
+                f.flush()
+                log.warning("[fault] ssd=writer stalls halfway file=%s", tmp.name)
+                threading.Event().wait()
+            size = write_block(f, block, self.fingerprint)
+            f.flush()
+            os.fsync(f.fileno())
+        return size
+
+    def _evict_to_cap(self) -> None:
+        victims = []
+        with self._lock:
+            while self.nbytes > self.cap and self._index:
+                key, size = self._index.popitem(last=False)
+                self.nbytes -= size
+                victims.append(key)
+        for key in victims:
+            self._remove(self.path(key))
+
+    # --- admin and teardown --------------------------------------------------------------
+
+    def clear(self) -> tuple[int, int]:
+        """Remove every block; return (blocks, bytes) reclaimed on disk."""
+        with self._lock:
+            self._epoch += 1  # a block under way is discarded when it lands
+            self._drop_queue()
+            keys = list(self._index)
+            self._index.clear()
+            self.nbytes = 0
+        entries = reclaimed = 0
+        for key in keys:
+            path = self.path(key)
+            try:
+                size = path.stat().st_size
+                path.unlink()
+            except OSError:
+                continue
+            entries += 1
+            reclaimed += size
+        return entries, reclaimed
+
+    def close(self, deadline_s: float) -> None:
+        """Let the writer finish what is queued, within `deadline_s`; abandon the rest."""
+        with self._lock:
+            self._closing = True
+            queued = len(self._pending)
+            self._wake.notify_all()
+        if self._thread is None:
+            return
+        t0 = time.monotonic()
+        self._thread.join(deadline_s)
+        if self._thread.is_alive():
+            self._abandon = True
+            log.warning("[cache] model=%s ssd=close deadline_s=%.1f abandoned_blocks=%d (the writer did not finish)",
+                        self.model_id, deadline_s, len(self._pending))
+        else:
+            log.info("[cache] model=%s ssd=close flushed_blocks=%d s=%.3f", self.model_id, queued,
+                     time.monotonic() - t0)
