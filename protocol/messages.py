@@ -1,7 +1,7 @@
 """Every message that crosses the supervisor <-> worker boundary, one typed class each.
 
-Messages to the worker are imperative (Submit, Abort, Evict, ClearCache); messages from it
-are facts (Progress, Ready, Tokens, Finished, Failed, Heartbeat, CacheStats, CacheCleared, Bye).
+Messages to the worker are imperative (Load, Submit, Abort, Evict, ClearCache); messages from it
+are facts (Standby, Progress, Ready, Tokens, Finished, Failed, Heartbeat, CacheStats, CacheCleared, Bye).
 Fields hold only msgpack-native types (str, int, float, bool, None, list, dict) so the codec can
 validate them without any custom serialisation; errors travel as data (a machine code and a message), never as
 serialised exceptions.
@@ -59,6 +59,15 @@ class Submit(Message):
 
 
 @dataclass(slots=True)
+class Load(Message):
+    """To a spare worker on standby: become this model's worker. `args` are the model's worker
+    command-line arguments (--model-path, --model-id, ...), exactly as a fresh worker gets them."""
+
+    KIND: ClassVar[str] = "load"
+    args: list
+
+
+@dataclass(slots=True)
 class Abort(Message):
     KIND: ClassVar[str] = "abort"
     rid: str
@@ -95,6 +104,14 @@ class Ready(Message):
     weights_bytes: int
     memory_bytes: int
     load_s: float
+
+
+@dataclass(slots=True)
+class Standby(Message):
+    """A spare worker has paid its imports and waits for a Load."""
+
+    KIND: ClassVar[str] = "standby"
+    pid: int
 
 
 @dataclass(slots=True)
@@ -199,9 +216,11 @@ class Bye(Message):
 
 ALL_MESSAGES: tuple[type[Message], ...] = (
     Submit,
+    Load,
     Abort,
     Evict,
     ClearCache,
+    Standby,
     Ready,
     Progress,
     Tokens,

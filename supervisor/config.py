@@ -87,6 +87,7 @@ class Settings:
     restart_backoff_max_s: float = 10.0
     api_key: str | None = None  # when set, every route but /health needs "Authorization: Bearer <key>"
     hf_cache: Path | None = field(default_factory=default_hf_cache)  # None: no Hugging Face discovery
+    spare_workers: int = 1  # a process with its imports done, waiting for the next load (0: none)
     cache: CacheConfig = CACHE_DEFAULTS  # prompt caches: the [cache] section over the defaults
 
     def model_cache(self, spec: ModelSpec) -> CacheConfig:
@@ -117,7 +118,7 @@ _SERVER_KEYS: dict[str, type | tuple[type, ...]] = {
     "default_ttl_s": (int, float), "housekeeping_s": (int, float), "hang_timeout_s": (int, float),
     "load_timeout_s": (int, float), "prefill_step_size": int, "crash_limit": int, "crash_window_s": (int, float),
     "crash_cooldown_s": (int, float), "restart_backoff_s": (int, float), "restart_backoff_max_s": (int, float),
-    "api_key": str, "sse_keepalive_s": (int, float), "hf_cache": str,
+    "api_key": str, "sse_keepalive_s": (int, float), "hf_cache": str, "spare_workers": int,
 }
 _MEMORY_KEYS = {
     "ceiling": "memory_ceiling_bytes", "reserve": "memory_reserve_bytes", "worker_overhead": "worker_overhead_bytes",

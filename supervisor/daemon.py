@@ -91,9 +91,7 @@ async def serve(settings: Settings) -> int:
         signals_seen.append(sig.name)
         stop.set()
         if len(signals_seen) > 1:
-            for worker in router.workers.values():
-                if worker.process:
-                    worker.process.signal(signal.SIGKILL)
+            router.kill_all()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, handle, sig)

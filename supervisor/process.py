@@ -74,19 +74,28 @@ class WorkerProcess:
             asyncio.create_task(self._reap(), name=f"reap[{self.model_id}]"),
         ]
 
+    def assign(self, model_id: str, log_path: Path | None) -> None:
+        """A spare became this model's worker: its lines go to that model's log from now on."""
+        self.model_id = model_id
+        self.log_path = log_path
+
     async def _pump_stderr(self) -> None:
         """Worker stderr -> the model's own rotated log, and the supervisor's log with a prefix."""
         assert self.proc and self.proc.stderr
-        prefix = f"[{self.model_id} pid={self.proc.pid}]"
-        sink = RotatingFileHandler(self.log_path, maxBytes=LOG_MAX_BYTES, backupCount=LOG_BACKUPS) \
-            if self.log_path else None
+        sink, sink_path = None, None
         try:
             async for raw in self.proc.stderr:
                 line = raw.decode("utf-8", "replace").rstrip()
                 self.stderr_tail.append(line)
+                if self.log_path != sink_path:
+                    if sink:
+                        sink.close()
+                    sink_path = self.log_path
+                    sink = RotatingFileHandler(sink_path, maxBytes=LOG_MAX_BYTES, backupCount=LOG_BACKUPS) \
+                        if sink_path else None
                 if sink:
                     sink.emit(logging.makeLogRecord({"msg": line}))
-                log.info("%s %s", prefix, line)
+                log.info("[%s pid=%d] %s", self.model_id, self.proc.pid, line)
         finally:
             if sink:
                 sink.close()
@@ -159,20 +168,17 @@ def reap_stale(pid_dir: Path, timeout_s: float = 5.0) -> list[int]:
     return [p.pid for p in stale]
 
 
-def worker_argv(model_path: Path, model_id: str, endpoint: str, identity: str, heartbeat_s: float,
-                max_batch_size: int, prefill_step_size: int, extra: tuple[str, ...] = (),
-                cache_args: tuple[str, ...] = ()) -> list[str]:
-    """The worker's command line; `cache_args` from CacheConfig.worker_args, `extra` (config) last."""
-    return [
-        sys.executable, "-m", "worker",
-        "--model-path", str(model_path),
-        "--model-id", model_id,
-        "--endpoint", endpoint,
-        "--identity", identity,
-        "--heartbeat-s", str(heartbeat_s),
-        "--max-batch-size", str(max_batch_size),
-        "--prefill-step-size", str(prefill_step_size),
-        "--lifeline",
-        *cache_args,
-        *extra,
-    ]
+def worker_argv(endpoint: str, identity: str, heartbeat_s: float, model_args: list[str]) -> list[str]:
+    """A worker's command line: how it reaches the supervisor, then `model_args` (or ["--spare"])."""
+    return [sys.executable, "-m", "worker", "--endpoint", endpoint, "--identity", identity,
+            "--heartbeat-s", str(heartbeat_s), "--lifeline", *model_args]
+
+
+def model_args(model_path: Path, model_id: str, max_batch_size: int, prefill_step_size: int,
+               extra: tuple[str, ...] = (), cache_args: tuple[str, ...] = ()) -> list[str]:
+    """What makes a worker one model's worker: on its command line, or in a spare's Load message.
+
+    `cache_args` come from CacheConfig.worker_args, `extra` (the model's worker_args) last.
+    """
+    return ["--model-path", str(model_path), "--model-id", model_id, "--max-batch-size", str(max_batch_size),
+            "--prefill-step-size", str(prefill_step_size), *cache_args, *extra]

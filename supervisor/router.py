@@ -18,19 +18,19 @@ import time
 from pathlib import Path
 
 from protocol.messages import (
-    EXIT_LOAD_FAILED, Abort, Bye, CacheCleared, CacheStats, Evict, Failed, Finished, Heartbeat, Message, Progress,
-    Ready, Submit, Tokens,
+    EXIT_LOAD_FAILED, Abort, Bye, CacheCleared, CacheStats, Evict, Failed, Finished, Heartbeat, Load, Message,
+    Progress, Ready, Standby, Submit, Tokens,
 )
 from supervisor import cache_admin, errors, policy
 from supervisor.config import Settings
 from supervisor.memory import footprint, system_available, system_total
 from supervisor.metrics import Metrics
-from supervisor.process import WorkerProcess, worker_argv
+from supervisor.process import WorkerProcess, model_args, worker_argv
 from supervisor.registry import ModelSpec, Registry
 from supervisor.transport import Transport
-from supervisor.workers import Lease, ModelRecord, State, Stream, Worker
+from supervisor.workers import Lease, ModelRecord, Spare, State, Stream, Worker
 
-__all__ = ["Lease", "ModelRecord", "Router", "State", "Stream", "Worker"]
+__all__ = ["Lease", "ModelRecord", "Router", "Spare", "State", "Stream", "Worker"]
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,8 @@ class Router:
         self._by_identity: dict[bytes, Worker] = {}
         self._spawned = 0
         self._housekeeping: asyncio.Task | None = None
+        self.spare: Spare | None = None
+        self._pressure: str | None = None
         self.shutting_down = False
         self.metrics = Metrics()
         self.metrics.watch(self.status)
@@ -55,6 +57,7 @@ class Router:
         for spec in self.registry.specs.values():
             if spec.pinned:
                 self._start(spec)
+        self._replenish_spare()
         self._housekeeping = asyncio.create_task(self._keep_house(), name="housekeeping")
 
     # --- TTL and memory pressure -------------------------------------------------------
@@ -68,16 +71,19 @@ class Router:
                 log.exception("[housekeeping] failed; going on")
 
     def _housekeep(self) -> None:
+        s = self.settings
+        level = policy.pressure_level(system_available(), system_total(), s.pressure_soft, s.pressure_hard)
+        self._pressure = level
+        if level is not None and self.spare is not None:  # the spare is pure overhead: it goes first
+            asyncio.create_task(self._stop_spare(), name="stop[spare]")
         if not self.workers:
             return
         self._watch_liveness(time.monotonic())
         views = self._views()
-        ttls = {w.spec.id: (w.spec.ttl_s if w.spec.ttl_s is not None else self.settings.default_ttl_s)
+        ttls = {w.spec.id: (w.spec.ttl_s if w.spec.ttl_s is not None else s.default_ttl_s)
                 for w in self.workers.values()}
         for model_id in policy.ttl_expired(views, ttls, time.monotonic()):
             self._begin_evict(self.workers[model_id], "drain", None, "ttl")
-        s = self.settings
-        level = policy.pressure_level(system_available(), system_total(), s.pressure_soft, s.pressure_hard)
         victim = policy.pressure_victim(self._views(), level)
         if victim is not None:
             model_id, busy = victim
@@ -191,31 +197,75 @@ class Router:
     # --- worker lifecycle --------------------------------------------------------------
 
     def _start(self, spec: ModelSpec) -> Worker:
-        self._spawned += 1
-        identity = f"{spec.id}#{self._spawned}".encode()
-        worker = Worker(spec, identity, asyncio.get_running_loop().create_future())
+        """A worker for `spec`: the spare on standby if there is one (its imports are paid), else a new process."""
+        st = self.settings
+        args = model_args(spec.path, spec.id, st.max_batch_size, st.prefill_step_size, spec.worker_args,
+                          tuple(st.model_cache(spec).worker_args(st.state_dir)))
+        log_path = st.log_dir / f"worker-{spec.id.replace('/', '--')}.log"
+        spare = self.spare if self.spare is not None and self.spare.standing_by else None
+        if spare is not None:
+            self.spare = None
+            identity, process = spare.identity, spare.process
+            process.assign(spec.id, log_path)
+        else:
+            self._spawned += 1
+            identity = f"{spec.id}#{self._spawned}".encode()
+            argv = worker_argv(self.transport.endpoint, identity.decode(), st.heartbeat_s, args)
+            process = WorkerProcess(spec.id, argv, log_path, pid_dir=self.runtime_dir)
+        worker = Worker(spec, identity, asyncio.get_running_loop().create_future(), process=process)
         worker.ready.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved by design
         self.workers[spec.id] = worker
         self._by_identity[identity] = worker
         self.records.setdefault(spec.id, ModelRecord()).starts += 1
-        st = self.settings
-        argv = worker_argv(spec.path, spec.id, self.transport.endpoint, identity.decode(), st.heartbeat_s,
-                           st.max_batch_size, st.prefill_step_size, spec.worker_args,
-                           tuple(st.model_cache(spec).worker_args(st.state_dir)))
-        log_path = st.log_dir / f"worker-{spec.id.replace('/', '--')}.log" if st.log_dir else None
-        worker.process = WorkerProcess(spec.id, argv, log_path, pid_dir=self.runtime_dir)
+        if spare is not None:
+            log.info("[load] model=%s on the spare pid=%s", spec.id, process.pid)
+            self.transport.send(identity, Load(args=args))
+        self._replenish_spare()  # at most one spawn per load: a spare that keeps dying cannot loop
         asyncio.create_task(self._run(worker), name=f"run[{spec.id}]")
         return worker
 
     async def _run(self, worker: Worker) -> None:
         assert worker.process is not None
-        try:
-            await worker.process.start()
-        except OSError as exc:
-            self._on_exited(worker, f"could not start the worker: {exc}")
-            return
+        if worker.process.proc is None:
+            try:
+                await worker.process.start()
+            except OSError as exc:
+                self._on_exited(worker, f"could not start the worker: {exc}")
+                return
         await worker.process.exited.wait()
         self._on_exited(worker)
+
+    def _replenish_spare(self) -> None:
+        if self.spare is not None or not self.settings.spare_workers or self.shutting_down or self._pressure:
+            return
+        self._spawned += 1
+        identity = f"spare#{self._spawned}".encode()
+        argv = worker_argv(self.transport.endpoint, identity.decode(), self.settings.heartbeat_s, ["--spare"])
+        spare = Spare(identity, WorkerProcess("spare", argv, self.settings.log_dir / "worker-spare.log",
+                                              pid_dir=self.runtime_dir))
+        self.spare = spare
+        asyncio.create_task(self._run_spare(spare), name="run[spare]")
+
+    async def _run_spare(self, spare: Spare) -> None:
+        try:
+            await spare.process.start()
+        except OSError as exc:
+            log.error("[spare] could not start: %s", exc)
+        await spare.process.exited.wait()
+        if self.spare is spare:  # it died on standby; the next load spawns a fresh worker and a new spare
+            self.spare = None
+            log.warning("[spare] exited on standby with code %s", spare.process.returncode)
+
+    async def _stop_spare(self) -> None:
+        spare, self.spare = self.spare, None
+        if spare is not None:
+            await spare.process.stop(0.0, self.settings.kill_timeout_s)  # SIGTERM: it leaves its standby
+
+    def kill_all(self) -> None:
+        """The forced exit (a second Ctrl-C): SIGKILL every worker process, the spare too."""
+        for process in [w.process for w in self.workers.values()] + [self.spare.process if self.spare else None]:
+            if process is not None:
+                process.signal(signal.SIGKILL)
 
     def _on_exited(self, worker: Worker, reason: str | None = None) -> None:
         spec = worker.spec
@@ -314,6 +364,7 @@ class Router:
         if self._housekeeping:
             self._housekeeping.cancel()
         reports = await asyncio.gather(
+            self._stop_spare(),
             *(self._begin_evict(w, "drain", self.settings.shutdown_drain_s, "shutdown")
               for w in list(self.workers.values())),
             return_exceptions=True)
@@ -340,6 +391,9 @@ class Router:
     # --- messages from workers (never await) -------------------------------------------
 
     def _on_message(self, identity: bytes, msg: Message) -> None:
+        if self.spare is not None and identity == self.spare.identity:
+            self.spare.standing_by = isinstance(msg, Standby) or self.spare.standing_by
+            return
         worker = self._by_identity.get(identity)
         if worker is None:
             log.warning("[transport] message kind=%s from unknown worker %r", msg.KIND, identity)
@@ -452,5 +506,6 @@ class Router:
             "system_available_bytes": system_available(),
             "system_total_bytes": system_total(),
             "max_loaded_models": self.settings.max_loaded_models,
+            "spare": {"pid": self.spare.process.pid, "standing_by": self.spare.standing_by} if self.spare else None,
             "models": [self.model_status(m) for m in self.registry.ids()],
         }

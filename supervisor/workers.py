@@ -113,6 +113,15 @@ class ModelRecord:
         self.recent_crashes.clear()
 
 
+@dataclass(eq=False)
+class Spare:
+    """A worker process with its imports paid, on standby until a model is handed to it."""
+
+    identity: bytes
+    process: WorkerProcess
+    standing_by: bool = False  # it said Standby: a Load now is served at once
+
+
 class Lease:
     """A request's claim on a worker, taken when routed and released when its response ends."""
 

@@ -1,6 +1,9 @@
 """Entry point: `python -m worker --model-path DIR --model-id ID --endpoint EP --identity ID`.
 
-Started by the supervisor by exec, one process per model. Signal handlers only flip flags;
+Started by the supervisor by exec, one process per model. With `--spare` instead of a model,
+the worker pays its imports (about a second: transformers, mlx-lm), reports Standby and waits;
+a Load message then gives it the model's arguments, parsed exactly as if they had been on its
+command line, and it goes on as that model's worker. Signal handlers only flip flags;
 the lifeline thread watches stdin (a pipe from the supervisor) and flips `parent_gone` on EOF,
 so the worker exits by itself when its supervisor dies, even by SIGKILL, on any OS. If the
 loop does not get out in time after that, the lifeline ends the process hard.
@@ -9,6 +12,7 @@ loop does not get out in time after that, the lifeline ends the process hard.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import signal
@@ -16,7 +20,7 @@ import sys
 import threading
 from pathlib import Path
 
-from protocol.messages import EXIT_LOAD_FAILED, EXIT_PARENT_GONE
+from protocol.messages import EXIT_LOAD_FAILED, EXIT_OK, EXIT_PARENT_GONE
 
 PARENT_GONE_GRACE_S = 5.0
 FAULTS = {
@@ -32,8 +36,9 @@ FAULTS = {
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m worker")
-    p.add_argument("--model-path", type=Path, required=True)
-    p.add_argument("--model-id", required=True)
+    p.add_argument("--model-path", type=Path)
+    p.add_argument("--model-id")
+    p.add_argument("--spare", action="store_true", help="import, report Standby, wait for a Load naming the model")
     p.add_argument("--endpoint", required=True, help="the supervisor's ZeroMQ ROUTER endpoint")
     p.add_argument("--identity", required=True, help="this worker's routing identity")
     p.add_argument("--heartbeat-s", type=float, default=1.0)
@@ -50,7 +55,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fault", action="append", default=[], choices=sorted(FAULTS),
                    help="testing only: misbehave on purpose (repeatable)")
     p.add_argument("--log-level", default="INFO")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not args.spare and (args.model_path is None or args.model_id is None):
+        p.error("--model-path and --model-id are required (or --spare)")
+    return args
 
 
 def watch_lifeline(flags) -> None:
@@ -70,6 +78,7 @@ def watch_lifeline(flags) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -77,13 +86,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import zmq
 
-    from worker.server import Flags, WorkerLoop
+    from worker.server import Flags
 
     flags = Flags()
-    if "ignore-sigterm" in args.fault:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    else:
-        signal.signal(signal.SIGTERM, lambda *_: flags.sigterm.set())
+    signal.signal(signal.SIGTERM, lambda *_: flags.sigterm.set())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor owns Ctrl-C and orders our exit
     if args.lifeline:
         watch_lifeline(flags)
@@ -95,30 +101,72 @@ def main(argv: list[str] | None = None) -> int:
     sock.setsockopt(zmq.LINGER, 2000)
     sock.connect(args.endpoint)
     try:
-        try:
-            from protocol.codec import encode
-            from protocol.messages import Progress
-            from worker.engine import Engine
-            from worker.prompt_cache import CacheOptions
-
-            def report(stage: str, fraction: float) -> None:
-                sock.send(encode(Progress(stage, round(fraction, 3))), zmq.NOBLOCK)
-
-            cache = CacheOptions(args.hot_cache_bytes, args.ssd_cache_root, args.ssd_cache_bytes,
-                                 args.cache_block_tokens, args.cache_close_s, tuple(args.fault))
-            engine = Engine(args.model_path, max_batch_size=args.max_batch_size,
-                            prefill_step_size=args.prefill_step_size, report=report, cache=cache,
-                            model_id=args.model_id)
-        except Exception as exc:
-            log.error("[load] model=%s path=%s failed: %s", args.model_id, args.model_path, exc)
-            return EXIT_LOAD_FAILED
-        log.info("[load] model=%s ready in %.2fs", args.model_id, engine.load_s)
-        loop = WorkerLoop(sock, engine, args.model_id, flags, heartbeat_s=args.heartbeat_s, faults=set(args.fault))
-        loop.announce()
-        return loop.run()
+        if args.spare:
+            model_args = stand_by(sock, flags, log)
+            if model_args is None:
+                return EXIT_OK
+            args = parse_args([a for a in argv if a != "--spare"] + model_args)
+        if "ignore-sigterm" in args.fault:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        return serve_model(args, sock, flags, log)
     finally:
         sock.close()
         ctx.term()
+
+
+def stand_by(sock, flags, log: logging.Logger) -> list[str] | None:
+    """As a spare: import everything, report Standby, and wait for a Load (None: told to go)."""
+    import zmq
+
+    importlib.import_module("worker.engine")  # the point of a spare: pay the imports before a model is asked for
+    from protocol.codec import ProtocolError, decode, encode
+    from protocol.messages import Evict, Load, Standby
+
+    sock.send(encode(Standby(os.getpid())))
+    log.info("[spare] on standby")
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    while not (flags.sigterm.is_set() or flags.parent_gone.is_set()):
+        if not poller.poll(250):
+            continue
+        try:
+            msg = decode(sock.recv())
+        except ProtocolError as exc:
+            log.warning("[protocol] dropped a malformed message: %s", exc)
+            continue
+        if isinstance(msg, Load) and all(isinstance(a, str) for a in msg.args):
+            return list(msg.args)
+        if isinstance(msg, Evict):
+            return None
+    return None
+
+
+def serve_model(args: argparse.Namespace, sock, flags, log: logging.Logger) -> int:
+    import zmq
+
+    from protocol.codec import encode
+    from protocol.messages import Progress
+    from worker.server import WorkerLoop
+
+    try:
+        from worker.engine import Engine
+        from worker.prompt_cache import CacheOptions
+
+        def report(stage: str, fraction: float) -> None:
+            sock.send(encode(Progress(stage, round(fraction, 3))), zmq.NOBLOCK)
+
+        cache = CacheOptions(args.hot_cache_bytes, args.ssd_cache_root, args.ssd_cache_bytes,
+                             args.cache_block_tokens, args.cache_close_s, tuple(args.fault))
+        engine = Engine(args.model_path, max_batch_size=args.max_batch_size,
+                        prefill_step_size=args.prefill_step_size, report=report, cache=cache,
+                        model_id=args.model_id)
+    except Exception as exc:
+        log.error("[load] model=%s path=%s failed: %s", args.model_id, args.model_path, exc)
+        return EXIT_LOAD_FAILED
+    log.info("[load] model=%s ready in %.2fs", args.model_id, engine.load_s)
+    loop = WorkerLoop(sock, engine, args.model_id, flags, heartbeat_s=args.heartbeat_s, faults=set(args.fault))
+    loop.announce()
+    return loop.run()
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import pytest
 
 from supervisor.cache_config import DEFAULTS
 from supervisor.config import ConfigError, Settings, load_file
-from supervisor.process import worker_argv
+from supervisor.process import model_args, worker_argv
 
 
 def model(root: Path, name: str) -> Path:
@@ -54,8 +54,8 @@ cache = { enabled = false }
     assert a.hot_budget == 2**30 and not a.ssd_on and a.block_tokens == 64
     assert a.worker_args(st.state_dir) == ["--hot-cache-bytes", str(2**30), "--cache-block-tokens", "64"]
     assert not b.hot_on and not b.ssd_on and b.ssd_cap == 2 * 10**9 and b.ssd_dir == tmp_path / "disk"
-    argv = worker_argv(Path("/m"), "b", "ipc://x", "b#1", 1.0, 8, 512, ("--fault", "ssd-slow"),
-                       tuple(b.worker_args(st.state_dir)))
+    argv = worker_argv("ipc://x", "b#1", 1.0, model_args(Path("/m"), "b", 8, 512, ("--fault", "ssd-slow"),
+                                                        tuple(b.worker_args(st.state_dir))))
     assert argv[-6:] == ["--hot-cache-bytes", "0", "--cache-block-tokens", "64", "--fault", "ssd-slow"]
 
 

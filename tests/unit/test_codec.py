@@ -11,7 +11,7 @@ from protocol.codec import MAX_MESSAGE_BYTES, ProtocolError, VersionMismatch, de
 from tests.unit.golden import GOLDEN_SHA256
 from protocol.messages import (
     ALL_MESSAGES, PROTOCOL_VERSION, Abort, Bye, CacheCleared, CacheStats, ClearCache, Evict, Failed, Finished,
-    Heartbeat, Progress, Ready, Submit, Tokens,
+    Heartbeat, Load, Progress, Ready, Standby, Submit, Tokens,
 )
 
 SAMPLES = [
@@ -20,6 +20,8 @@ SAMPLES = [
     Abort(rid="r1"),
     Evict(mode="drain", deadline_s=2.5),
     Progress(stage="weights", fraction=0.5),
+    Standby(pid=7),
+    Load(args=["--model-path", "/m", "--model-id", "m"]),
     Ready(model_id="m", pid=42, context_length=8192, vocab_size=1024, weights_bytes=10, memory_bytes=20, load_s=0.5),
     Tokens(chunks=[["r1", "héllo", 1], ["r2", "", 2]]),
     Finished(rid="r1", text="!", finish_reason="stop", prompt_tokens=3, completion_tokens=4, cached_tokens=2),
