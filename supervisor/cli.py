@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -52,7 +53,9 @@ def client_settings(args: argparse.Namespace) -> Settings:
         return Settings(**{k: v for k, v in overrides.items() if v is not None})
 
 
-def call(url: str, method: str = "GET", body: dict | None = None, timeout: float = 600) -> dict:
+@contextlib.contextmanager
+def request(url: str, method: str = "GET", body: dict | None = None, timeout: float = 600) -> Iterator:
+    """An HTTP exchange with the daemon; its failures become one-line CliErrors."""
     data = json.dumps(body).encode() if body is not None else None
     headers = {"Content-Type": "application/json"}
     if key := os.environ.get("MLXSUP_API_KEY"):
@@ -60,7 +63,7 @@ def call(url: str, method: str = "GET", body: dict | None = None, timeout: float
     req = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return json.loads(resp.read())
+            yield resp
     except urllib.error.HTTPError as exc:
         try:
             message = json.loads(exc.read())["error"]["message"]
@@ -71,6 +74,20 @@ def call(url: str, method: str = "GET", body: dict | None = None, timeout: float
         reason = getattr(exc, "reason", exc)
         raise CliError(f"the mlxsup daemon is not running at {url.split('/api')[0]} ({reason})",
                        EXIT_NO_DAEMON) from None
+
+
+def call(url: str, method: str = "GET", body: dict | None = None) -> dict:
+    with request(url, method, body) as resp:
+        return json.loads(resp.read())
+
+
+def stream_events(url: str, body: dict) -> Iterator[dict]:
+    """POST and yield the JSON of each SSE `data:` line."""
+    with request(url, "POST", body, timeout=3600) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if line.startswith("data: "):
+                yield json.loads(line[6:])
 
 
 def _mib(n: int | None) -> str:
@@ -116,28 +133,6 @@ def cmd_evict(args: argparse.Namespace) -> int:
               f"{_mib(r['memory_before_bytes'])} (exit {r['exit']}, aborted {r['aborted']}, "
               f"signals {','.join(r['signals']) or 'none'})")
     return 0
-
-
-def stream_events(url: str, body: dict) -> Iterator[dict]:
-    """POST and yield the JSON of each SSE `data:` line."""
-    headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
-    if key := os.environ.get("MLXSUP_API_KEY"):
-        headers["Authorization"] = f"Bearer {key}"
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST", headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=3600) as resp:
-            for raw in resp:
-                line = raw.decode().strip()
-                if line.startswith("data: "):
-                    yield json.loads(line[6:])
-    except urllib.error.HTTPError as exc:
-        try:
-            message = json.loads(exc.read())["error"]["message"]
-        except Exception:
-            message = str(exc)
-        raise CliError(message, EXIT_USAGE if exc.code in (400, 404) else 1) from None
-    except (urllib.error.URLError, ConnectionError) as exc:
-        raise CliError(f"the mlxsup daemon is not running at {url.split('/api')[0]} ({exc})", EXIT_NO_DAEMON) from None
 
 
 def cmd_load(args: argparse.Namespace) -> int:
