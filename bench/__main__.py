@@ -1,5 +1,6 @@
 """python -m bench [--profile cpu|gpu|smoke] [--out DIR] ...   run every benchmark, write JSON, markdown, PNG
-python -m bench render RESULTS.json                          re-render results.md and chart.png"""
+python -m bench render RESULTS.json                          re-render results.md and chart.png
+python -m bench merge BASE.json EXTRA.json OUT_DIR [DIAG.json ...]   join two partial runs (+ diagnostics)"""
 
 from __future__ import annotations
 
@@ -27,6 +28,21 @@ def _intmap(text: str) -> dict[int, int]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "merge":  # python -m bench merge BASE.json EXTRA.json OUT_DIR
+        import json
+
+        from bench.common import write_json
+        from bench.report import render
+        from bench.run import merge_results
+
+        merged = merge_results(json.loads(Path(argv[1]).read_text()), json.loads(Path(argv[2]).read_text()))
+        for diag in argv[4:]:  # bench.diagnose outputs, shown in a Diagnostics section
+            merged.setdefault("diagnostics", {}).update(
+                {k: v for k, v in json.loads(Path(diag).read_text()).items() if k not in ("python", "env_pythonpath")})
+        write_json(Path(argv[3]) / "results.json", merged)
+        for path in render(Path(argv[3]) / "results.json"):
+            print(path)
+        return 0
     if argv and argv[0] == "render":
         from bench.report import render
 
@@ -43,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", default=None, help="'256' or '1:32,8:12,32:6'")
     ap.add_argument("--rounds", default=None, help="'5' or '1:3,8:2,32:1'")
     ap.add_argument("--deadline", type=float, default=None, help="seconds; no new work starts after it")
+    ap.add_argument("--cache-bench", choices=["run", "include"], default=None,
+                    help="run bench/cache_bench.py, or include its committed results (default: the profile's)")
     args = ap.parse_args(argv)
 
     p = PROFILES[args.profile]
@@ -54,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         p = replace(p, rounds=_intmap(args.rounds))
     if args.deadline:
         p = replace(p, deadline_s=args.deadline)
+    if args.cache_bench:
+        p = replace(p, run_cache_bench=args.cache_bench == "run")
     out = args.out or REPO / "bench" / "results" / p.profile
     work = args.work or Path(tempfile.gettempdir()) / f"mlxsup-bench-{p.profile}"
     sections = [s for s in args.sections.split(",") if s]

@@ -2,16 +2,19 @@
 # The GPU run on the device host (no package registry there). From the repo root, after a first
 # device call that copied .mlx-cuda/pa/* to /tmp/mlxpkg (see ../shared/device/README.md), in a
 # second call carrying .mlx-cuda/pb and .whl (pyzmq, starlette, uvicorn, py-spy wheels for cp312):
-#     bash bench/gpu_run.sh [extra python -m bench args]
+#     bash bench/gpu_run.sh [extra python -m bench args]      the full GPU profile
+#     bash bench/gpu_run.sh -- COMMAND ...                     any command, after the same set-up
+# CARRY=DIR: where .mlx-cuda/pb and .whl are, when running from a snapshot of the tree (default: .).
 # Results go to $OUT/gpu (results.json, results.md, chart.png, profiles) and the log to $OUT/gpu-log.txt.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p /tmp/site "$OUT"
 if [ ! -f /tmp/site/.unpacked ]; then
-  cat /tmp/mlxpkg/site.xz.aa .mlx-cuda/pb/site.xz.ab | xz -d | tar x -C /tmp/site && touch /tmp/site/.unpacked || exit 3
+  cat /tmp/mlxpkg/site.xz.aa "${CARRY:-.}"/.mlx-cuda/pb/site.xz.ab | xz -d | tar x -C /tmp/site && touch /tmp/site/.unpacked || exit 3
 fi
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 4
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${CARRY:-.}"/.whl/*.whl || exit 4
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
 python3 -c "import mlx.core as mx, mlx_lm, zmq, uvicorn, starlette; print(mx.default_device(), mx.__version__)" || exit 5
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv
+if [ "${1:-}" = "--" ]; then shift; exec "$@"; fi
 python3 -m bench --profile gpu --out "$OUT/gpu" --work /tmp/bw --deadline "${DEADLINE:-470}" "$@" 2>&1 | tee "$OUT/gpu-log.txt"

@@ -95,22 +95,29 @@ def run_stream(model, tok, cmd: dict, sampler, stream_generate) -> dict:
 
 
 def run_batch(gen, tok, cmd: dict) -> dict:
+    """All requests inserted at once; each token detokenized (streaming BPE, one detokenizer per request, as
+    every text-serving side must), so the ceiling produces text like the servers do."""
     n = cmd["max_tokens"]
     t0 = time.perf_counter()
     prompts = [tok.apply_chat_template(m, add_generation_prompt=True) for m in cmd["messages"]]
     uids = gen.insert(prompts, max_tokens=[n] * len(prompts))
     times: dict[int, list[float]] = {u: [] for u in uids}
+    detok = {u: tok.detokenizer for u in uids}
+    chars = dict.fromkeys(uids, 0)
     left = set(uids)
     steps = 0
     while left:
         _, responses = gen.next()
-        t = time.perf_counter() - t0
         steps += 1
         for r in responses:
             if r.uid in times:
-                times[r.uid].append(t)
+                d = detok[r.uid]
+                d.add_token(r.token)
                 if r.finish_reason is not None:
+                    d.finalize()
                     left.discard(r.uid)
+                chars[r.uid] += len(d.last_segment)
+                times[r.uid].append(time.perf_counter() - t0)
     return {"records": [{"start": 0.0, "times": times[u], "completion_tokens": len(times[u]),
                          "prompt_tokens": len(p)} for u, p in zip(uids, prompts)], "steps": steps}
 

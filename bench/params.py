@@ -25,6 +25,8 @@ class Params:
     overhead_rounds: int = 3
     profile_concurrency: list[int] = field(default_factory=lambda: [1, 32])
     profile_rounds: int = 2
+    run_cache_bench: bool = True  # run bench/cache_bench.py (else include its committed results)
+    cache_tokens: int = 2048
     run_timeout_s: float = 300.0
     deadline_s: float = 540.0  # stop starting new work after this; results are still written
     seed: int = 0
@@ -46,12 +48,12 @@ PROFILES: dict[str, Params] = {
     "cpu": Params(profile="cpu", preset="small", tokens={1: 32, 8: 8, 32: 4}, rounds={1: 3, 8: 2, 32: 1},
                   warmup_tokens={1: 2}, prompt_words=4, cold_rounds=3, idle_evict_rounds=3,
                   busy_evict_rounds=2, burst_probe=False, overhead_concurrency=[1], overhead_tokens=32, overhead_rounds=2,
-                  profile_concurrency=[1, 8], profile_rounds=1,
+                  profile_concurrency=[1, 8], profile_rounds=1, run_cache_bench=False,
                   run_timeout_s=400, deadline_s=840),
     # A functional check of the whole suite in about a minute (tiny preset; numbers mean nothing).
     "smoke": Params(profile="smoke", preset="tiny", tokens={1: 16, 8: 16, 32: 8}, rounds={1: 2, 8: 2, 32: 1},
                     warmup_tokens={1: 2, 8: 2, 32: 2}, prompt_words=6, cold_rounds=2, idle_evict_rounds=2,
                     busy_evict_rounds=1, overhead_concurrency=[1], overhead_tokens=16, overhead_rounds=1,
-                    profile_concurrency=[1, 8], profile_rounds=1,
+                    profile_concurrency=[1, 8], profile_rounds=1, run_cache_bench=False,
                     run_timeout_s=120, deadline_s=300),
 }

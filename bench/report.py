@@ -66,26 +66,33 @@ def markdown(res: dict) -> str:
     tp = res.get("throughput", {})
     if tp.get("summary"):
         L.append("## 1. Throughput and latency (streaming)\n")
-        L.append("| clients | side | tok/s (median) | min..max | TTFT p50 / p95 | ITL p50 / p95 | rounds | exact tokens |")
-        L.append("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        L.append("| clients | side | tok/s (median) | min..max | steady tok/s | TTFT p50 / p95 | ITL p50 / p95 | rounds | exact tokens |")
+        L.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         for c, cs in tp["summary"].items():
             for side in SIDE_ORDER:
                 s = cs.get(side)
                 if not s:
                     continue
                 L.append(f"| {c} | {SIDE_LABEL[side]} | {_f(s['tok_s'], 1)} | {_f(s['tok_s_min'], 1)}..{_f(s['tok_s_max'], 1)} | "
+                         f"{_f(s.get('steady_tok_s'), 1)} | "
                          f"{_f(s['ttft_p50_s'], 1, 1e3)} / {_f(s['ttft_p95_s'], 1, 1e3)} ms | "
                          f"{_f(s['itl_p50_s'], 2, 1e3)} / {_f(s['itl_p95_s'], 2, 1e3)} ms | {s['rounds']} | "
                          f"{'yes' if s['exact_all_rounds'] else 'NO'} {s['completion_tokens']} |")
         L.append("")
-        L.append("| clients | mlxsup / in-process | mlxsup / mlx_lm.server | mlx_lm.server / in-process | per-round mlxsup / in-process |")
-        L.append("| --- | --- | --- | --- | --- |")
+        L.append("| clients | mlxsup / in-process | mlxsup / mlx_lm.server | mlx_lm.server / in-process | "
+                 "steady: mlxsup / in-process | steady: mlxsup / mlx_lm.server | per-round mlxsup / in-process |")
+        L.append("| --- | --- | --- | --- | --- | --- | --- |")
         for c, cs in tp["summary"].items():
             r = cs.get("ratios", {})
+            sr = cs.get("steady_ratios", {})
             L.append(f"| {c} | {_f(r.get('mlxsup/inproc', {}).get('median_of_round_ratios'), 3)} | "
                      f"{_f(r.get('mlxsup/mlx_lm.server', {}).get('median_of_round_ratios'), 3)} | "
                      f"{_f(r.get('mlx_lm.server/inproc', {}).get('median_of_round_ratios'), 3)} | "
+                     f"{_f(sr.get('mlxsup/inproc'), 3)} | {_f(sr.get('mlxsup/mlx_lm.server'), 3)} | "
                      f"{r.get('mlxsup/inproc', {}).get('per_round')} |")
+        L.append("\nsteady tok/s: tokens arriving while every request of the run is past its first token and none has "
+                 "finished, over that window: decode speed without the admission/prefill ramp. Ratios are medians "
+                 "of per-round ratios.")
         r1 = tp["summary"].get("1", {}).get("ratios", {})
         if r1.get("mlxsup/inproc_batch"):
             L.append(f"\nAt one client: mlxsup / in-process BatchGenerator(b=1) = "
@@ -158,6 +165,32 @@ def markdown(res: dict) -> str:
                      f"loop's critical path, as opposed to the latency above).")
         if oh.get("error"):
             L.append(f"\n{oh['error']}")
+        L.append("")
+
+    dg = res.get("diagnostics") or {}
+    if dg:
+        L.append("## Diagnostics (python -m bench.diagnose, same kind of machine)\n")
+        im = dg.get("imports") or {}
+        if im.get("top_cumulative_s"):
+            top = ", ".join(f"{n} {t:.2f} s" for n, d, t in im["top_cumulative_s"][:4])
+            L.append(f"- **imports** of what the worker imports: {im.get('wall_s')} s wall; heavy modules pulled in: "
+                     f"{im.get('heavy_modules_loaded')}; cumulative: {top}")
+        ex = dg.get("exit") or {}
+        if ex:
+            L.append("- **process exit** after the model was loaded and used, end of work to reaped (s): " +
+                     "; ".join(f"{k} {v}" for k, v in ex.items() if not k.startswith("error")))
+        ar = dg.get("arrival") or {}
+        if ar.get("runs"):
+            runs = "; ".join(f"{r['mode']}: {r['tok_s']} tok/s, TTFT p50 {r['ttft_p50_ms']} ms" for r in ar["runs"])
+            L.append(f"- **arrival** ({ar['n']} sequences x {ar['tokens']} tokens, in-process BatchGenerator): {runs}. "
+                     f"Step time for a (generation batch, prefill batch) shape seen for the first time: p50 "
+                     f"{ar['step_ms_first_seen_shape']['p50']} ms / p95 {ar['step_ms_first_seen_shape']['p95']} ms "
+                     f"({ar['step_ms_first_seen_shape']['count']} steps); seen before: p50 "
+                     f"{ar['step_ms_seen_before']['p50']} ms ({ar['step_ms_seen_before']['count']} steps)")
+        en = dg.get("engine") or {}
+        if en.get("itl_p50_ms_median"):
+            L.append("- **engine** (one process, batch 1, ITL p50 ms, median of rounds): " +
+                     "; ".join(f"{k} {v}" for k, v in en["itl_p50_ms_median"].items()))
         L.append("")
 
     L.append("## 4. Cache\n")

@@ -99,7 +99,14 @@ def summarize(records: list[dict], expected: int) -> dict:
     tokens = [r["completion_tokens"] for r in ok]
     ttft = [r["times"][0] for r in ok]
     itl = [b - a for r in ok for a, b in zip(r["times"], r["times"][1:])]
+    # Steady state: tokens arriving while every request is past its first token and none has finished.
+    w0 = max(r["start"] + r["times"][0] for r in ok)
+    w1 = min(r["start"] + r["times"][-1] for r in ok)
+    in_window = sum(1 for r in ok for t in r["times"] if w0 < r["start"] + t <= w1)
     out.update(
+        steady_tok_s=in_window / (w1 - w0) if w1 - w0 > 0 and in_window else None,
+        ttft_p50_s=percentile(ttft, 50),
+        itl_p50_s=percentile(itl, 50),
         wall_s=t1 - t0,
         tokens=sum(t or 0 for t in tokens),
         tok_s=sum(t or 0 for t in tokens) / (t1 - t0) if t1 > t0 else None,
@@ -209,6 +216,22 @@ class Bench:
         self.results["meta"]["model"] = info
         self.log(f"model {info}")
 
+    async def quiesce(self, d: Mlxsup, timeout: float = 90.0) -> bool | None:
+        """Wait until the daemon's spare worker (if it keeps one) is standing by: a steady state to measure from."""
+        deadline = time.monotonic() + timeout
+        while True:
+            st = await d.status(self.client)
+            if "spare" not in st:
+                return None  # this mlxsup keeps no spare
+            spare = st.get("spare")
+            if spare and spare.get("pid"):
+                d.seen.add(spare["pid"])
+            if spare is None or spare.get("standing_by"):
+                return bool(spare)
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.1)
+
     # --- a side's run -------------------------------------------------------------------
 
     async def http_run(self, url: str, model: str, msgs: list, max_tokens: int, extra: dict | None = None) -> list:
@@ -300,8 +323,8 @@ class Bench:
     async def section_cold_start(self) -> dict:
         p = self.p
         res: dict = {"rounds": [], "notes": [
-            "mlxsup: daemon running, model not loaded; a streaming request (max_tokens 1) until its first token; "
-            "the model is evicted between rounds",
+            "mlxsup: daemon running, model not loaded, its spare worker (if any) standing by; a streaming request "
+            "(max_tokens 1) until its first token; the model is evicted between rounds",
             "inproc: a fresh process; mlx_lm.load + first token (load_plus_first_token_s); imports and the "
             "interpreter start are reported apart",
         ]}
@@ -322,13 +345,15 @@ class Bench:
                     if side == "inproc":
                         row["inproc"] = await cold_inproc(self.model_dir, msgs, self.work / "logs" / "cold.log")
                     else:
+                        spare = await self.quiesce(d)
                         st = await d.model(self.client, self.model_id)
                         assert st["state"] == "stopped", f"model not unloaded before a cold start: {st['state']}"
                         body = cl.chat_body(self.model_id, msgs, 1, {"ignore_eos": True})
                         rec = await cl.stream_chat(d.chat_url, body, p.run_timeout_s)
                         ev = await d.evict(self.client, self.model_id)
                         row["mlxsup"] = {"ttft_s": rec["times"][0] if rec["times"] else None, "error": rec["error"],
-                                         "evict_s": ev.get("duration_s"), "pid": ev.get("pid")}
+                                         "evict_s": ev.get("duration_s"), "pid": ev.get("pid"),
+                                         "spare_standing_by": spare}
                         if ev.get("pid"):
                             d.seen.add(ev["pid"])
                 m, i = row.get("mlxsup", {}), row.get("inproc", {})
@@ -370,7 +395,8 @@ class Bench:
     async def section_eviction(self) -> dict:
         p = self.p
         res: dict = {"idle": [], "busy": [], "notes": [
-            "available = psutil.virtual_memory().available (median of 3 reads): before load, loaded, after evict",
+            "available = psutil.virtual_memory().available (median of 3 reads): before load, loaded, after evict; "
+            "each read with the daemon at rest (its spare worker, if any, standing by)",
             "returned_bytes = available after evict - available while loaded; "
             "baseline_delta_bytes = available after evict - available before load (0 = all back)",
             "wall_s: client-side time of POST /api/models/{id}/evict, which answers once the process is reaped",
@@ -410,6 +436,7 @@ class Bench:
     async def evict_round(self, d: Mlxsup, kind: str, r: int) -> dict:
         p = self.p
         row: dict = {"round": r}
+        row["spare_standing_by"] = await self.quiesce(d)  # memory is read with the daemon at rest each time
         await asyncio.sleep(0.3)
         row["avail_before_load"] = await asyncio.to_thread(available)
         g0 = gpu_used_bytes()
@@ -428,6 +455,8 @@ class Bench:
             st = await d.model(self.client, self.model_id)
             row["in_flight"] = st.get("in_flight")
             row["batch_size"] = st.get("batch_size")
+        if kind == "idle":
+            await self.quiesce(d)
         st = await d.model(self.client, self.model_id)
         row["worker_rss_bytes"] = st.get("memory_bytes")
         row["avail_loaded"] = await asyncio.to_thread(available)
@@ -443,6 +472,7 @@ class Bench:
                               for x in recs]
             row["streams_ended_with_error_event"] = all(
                 isinstance(x["error"], dict) and x["error"].get("code") for x in recs)
+        await self.quiesce(d)
         await asyncio.sleep(0.5)
         row["avail_after_evict"] = await asyncio.to_thread(available)
         g2 = gpu_used_bytes()
@@ -556,21 +586,40 @@ class Bench:
 
     async def section_cache(self) -> dict:
         # ---------------------------------------------------------------------------------------
-        # CACHE SLOT (issue 7, section 4). The cache benchmark is being written in another branch as
-        # bench/cache_bench.py. When it lands it only has to provide
-        #     async def run(ctx: dict) -> dict
-        # ctx = {"model_dir", "model_id", "model_root", "work", "params", "client", "deadline_left_s"};
-        # the dict it returns is stored under "cache" in results.json, and a "markdown" key (a string),
-        # if present, is printed as the cache section of results.md. Nothing else here needs to change.
+        # CACHE SLOT (issue 7, section 4). The prompt-cache benchmark is bench/cache_bench.py (written in
+        # another branch; TTFT of one long prompt: cold, hot-cache hit, SSD hit after evict + reload). This
+        # section includes its results: it runs it (profile param run_cache_bench, a subprocess bounded by
+        # the deadline, on this run's preset) or else takes the committed bench/results/cache_bench.json.
+        # Its JSON goes under "cache" and its markdown into results.md as section 4.
         # ---------------------------------------------------------------------------------------
-        if not (REPO / "bench" / "cache_bench.py").exists():
+        script = REPO / "bench" / "cache_bench.py"
+        if not script.exists():
             return {"status": "pending", "note": "bench/cache_bench.py has not landed yet (separate branch)"}
-        from bench import cache_bench  # type: ignore[attr-defined]
-
-        ctx = {"model_dir": self.model_dir, "model_id": self.model_id, "model_root": self.work / "models",
-               "work": self.work, "params": self.p.to_dict(), "client": self.client, "deadline_left_s": self.left()}
-        out = await cache_bench.run(ctx)
-        return {"status": "ran", **out}
+        p = self.p
+        if p.run_cache_bench and self.left() > 60:
+            out = self.out / "cache"
+            argv = [sys.executable, str(script), "--preset", p.preset, "--tokens", str(p.cache_tokens),
+                    "--out", str(out), "--work", str(self.work / "cache")]
+            shutil.rmtree(self.work / "cache", ignore_errors=True)
+            (self.work / "cache").mkdir(parents=True)
+            with open(self.work / "logs" / "cache_bench.log", "ab") as log:
+                proc = await asyncio.create_subprocess_exec(*argv, cwd=REPO, stdout=log, stderr=log)
+                try:
+                    rc = await asyncio.wait_for(proc.wait(), max(30.0, self.left() - 10))
+                except TimeoutError:
+                    proc.kill()
+                    await proc.wait()
+                    return {"status": "timed out", "command": " ".join(argv[1:])}
+            src, how = out / "cache_bench.json", f"ran here: {' '.join(argv[1:])} (exit {rc})"
+        else:
+            src, how = REPO / "bench" / "results" / "cache_bench.json", "included from bench/results/cache_bench.json"
+        if not src.exists():
+            return {"status": "no results", "note": how}
+        data = json.loads(src.read_text())
+        md_path = src.with_suffix(".md")
+        md = md_path.read_text() if md_path.exists() else ""
+        md = "\n".join(line for line in md.splitlines() if not line.startswith("# "))  # its own title
+        return {"status": how, "results": data, "markdown": f"_{how}_\n{md}"}
 
 
 # --- summaries -------------------------------------------------------------------------------
@@ -591,6 +640,7 @@ def summarize_throughput(runs: list[dict], p: Params) -> dict:
                 "tok_s": median([r["tok_s"] for r in rs]),
                 "tok_s_min": min(r["tok_s"] for r in rs),
                 "tok_s_max": max(r["tok_s"] for r in rs),
+                "steady_tok_s": median([r.get("steady_tok_s") for r in rs]),
                 "ttft_p50_s": percentile(ttft, 50), "ttft_p95_s": percentile(ttft, 95),
                 "itl_p50_s": percentile(itl, 50), "itl_p95_s": percentile(itl, 95),
                 "exact_all_rounds": all(r.get("exact") for r in rs),
@@ -610,6 +660,17 @@ def summarize_throughput(runs: list[dict], p: Params) -> dict:
             return {"median_of_round_ratios": median(per_round), "per_round": [rnd(x, 4) for x in per_round],
                     "ratio_of_medians": ratio(cs.get(a, {}).get("tok_s"), cs.get(b, {}).get("tok_s"))}
 
+        def paired_key(a: str, b: str, key: str) -> float | None:
+            per_round = []
+            for r in sorted({x["round"] for x in runs if x["c"] == c}):
+                ra = [x for x in runs if x["c"] == c and x["round"] == r and x["side"] == a and x.get(key)]
+                rb = [x for x in runs if x["c"] == c and x["round"] == r and x["side"] == b and x.get(key)]
+                if ra and rb:
+                    per_round.append(ra[0][key] / rb[0][key])
+            return median(per_round)
+
+        cs["steady_ratios"] = {"mlxsup/inproc": paired_key("mlxsup", "inproc", "steady_tok_s"),
+                               "mlxsup/mlx_lm.server": paired_key("mlxsup", "mlx_lm.server", "steady_tok_s")}
         cs["ratios"] = {"mlxsup/inproc": paired("mlxsup", "inproc"),
                         "mlxsup/mlx_lm.server": paired("mlxsup", "mlx_lm.server"),
                         "mlx_lm.server/inproc": paired("mlx_lm.server", "inproc")}
@@ -679,4 +740,37 @@ def targets(results: dict) -> list[dict]:
     w = ev.get("wall_s")
     add("issue 3: idle evict returns (median wall, s)", rnd(w, 3), "< 1 s, process gone",
         None if w is None else (w < 1.0 and bool(ev.get("all_gone"))))
+    return out
+
+
+def itl_cross_check(results: dict) -> None:
+    """Method 2 of the overhead section, from section 1's one-client runs."""
+    oh = results.get("overhead")
+    tp = results.get("throughput", {}).get("summary", {}).get("1", {})
+    if not oh or not tp:
+        return
+    a, b, s = (tp.get(k, {}).get("itl_p50_s") for k in ("mlxsup", DIAG_SIDE, "inproc"))
+    oh["itl_delta_vs_batchgen_ms"] = rnd((a - b) * 1e3, 3) if a is not None and b is not None else None
+    oh["itl_delta_vs_stream_generate_ms"] = rnd((a - s) * 1e3, 3) if a is not None and s is not None else None
+
+
+def merge_results(base: dict, extra: dict) -> dict:
+    """Sections of two runs on the same machine and model (a device call is limited to 10 minutes)."""
+    out = json.loads(json.dumps(base))
+    taken = []
+    for name in ("throughput", "cold_start", "eviction", "overhead", "profile", "cache"):
+        sec = extra.get(name)
+        if sec and "skipped" not in sec and (name not in out or "skipped" in out[name] or name != "cache"):
+            if name in out and "skipped" not in out[name] and name == "throughput":
+                continue  # keep the base's comparison
+            out[name] = sec
+            taken.append(name)
+    out.setdefault("cleanup", {}).update({f"run2:{k}": v for k, v in extra.get("cleanup", {}).items()})
+    out["meta"]["merged"] = {"second_run_command": extra["meta"].get("command"),
+                             "second_run_started_utc": extra["meta"].get("started_utc"),
+                             "second_run_elapsed_s": extra["meta"].get("elapsed_s"), "sections_from_second_run": taken}
+    out["meta"]["all_processes_gone"] = all(
+        v == "gone" for c in out.get("cleanup", {}).values() for v in c["pids"].values())
+    itl_cross_check(out)
+    out["targets"] = targets(out)
     return out

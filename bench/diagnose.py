@@ -1,0 +1,250 @@
+"""Targeted measurements behind the missed targets (not part of the standard run).
+
+    python -m bench.diagnose --model DIR --out FILE.json [--parts imports,exit,arrival]
+
+imports  python -X importtime of what the worker imports: where a cold start's seconds go before load
+exit     a process that loaded the model and generated: time from the end of its work to being reaped,
+         for a plain return, after gc + mx.clear_cache, and with os._exit(0) (eviction's tail)
+engine   one process, batch 1, ITL of: A mlx_lm.load + BatchGenerator loop (the bench's inproc_batch);
+         B the product's worker.engine.Engine (its own loader) driven by submit/step, no sockets;
+         C B's model under a plain BatchGenerator loop; D = B plus, per step, what WorkerLoop adds
+         (msgpack-encode the Tokens message, zmq send, zmq poll(0)): which of these makes the worker slow
+arrival  in-process BatchGenerator at 32 sequences: all inserted at once (the bench's ceiling) vs
+         inserted a few per step, as requests reach mlxsup's worker over ZeroMQ; the steps' times for
+         (generation batch, prefill batch) sizes seen for the first time vs again (MLX kernel compile)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.common import REPO, percentile
+
+WORKER_IMPORTS = "import mlx.core; import zmq, psutil, msgpack; import mlx_lm; from mlx_lm.generate import BatchGenerator"
+
+
+def part_imports() -> dict:
+    t = time.perf_counter()
+    p = subprocess.run([sys.executable, "-X", "importtime", "-c", WORKER_IMPORTS + "; import sys; "
+                        "print(sorted(m for m in ('torch', 'jax', 'tensorflow', 'torchvision') if m in sys.modules))"],
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
+    wall = time.perf_counter() - t
+    rows = []
+    for line in p.stderr.splitlines():
+        m = re.match(r"import time:\s+(\d+) \|\s+(\d+) \|(\s*)(\S+)", line)
+        if m:
+            rows.append((int(m.group(2)) / 1e6, len(m.group(3)) - 1, m.group(4)))
+    top = sorted([r for r in rows if r[1] <= 4], reverse=True)[:20]
+    return {"wall_s": round(wall, 3), "heavy_modules_loaded": p.stdout.strip(),
+            "top_cumulative_s": [[name, depth, round(s, 3)] for s, depth, name in top]}
+
+
+EXIT_CHILD = r"""
+import sys, time, os, gc, json
+import mlx.core as mx
+from mlx_lm import load, stream_generate
+from mlx_lm.generate import BatchGenerator
+model, tok = load(sys.argv[1])
+g = BatchGenerator(model)
+list(stream_generate(model, tok, tok.encode("hello there"), max_tokens=4))
+variant = sys.argv[2]
+if variant == "settled":
+    g.close(); del g, model; gc.collect(); mx.clear_cache()
+print(json.dumps({"t_done": time.monotonic()}), flush=True)
+if variant == "os_exit":
+    os._exit(0)
+"""
+
+
+def part_exit(model: str, rounds: int) -> dict:
+    out: dict = {}
+    for variant in ("normal", "settled", "os_exit"):
+        vals = []
+        for _ in range(rounds):
+            proc = subprocess.Popen([sys.executable, "-c", EXIT_CHILD, model, variant], stdout=subprocess.PIPE,
+                                    stderr=subprocess.DEVNULL, text=True, cwd=REPO)
+            line = proc.stdout.readline()
+            proc.wait(300)
+            t_reaped = time.monotonic()
+            try:
+                vals.append(t_reaped - json.loads(line)["t_done"])
+            except (ValueError, KeyError):
+                vals.append(None)
+        out[variant] = [None if v is None else round(v, 3) for v in vals]
+    return out
+
+
+def part_arrival(model_dir: str, n: int, tokens: int, rounds: int) -> dict:
+    import random
+
+    import mlx.core as mx  # noqa: F401
+    from mlx_lm import load
+    from mlx_lm.generate import BatchGenerator
+
+    from bench.run import prompts
+
+    model, tok = load(model_dir)
+    gen = BatchGenerator(model, completion_batch_size=32, prefill_batch_size=8, prefill_step_size=512)
+    seen: set = set()
+    step_first, step_again = [], []
+
+    def run(mode: str, tag: str, seed: int) -> dict:
+        rng = random.Random(seed)
+        toks = [tok.apply_chat_template(m, add_generation_prompt=True) for m in prompts(tag, n, 24, 0)]
+        pending = list(toks)
+        t0 = time.perf_counter()
+        start, times, uids = {}, {}, []
+
+        def insert(k: int) -> None:
+            batch, pending[:] = pending[:k], pending[k:]
+            if batch:
+                for u in gen.insert(batch, max_tokens=[tokens] * len(batch)):
+                    uids.append(u)
+                    start[u] = time.perf_counter() - t0
+                    times[u] = []
+
+        insert(n if mode == "all" else rng.randint(1, 4))
+        left = n
+        while left:
+            key = (len(gen._generation_batch), len(gen._prompt_batch), len(gen._unprocessed_sequences) > 0)
+            ts = time.perf_counter()
+            _, rs = gen.next()
+            dt = time.perf_counter() - ts
+            (step_again if key in seen else step_first).append(dt)
+            seen.add(key)
+            t = time.perf_counter() - t0
+            for r in rs:
+                times[r.uid].append(t)
+                if r.finish_reason is not None:
+                    left -= 1
+            if pending:
+                insert(rng.randint(1, 4))
+        end = max(v[-1] for v in times.values())
+        ttft = [times[u][0] - start[u] for u in uids]
+        return {"mode": mode, "tok_s": round(n * tokens / end, 1), "ttft_p50_ms": round(percentile(ttft, 50) * 1e3, 1),
+                "ttft_max_ms": round(max(ttft) * 1e3, 1), "last_insert_ms": round(max(start.values()) * 1e3, 1)}
+
+    run("all", "warm", 0)
+    out = []
+    for r in range(rounds):
+        for mode in ("all", "trickle"):
+            out.append(run(mode, f"a{r}{mode}", r))
+    q = lambda xs, k: None if not xs else round(percentile(xs, k) * 1e3, 2)  # noqa: E731
+    return {"n": n, "tokens": tokens, "runs": out,
+            "step_ms_first_seen_shape": {"count": len(step_first), "p50": q(step_first, 50), "p95": q(step_first, 95)},
+            "step_ms_seen_before": {"count": len(step_again), "p50": q(step_again, 50), "p95": q(step_again, 95)}}
+
+
+def part_engine(model_dir: str, tokens: int, rounds: int) -> dict:
+    import mlx.core as mx  # noqa: F401
+    import zmq
+    from mlx_lm import load
+    from mlx_lm.generate import BatchGenerator
+
+    from bench.run import prompts
+    from protocol.codec import encode
+    from protocol.messages import Submit, Tokens
+    from worker.engine import Engine
+
+    model_a, tok_a = load(model_dir)
+    eng = Engine(Path(model_dir), max_batch_size=32, prefill_step_size=512)
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.SNDHWM, 1_000_000)
+    push.connect(f"tcp://127.0.0.1:{port}")
+    poller = zmq.Poller()
+    poller.register(pull, zmq.POLLIN)
+
+    def plain(model, tok, msgs) -> list[float]:
+        gen = BatchGenerator(model, completion_batch_size=32, prefill_batch_size=8, prefill_step_size=512)
+        gen.insert([tok.apply_chat_template(msgs, add_generation_prompt=True)], max_tokens=[tokens])
+        times, done = [], False
+        while not done:
+            _, rs = gen.next()
+            for r in rs:
+                times.append(time.perf_counter())
+                done = r.finish_reason is not None
+        gen.close()
+        return times
+
+    def engine(msgs, sockets: bool, rid: str) -> list[float]:
+        eng.submit(Submit(rid=rid, max_tokens=tokens, messages=msgs, temperature=0.0, ignore_eos=True))
+        times = []
+        while len(eng):
+            if sockets:
+                poller.poll(0)
+            chunks, finished = eng.step()
+            if chunks or finished:
+                times.append(time.perf_counter())
+            if sockets:
+                if chunks:
+                    push.send(encode(Tokens(chunks)), zmq.NOBLOCK)
+                for f in finished:
+                    push.send(encode(f), zmq.NOBLOCK)
+                while True:  # the supervisor's side would drain it; keep the queue empty
+                    try:
+                        pull.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+        return times
+
+    def itl(ts: list[float]) -> float:
+        return percentile([b - a for a, b in zip(ts, ts[1:])], 50) * 1e3
+
+    variants = {
+        "A_mlx_lm_load_batchgen": lambda m, i: plain(model_a, tok_a, m),
+        "B_engine_submit_step": lambda m, i: engine(m, False, f"b{i}"),
+        "C_engine_model_plain_batchgen": lambda m, i: plain(eng.model, eng.tokenizer, m),
+        "D_engine_plus_zmq_msgpack": lambda m, i: engine(m, True, f"d{i}"),
+    }
+    for name, fn in variants.items():  # warm-up
+        fn(prompts("ew", 1, 24, 0)[0], 999)
+    out: dict = {k: [] for k in variants}
+    for r in range(rounds):
+        names = list(variants) if r % 2 == 0 else list(variants)[::-1]
+        for name in names:
+            out[name].append(round(itl(variants[name](prompts(f"e{r}", 1, 24, 0)[0], r)), 3))
+    ctx.destroy(linger=0)
+    return {"tokens": tokens, "itl_p50_ms_per_round": out,
+            "itl_p50_ms_median": {k: round(percentile(v, 50), 3) for k, v in out.items()}}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.diagnose")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--parts", default="imports,exit,arrival")
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    res: dict = {"python": sys.executable, "env_pythonpath": os.environ.get("PYTHONPATH")}
+    for part in args.parts.split(","):
+        t = time.perf_counter()
+        try:
+            if part == "imports":
+                res[part] = part_imports()
+            elif part == "exit":
+                res[part] = part_exit(args.model, args.rounds)
+            elif part == "engine":
+                res[part] = part_engine(args.model, 256, max(3, args.rounds))
+            elif part == "arrival":
+                res[part] = part_arrival(args.model, 32, 256, args.rounds)
+        except Exception as exc:
+            res[part] = {"error": repr(exc)}
+        res.setdefault("elapsed_s", {})[part] = round(time.perf_counter() - t, 1)
+        print(f"[diagnose] {part}: {json.dumps(res[part])[:1500]}", file=sys.stderr, flush=True)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
