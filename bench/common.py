@@ -109,6 +109,7 @@ def machine() -> dict:
         "versions": {m: _version(m) for m in ("mlx", "mlx-cuda-13", "mlx-metal", "mlx-lm", "pyzmq", "starlette",
                                                "uvicorn", "httpx", "tokenizers", "transformers", "psutil")},
         "git": _git(),
+        "tree": os.environ.get("MLXSUP_BENCH_TREE"),  # e.g. "git archive <commit>" when run from a snapshot
         "load_avg_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
 

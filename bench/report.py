@@ -29,6 +29,11 @@ def markdown(res: dict) -> str:
     L.append(f"# mlxsup benchmark: profile `{p.get('profile')}`, preset `{p.get('preset')}`\n")
     L.append(f"Run {meta.get('started_utc')} .. {meta.get('finished_utc')} ({meta.get('elapsed_s')} s), "
              f"command `{meta.get('command')}`.\n")
+    if meta.get("merged"):
+        mg = meta["merged"]
+        L.append(f"Joined with a second run on the same machine (a device call is limited to 10 minutes): "
+                 f"{', '.join(mg['sections_from_second_run'])} from `{mg['second_run_command']}` "
+                 f"(started {mg['second_run_started_utc']}).\n")
     L.append("## Machine\n")
     L.append(f"- CPU: {m.get('cpu_model')}, {m.get('logical_cores')} logical cores "
              f"({m.get('physical_cores')} physical), RAM {(m.get('ram_bytes') or 0) / 2**30:.1f} GiB, "
@@ -42,7 +47,7 @@ def markdown(res: dict) -> str:
     L.append("- versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val))
     g = m.get("git", {})
     L.append(f"- mlxsup commit {str(g.get('commit'))[:12]}{' (+ uncommitted changes in the tree)' if g.get('dirty') else ''}; "
-             f"load average at start {m.get('load_avg_at_start')}")
+             f"load average at start {m.get('load_avg_at_start')}" + (f"; tree: {m['tree']}" if m.get("tree") else ""))
     L.append(f"- model: `{model.get('id')}` from `mlxsup make-model --preset {model.get('preset')}` "
              f"({_mib(model.get('weights_bytes'))} of {model.get('dtype')} weights), EOS made unreachable "
              f"(id {model.get('eos_token_id')} = vocab size) so every side generates exactly max_tokens\n")
@@ -169,7 +174,9 @@ def markdown(res: dict) -> str:
 
     dg = res.get("diagnostics") or {}
     if dg:
-        L.append("## Diagnostics (python -m bench.diagnose, same kind of machine)\n")
+        L.append("## Diagnostics (python -m bench.diagnose)\n")
+        L.append("Measured earlier in the same session on other machines of the same kind (H100, same MLX). "
+                 "imports, exit and arrival exercise only MLX / mlx-lm; engine drives worker.engine.Engine.\n")
         im = dg.get("imports") or {}
         if im.get("top_cumulative_s"):
             top = ", ".join(f"{n} {t:.2f} s" for n, d, t in im["top_cumulative_s"][:4])
