@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     sock.setsockopt(zmq.SNDHWM, 1_000_000)
     sock.setsockopt(zmq.LINGER, 2000)
     sock.connect(args.endpoint)
+    code = EXIT_OK
     try:
         if args.spare:
             model_args = stand_by(sock, flags, log)
@@ -108,10 +109,22 @@ def main(argv: list[str] | None = None) -> int:
             args = parse_args([a for a in argv if a != "--spare"] + model_args)
         if "ignore-sigterm" in args.fault:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        return serve_model(args, sock, flags, log)
+        code = serve_model(args, sock, flags, log)
+        return code
     finally:
-        sock.close()
+        sock.close()  # LINGER: Bye and the last messages leave before this returns
         ctx.term()
+        if args.model_path is not None:
+            leave(code)
+
+
+def leave(code: int) -> None:
+    """Exit without interpreter and GPU teardown: the orderly part is done (Bye sent, caches closed),
+    and process exit is the hard unload. Tearing down MLX's CUDA context alone took 1.3-1.5 s."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def stand_by(sock, flags, log: logging.Logger) -> list[str] | None:
