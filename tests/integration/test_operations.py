@@ -50,14 +50,18 @@ def test_logs_of_the_daemon_and_of_a_worker(daemon: Daemon) -> None:
     assert worker.returncode == 0 and "[load] model=tiny" in worker.stdout
     assert mlxsup("logs", "never-ran", *state).returncode == 2
 
-    follower = subprocess.Popen([*MLXSUP, "logs", "-f", "-n", "0", *state], stdout=subprocess.PIPE, text=True)
+    follower = subprocess.Popen([*MLXSUP, "logs", "-f", "-n", "0", *state], stdout=subprocess.PIPE)
     try:
-        os.set_blocking(follower.stdout.fileno(), False)
-        seen = []
+        fd = follower.stdout.fileno()
+        os.set_blocking(fd, False)
+        seen = bytearray()
 
         def evict_line() -> bool:
-            seen.append(follower.stdout.read() or "")
-            return "[evict] model=tiny" in "".join(seen)
+            try:
+                seen.extend(os.read(fd, 65536))
+            except BlockingIOError:  # nothing new yet
+                pass
+            return b"[evict] model=tiny" in seen
 
         httpx.post(daemon.url + "/api/models/tiny/evict", timeout=60)
         wait_for(evict_line, 15, what="`mlxsup logs -f` to print the eviction")

@@ -23,7 +23,7 @@ from supervisor.router import Router, State
 def test_admission_decided_while_a_request_is_routed_does_not_take_its_worker(tmp_path: Path) -> None:
     async def scenario() -> None:
         # room for exactly one worker: each is estimated at 100 bytes, the ceiling is 150
-        settings = Settings(state_dir=tmp_path, memory_ceiling_bytes=150, worker_overhead_bytes=100,
+        settings = Settings(state_dir=tmp_path, memory_ceiling_bytes=150, worker_overhead_bytes=100, spare_workers=0,
                             pressure_soft=1.0, pressure_hard=1.0)
         specs = {"m": ModelSpec("m", tmp_path), "n": ModelSpec("n", tmp_path)}
         router = Router(Registry(specs), settings, tmp_path)
