@@ -170,10 +170,6 @@ class Router:
         err.extra = {"missing_bytes": decision.missing_bytes, "loaded": [v.__dict__ for v in views]}
         return err
 
-    def is_ready(self, name: str) -> bool:
-        worker = self.workers.get(self.registry.resolve(name).id)
-        return worker is not None and worker.state is State.READY
-
     def loading(self, name: str) -> Worker | None:
         """The model's worker while it loads (for progress), else None."""
         worker = self.workers.get(self.registry.resolve(name).id)

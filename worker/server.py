@@ -11,6 +11,7 @@ Signals and the lifeline only flip flags (see worker/__main__.py); the loop acts
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -70,7 +71,7 @@ class WorkerLoop:
 
     def announce(self) -> None:
         e = self.engine
-        ready = Ready(self.model_id, _pid(), e.context_length, e.vocab_size, e.weights_bytes,
+        ready = Ready(self.model_id, os.getpid(), e.context_length, e.vocab_size, e.weights_bytes,
                       process_memory_bytes(), e.load_s)
         if "foreign-protocol" in self._faults:  # testing: a worker from another release
             body = msgpack.unpackb(encode(ready))
@@ -204,9 +205,3 @@ class WorkerLoop:
             return EXIT_PARENT_GONE
         self.send(bye)
         return EXIT_OK
-
-
-def _pid() -> int:
-    import os
-
-    return os.getpid()

@@ -74,8 +74,11 @@ worker_args = ["--fault", "slow-steps"]
         async with httpx.AsyncClient(timeout=60) as http:
             req = asyncio.create_task(http.post(d.v1 + "/completions",
                                                 json={"model": "slow", "prompt": "x", "max_tokens": 50}))
-            while not (await http.get(d.url + "/api/status")).json()["models"][0]["in_flight"]:
-                await asyncio.sleep(0.01)
+            async def in_flight() -> None:
+                while not (await http.get(d.url + "/api/status")).json()["models"][0]["in_flight"]:
+                    await asyncio.sleep(0.01)
+
+            await asyncio.wait_for(in_flight(), 30)  # polled with a deadline
             os.kill(pid, signal.SIGKILL)
             return await req
 
