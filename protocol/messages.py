@@ -31,6 +31,7 @@ EXIT_OK = 0
 EXIT_LOAD_FAILED = 4
 EXIT_PARENT_GONE = 5
 EXIT_PROTOCOL = 6
+EXIT_CRASHED = 7  # an unexpected exception escaped the worker's loop (its traceback is in the worker's log)
 
 
 @dataclass(slots=True)

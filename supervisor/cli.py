@@ -217,12 +217,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CliError(f"bad config: {exc}", EXIT_USAGE) from None
     settings.model_dirs += [Path(d) for d in args.model_dir]
     setup_logging(settings)
-    from supervisor.daemon import AlreadyRunning, serve
+    from supervisor.daemon import StartupError, serve
 
     try:
         return asyncio.run(serve(settings))
-    except AlreadyRunning as exc:
-        raise CliError(str(exc)) from None
+    except StartupError as exc:
+        logging.getLogger("supervisor.daemon").error("[start] %s", exc)
+        raise CliError(str(exc), no_retry_status()) from None
+
+
+def no_retry_status() -> int:
+    """The exit status that tells the service manager not to restart us (a start that cannot succeed).
+
+    systemd's unit names EXIT_USAGE in RestartPreventExitStatus. launchd's KeepAlive
+    {SuccessfulExit: false} restarts after any non-zero status, so under launchd (the agent sets
+    MLXSUP_SERVICE=launchd) the only "stay down" is 0; the reason is in the log.
+    """
+    return 0 if os.environ.get("MLXSUP_SERVICE") == "launchd" else EXIT_USAGE
 
 
 def setup_logging(settings: Settings) -> None:

@@ -1,9 +1,16 @@
 """`mlxsup serve`: assemble router, transport and gateway on one event loop, and run until told to stop.
 
+Start-up checks come first, before any worker exists: the state directory is ours, every
+model folder exists, there is something to serve, and the HTTP port is bound. A failure there
+is a StartupError: one line, no process left, and an exit status that tells a service manager
+not to retry (starting again will not free the port or create the folder).
+
 Signals only flip the shutdown state and wake the loop (handled in the loop, not in the
 handler). First SIGINT/SIGTERM: stop accepting connections, evict every worker in parallel
-(drain up to the deadline, then abort), exit 0. A second one: force (SIGKILL the workers).
-The daemon file (`state_dir/daemon.json`: pid and URL) lets `mlxsup status` find it.
+(drain up to the deadline, then abort), exit 0. A second one, sent as a separate request
+(more than FORCE_AFTER_S after the first), forces: SIGKILL the workers. Signals that arrive
+together (GNU `timeout` signals both the process and its group) count as one.
+The daemon file (`state_dir/daemon.json`: pid, URL, router endpoint) lets clients find it.
 """
 
 from __future__ import annotations
@@ -13,8 +20,10 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 
 import psutil
 import uvicorn
@@ -26,6 +35,8 @@ from supervisor.registry import ModelSpec, Registry, is_model_dir, weights_bytes
 from supervisor.router import Router
 
 log = logging.getLogger(__name__)
+
+FORCE_AFTER_S = 1.0  # a second signal within this of the first is the same request, not "force"
 
 
 class _Server(uvicorn.Server):
@@ -48,7 +59,11 @@ def ensure_demo_model(settings: Settings) -> ModelSpec:
     return ModelSpec(DEMO_MODEL_ID, path, weights_bytes=weights_bytes(path))
 
 
-class AlreadyRunning(RuntimeError):
+class StartupError(RuntimeError):
+    """The daemon cannot start, and a restart would not help (a taken port, a missing folder)."""
+
+
+class AlreadyRunning(StartupError):
     pass
 
 
@@ -64,16 +79,47 @@ def claim_state_dir(settings: Settings) -> None:
     settings.daemon_file.unlink(missing_ok=True)
 
 
-async def serve(settings: Settings) -> int:
-    settings.state_dir.mkdir(parents=True, exist_ok=True)
-    settings.log_dir.mkdir(parents=True, exist_ok=True)
-    claim_state_dir(settings)
+def build_registry(settings: Settings) -> Registry:
+    """The models to serve; a folder that does not exist, or nothing to serve ever, is a StartupError."""
+    missing = [str(d) for d in settings.model_dirs if not d.is_dir()]
+    if missing:
+        raise StartupError(f"no such model folder: {', '.join(missing)}")
     configured = list(settings.models)
     if settings.demo:
         configured.append(ensure_demo_model(settings))
     registry = Registry.build(settings.model_dirs, configured, settings.hf_cache)
     if not registry.specs:
-        log.warning("[start] no models found: pass --model-dir, --config or --demo")
+        if not registry.can_grow():
+            raise StartupError("nothing to serve: no models found and no folder to find them in "
+                               "(pass --model-dir DIR, --config FILE or --demo)")
+        log.warning("[start] no models yet in %s: a model folder put there will be served",
+                    ", ".join(map(str, registry.watched())))
+    return registry
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """Bind the HTTP port before anything else starts, so a taken port leaves nothing behind."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise StartupError(f"cannot listen on {host}:{port}: {exc}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise StartupError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+async def serve(settings: Settings) -> int:
+    settings.state_dir.mkdir(parents=True, exist_ok=True)
+    settings.log_dir.mkdir(parents=True, exist_ok=True)
+    claim_state_dir(settings)
+    registry = build_registry(settings)
+    listener = listen(settings.host, settings.port)
     run_dir = runtime_dir(settings.state_dir)
     reap_stale(run_dir)
     router = Router(registry, settings, run_dir)
@@ -86,25 +132,35 @@ async def serve(settings: Settings) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     signals_seen: list[str] = []
+    first_signal_at: list[float] = []
 
-    def handle(sig: signal.Signals) -> None:
+    def handle(sig: signal.Signals) -> None:  # run by the loop (add_signal_handler), not in the C handler
         signals_seen.append(sig.name)
         stop.set()
-        if len(signals_seen) > 1:
-            router.kill_all()
+        now = time.monotonic()
+        if not first_signal_at:
+            first_signal_at.append(now)
+            log.info("[shutdown] %s: draining; a second signal forces", sig.name)
+        elif now - first_signal_at[0] <= FORCE_AFTER_S:
+            log.info("[shutdown] %s again within %.1fs of the first: the same request, still draining",
+                     sig.name, FORCE_AFTER_S)
+        else:
+            log.warning("[shutdown] second %s: forcing, SIGKILL to every worker", sig.name)
+            router.kill_all(f"a second {sig.name} forced the shutdown")
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, handle, sig)
 
-    serving = asyncio.create_task(server.serve(), name="http")
+    serving = asyncio.create_task(server.serve(sockets=[listener]), name="http")
     while not server.started and not serving.done():
         await asyncio.sleep(0.01)
-    if serving.done():  # could not bind, most likely
+    if serving.done():  # the socket is bound already: this is some other start-up failure
         await router.shutdown()
         return 1
-    port = server.servers[0].sockets[0].getsockname()[1]
-    url = f"http://{settings.host}:{port}"
-    settings.daemon_file.write_text(json.dumps({"pid": os.getpid(), "url": url}))
+    port = listener.getsockname()[1]
+    url = f"http://{f'[{settings.host}]' if ':' in settings.host else settings.host}:{port}"
+    settings.daemon_file.write_text(json.dumps({"pid": os.getpid(), "url": url,
+                                                "router": router.transport.endpoint}))
     log.info("[start] mlxsup serving %d model(s) on %s (router %s)", len(registry.specs), url,
              router.transport.endpoint)
     await asyncio.wait([serving, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)

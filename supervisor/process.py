@@ -24,6 +24,8 @@ from pathlib import Path
 
 import psutil
 
+from protocol.messages import EXIT_CRASHED, EXIT_LOAD_FAILED, EXIT_PARENT_GONE
+
 log = logging.getLogger(__name__)
 
 STDERR_TAIL_LINES = 40
@@ -44,6 +46,7 @@ class WorkerProcess:
         self.started = asyncio.Event()  # set once the spawn succeeded or failed
         self.exited = asyncio.Event()
         self.signals_sent: list[str] = []
+        self.kill_reason: str | None = None  # why this supervisor sent SIGKILL, for the reap log
         self._tasks: list[asyncio.Task] = []
 
     @property
@@ -105,8 +108,12 @@ class WorkerProcess:
         self.returncode = await self.proc.wait()
         if self.pid_dir is not None:
             self._pidfile().unlink(missing_ok=True)
-        if self.returncode == -signal.SIGKILL:
-            log.error("[reap] model=%s pid=%d was SIGKILLed (out of memory?)", self.model_id, self.proc.pid)
+        if self.returncode == -signal.SIGKILL and self.kill_reason is not None:
+            log.warning("[reap] model=%s pid=%d SIGKILLed by the supervisor: %s", self.model_id, self.proc.pid,
+                        self.kill_reason)
+        elif self.returncode == -signal.SIGKILL:
+            log.error("[reap] model=%s pid=%d was SIGKILLed by another process (the OS out of memory? a user?)",
+                      self.model_id, self.proc.pid)
         else:
             log.info("[reap] model=%s pid=%d exit=%d", self.model_id, self.proc.pid, self.returncode)
         self.exited.set()
@@ -115,8 +122,11 @@ class WorkerProcess:
         assert self.pid_dir is not None and self.proc is not None
         return self.pid_dir / f"worker-{self.proc.pid}.json"
 
-    def signal(self, sig: signal.Signals) -> None:
+    def signal(self, sig: signal.Signals, why: str | None = None) -> None:
+        """Send `sig`; `why` (required in spirit for SIGKILL) is what the reap log will say."""
         if self.proc and self.returncode is None:
+            if sig == signal.SIGKILL:
+                self.kill_reason = why or "no reason given"
             try:
                 self.proc.send_signal(sig)
                 self.signals_sent.append(sig.name)
@@ -141,7 +151,7 @@ class WorkerProcess:
             if not await self.wait(kill_timeout_s):
                 log.error("[evict] model=%s pid=%s ignored SIGTERM for %.1fs: SIGKILL",
                           self.model_id, self.pid, kill_timeout_s)
-                self.signal(signal.SIGKILL)
+                self.signal(signal.SIGKILL, f"the kill ladder: no exit {kill_timeout_s:.1f}s after SIGTERM")
                 await self.exited.wait()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.proc and self.proc.stdin:
@@ -182,3 +192,17 @@ def model_args(model_path: Path, model_id: str, max_batch_size: int, prefill_ste
     """
     return ["--model-path", str(model_path), "--model-id", model_id, "--max-batch-size", str(max_batch_size),
             "--prefill-step-size", str(prefill_step_size), *cache_args, *extra]
+
+
+def exit_meaning(returncode: int | None) -> str:
+    """What a worker's exit status says, in words, for logs and status ("" when it says nothing more)."""
+    if returncode is None:
+        return ""
+    if returncode < 0:
+        try:
+            return signal.Signals(-returncode).name
+        except ValueError:
+            return f"signal {-returncode}"
+    return {EXIT_CRASHED: "an unexpected error; its traceback is in the worker's log",
+            EXIT_LOAD_FAILED: "the model failed to load",
+            EXIT_PARENT_GONE: "it lost its supervisor"}.get(returncode, "")

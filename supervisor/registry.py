@@ -1,18 +1,24 @@
 """Which models exist: discovered under model directories and listed in the TOML config.
 
 A model directory is any directory holding `config.json` and at least one `*.safetensors`;
-its id is the directory's name. The Hugging Face cache is searched too (ids `org/name`). Config
-entries (`[models.ID]` with `path`, `aliases`, and per-model worker and cache options) override
-discovered ones of the same id. Aliases resolve to ids.
+its id is the directory's name. A `--model-dir` is a folder of such directories, or one itself.
+The Hugging Face cache is searched too (ids `org/name`). Config entries (`[models.ID]` with
+`path`, `aliases`, and per-model worker and cache options) override discovered ones of the same
+id. Aliases resolve to ids. A name that resolves to nothing makes the registry look at its
+folders again (at most once per RESCAN_S), so a model put there later is served without a
+restart; models are only ever added, never dropped, while the daemon runs.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from supervisor.cache_config import CacheConfig, parse_cache
 from supervisor.errors import ModelNotFound
+
+RESCAN_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,8 @@ def weights_bytes(path: Path) -> int:
 def discover(model_dir: Path) -> list[ModelSpec]:
     if not model_dir.is_dir():
         return []
+    if is_model_dir(model_dir):  # a model folder itself, not a folder of them
+        return [ModelSpec(model_dir.resolve().name, model_dir.resolve(), weights_bytes=weights_bytes(model_dir))]
     found = []
     for sub in sorted(model_dir.iterdir()):
         if sub.is_dir() and is_model_dir(sub):
@@ -100,16 +108,15 @@ def from_config(models: dict, base: Path) -> list[ModelSpec]:
 class Registry:
     specs: dict[str, ModelSpec] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)
+    model_dirs: list[Path] = field(default_factory=list)
+    hf_cache: Path | None = None
+    _scanned_at: float = 0.0
 
     @classmethod
     def build(cls, model_dirs: list[Path], configured: list[ModelSpec], hf_cache: Path | None = None) -> "Registry":
         """Hugging Face cache < model directories < config entries, for the same id."""
-        reg = cls()
-        for spec in discover_hf(hf_cache) if hf_cache else []:
-            reg.specs[spec.id] = spec
-        for d in model_dirs:
-            for spec in discover(d):
-                reg.specs[spec.id] = spec
+        reg = cls(model_dirs=list(model_dirs), hf_cache=hf_cache)
+        reg.specs.update((spec.id, spec) for spec in reg._scan())
         for spec in configured:
             reg.specs[spec.id] = spec
         for spec in reg.specs.values():
@@ -117,8 +124,32 @@ class Registry:
                 reg.aliases[alias] = spec.id
         return reg
 
+    def _scan(self) -> list[ModelSpec]:
+        self._scanned_at = time.monotonic()
+        found = discover_hf(self.hf_cache) if self.hf_cache else []
+        for d in self.model_dirs:
+            found += discover(d)
+        return found
+
+    def watched(self) -> list[Path]:
+        """The folders where new models can appear while the daemon runs."""
+        return [d for d in [*self.model_dirs, self.hf_cache] if d is not None and d.is_dir()]
+
+    def can_grow(self) -> bool:
+        return bool(self.watched())
+
+    def refresh(self) -> None:
+        """Add models that appeared in the watched folders since the last look (rate-limited)."""
+        if time.monotonic() - self._scanned_at < RESCAN_S:
+            return
+        for spec in self._scan():
+            self.specs.setdefault(spec.id, spec)
+
     def resolve(self, name: str) -> ModelSpec:
         spec = self.specs.get(self.aliases.get(name, name))
+        if spec is None:
+            self.refresh()
+            spec = self.specs.get(self.aliases.get(name, name))
         if spec is None:
             available = ", ".join(sorted(self.specs)) or "none"
             raise ModelNotFound(f"The model '{name}' does not exist. Available models: {available}.", param="model")

@@ -25,7 +25,7 @@ from supervisor import cache_admin, errors, policy
 from supervisor.config import Settings
 from supervisor.memory import footprint, system_available, system_total
 from supervisor.metrics import Metrics
-from supervisor.process import WorkerProcess, model_args, worker_argv
+from supervisor.process import WorkerProcess, exit_meaning, model_args, worker_argv
 from supervisor.registry import ModelSpec, Registry
 from supervisor.transport import Transport
 from supervisor.workers import Lease, ModelRecord, Spare, State, Stream, Worker
@@ -257,11 +257,11 @@ class Router:
         if spare is not None:
             await spare.process.stop(0.0, self.settings.kill_timeout_s)  # SIGTERM: it leaves its standby
 
-    def kill_all(self) -> None:
+    def kill_all(self, why: str) -> None:
         """The forced exit (a second Ctrl-C): SIGKILL every worker process, the spare too."""
         for process in [w.process for w in self.workers.values()] + [self.spare.process if self.spare else None]:
             if process is not None:
-                process.signal(signal.SIGKILL)
+                process.signal(signal.SIGKILL, why)
 
     def _on_exited(self, worker: Worker, reason: str | None = None) -> None:
         spec = worker.spec
@@ -270,8 +270,9 @@ class Router:
         tail = list(worker.process.stderr_tail) if worker.process else []
         evicted = worker.state is State.EVICTING
         if not evicted:
+            meaning = exit_meaning(rc)
             record.last_error = (reason or worker.kill_reason or f"worker exited with code {rc}"
-                                 + (f": {tail[-1]}" if tail else ""))
+                                 + (f" ({meaning})" if meaning else "") + (f": {tail[-1]}" if tail else ""))
             record.last_stderr = tail[-10:]
             record.note_crash(time.monotonic(), self.settings, load_failed=rc == EXIT_LOAD_FAILED)
             log.error("[crash] model=%s pid=%s exit=%s: %s", spec.id, worker.pid, rc, record.last_error)
@@ -382,7 +383,7 @@ class Router:
         worker.kill_reason = reason
         log.error("[kill] model=%s pid=%s: %s", worker.spec.id, worker.pid, reason)
         if worker.process is not None:
-            worker.process.signal(signal.SIGKILL)
+            worker.process.signal(signal.SIGKILL, reason)
 
     # --- messages from workers (never await) -------------------------------------------
 

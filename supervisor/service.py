@@ -93,6 +93,7 @@ class Install:
         env = {"PATH": ":".join(dict.fromkeys(dirs)), "MLXSUP_CONFIG": str(self.config), "PYTHONUNBUFFERED": "1"}
         if backend == "launchd":  # launchd's stderr file never rotates: the rotated mlxsup.log has it all
             env["MLXSUP_LOG_STDERR"] = "0"
+            env["MLXSUP_SERVICE"] = "launchd"  # a start that cannot succeed exits 0: see cli.no_retry_status
         return env | dict(self.carried)
 
 

@@ -20,7 +20,7 @@ import sys
 import threading
 from pathlib import Path
 
-from protocol.messages import EXIT_LOAD_FAILED, EXIT_OK, EXIT_PARENT_GONE
+from protocol.messages import EXIT_CRASHED, EXIT_LOAD_FAILED, EXIT_OK, EXIT_PARENT_GONE
 
 PARENT_GONE_GRACE_S = 5.0
 FAULTS = {
@@ -31,6 +31,7 @@ FAULTS = {
     "ssd-enospc": "the SSD cache's disk is full",
     "ssd-stall": "the SSD writer stops halfway through a block (to be killed mid-write)",
     "ssd-slow": "the SSD writer is slow",
+    "crash-in-loop": "raise an unexpected exception in the loop while a request runs",
 }
 
 
@@ -100,22 +101,25 @@ def main(argv: list[str] | None = None) -> int:
     sock.setsockopt(zmq.SNDHWM, 1_000_000)
     sock.setsockopt(zmq.LINGER, 2000)
     sock.connect(args.endpoint)
-    code = EXIT_OK
+    code = EXIT_CRASHED  # until serving returns a code of its own
     try:
         if args.spare:
             model_args = stand_by(sock, flags, log)
             if model_args is None:
-                return EXIT_OK
+                code = EXIT_OK
+                return code
             args = parse_args([a for a in argv if a != "--spare"] + model_args)
         if "ignore-sigterm" in args.fault:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         code = serve_model(args, sock, flags, log)
-        return code
+    except Exception:
+        log.exception("[crash] model=%s: unexpected error; exiting with code %d", args.model_id, EXIT_CRASHED)
     finally:
         sock.close()  # LINGER: Bye and the last messages leave before this returns
         ctx.term()
         if args.model_path is not None:
             leave(code)
+    return code
 
 
 def leave(code: int) -> None:
@@ -179,7 +183,11 @@ def serve_model(args: argparse.Namespace, sock, flags, log: logging.Logger) -> i
     log.info("[load] model=%s ready in %.2fs", args.model_id, engine.load_s)
     loop = WorkerLoop(sock, engine, args.model_id, flags, heartbeat_s=args.heartbeat_s, faults=set(args.fault))
     loop.announce()
-    return loop.run()
+    try:
+        return loop.run()
+    except Exception as exc:
+        loop.fail_in_flight(exc)  # the clients hear of it now, while the socket still works
+        raise
 
 
 if __name__ == "__main__":

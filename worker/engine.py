@@ -61,6 +61,17 @@ def process_memory_bytes() -> int:
     return psutil.Process().memory_info().rss
 
 
+def special_token_ids(tokenizer) -> frozenset[int]:
+    """Tokens that are not text: the tokenizer's special tokens (BOS, EOS, padding) and the added
+    tokens marked special (turn markers such as <|im_start|>). Added tokens a format means to show
+    (Qwen's <think>, <tool_call>) are not marked special, so they stay text, as in
+    `decode(..., skip_special_tokens=True)`."""
+    ids = set(getattr(tokenizer, "all_special_ids", None) or [])
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    ids.update(i for i, tok in added.items() if getattr(tok, "special", False))
+    return frozenset(ids)
+
+
 def load_with_progress(model_path: Path, report: Callable[[str, float], None]) -> tuple:
     """mlx_lm.load, lazily, then the weights brought into memory in slices, reporting the fraction done."""
     report("reading", 0.0)
@@ -90,6 +101,7 @@ class Engine:
         self.vocab_size = int(config.get("vocab_size") or 0)
         self.weights_bytes = sum(p.stat().st_size for p in model_path.glob("*.safetensors"))
         eos = sorted(self.tokenizer.eos_token_ids)
+        self._special = special_token_ids(self.tokenizer)
         self._eos = set(eos)
         self._stop_eos = StopSequences([[t] for t in eos])
         self._stop_none = StopSequences(None)
@@ -166,7 +178,7 @@ class Engine:
             samplers=[self._sampler(msg)],
             stop_sequences=[self._stop_none if msg.ignore_eos else self._stop_eos],
         )
-        req = Request(msg.rid, uid, len(tokens), TextStream(self.tokenizer.detokenizer, msg.stop),
+        req = Request(msg.rid, uid, len(tokens), TextStream(self.tokenizer.detokenizer, msg.stop, self._special),
                       cached_tokens=cached)
         self._by_uid[uid] = req
         self._by_rid[msg.rid] = req

@@ -25,6 +25,7 @@ from protocol.messages import (
     EXIT_PARENT_GONE,
     INTERNAL_ERROR,
     MODEL_EVICTED,
+    WORKER_CRASHED,
     CACHE_TIERS,
     Abort,
     CacheCleared,
@@ -168,6 +169,8 @@ class WorkerLoop:
     def _step(self) -> None:
         if "slow-steps" in self._faults:
             time.sleep(0.4)
+        if "crash-in-loop" in self._faults:  # testing: an exception no handler here expects
+            raise RuntimeError("fault: crash-in-loop")
         try:
             chunks, finished = self.engine.step()
         except Exception as exc:
@@ -205,3 +208,8 @@ class WorkerLoop:
             return EXIT_PARENT_GONE
         self.send(bye)
         return EXIT_OK
+
+    def fail_in_flight(self, exc: BaseException) -> None:
+        """An unexpected error ends the worker: tell every request's client, best effort."""
+        for rid in self.engine.rids:
+            self.send(Failed(rid, WORKER_CRASHED, f"the worker crashed: {type(exc).__name__}: {exc}"))

@@ -3,7 +3,8 @@
 Invariants: a delta never splits a UTF-8 character (the streaming detokenizer only releases
 whole characters); text that could still become the start of a stop string is held back
 until it is either completed (generation stops, the stop string and what follows are cut)
-or ruled out (it is released).
+or ruled out (it is released); special tokens (`skip`: padding, BOS, turn markers) are not
+text and never reach it, though they still count as generated tokens.
 """
 
 from __future__ import annotations
@@ -20,14 +21,17 @@ class Detokenizer(Protocol):
 
 
 class TextStream:
-    def __init__(self, detokenizer: Detokenizer, stop: list[str]) -> None:
+    def __init__(self, detokenizer: Detokenizer, stop: list[str], skip: frozenset[int] = frozenset()) -> None:
         self._detok = detokenizer
+        self._skip = skip
         self._stop = [s for s in stop if s]
         self._pending = ""
         self.stopped = False
 
     def push(self, token: int) -> str:
         """Add a token; return the text that is now safe to emit. Sets `stopped` on a stop string."""
+        if token in self._skip:
+            return ""
         self._detok.add_token(token)
         self._pending += self._detok.last_segment
         return self._release(final=False)

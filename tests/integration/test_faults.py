@@ -120,6 +120,29 @@ path = "{tmp_path / 'broken'}"
     assert d.model("broken")["restarts"] == 0 and d.model("broken")["stderr_tail"]
 
 
+def test_an_unexpected_exception_in_the_worker_is_a_crash(daemon_factory, model_dir: Path, tmp_path: Path) -> None:
+    d = daemon_factory("--config", config(tmp_path, "raise", f"""
+[server]
+crash_limit = 5
+
+[models.raiser]
+path = "{model_dir / 'tiny'}"
+worker_args = ["--fault", "crash-in-loop"]
+"""))
+    pid = load(d, "raiser")
+    client = openai.OpenAI(base_url=d.v1, api_key="unused", max_retries=0, timeout=60)
+    with pytest.raises(openai.APIError) as err:
+        list(client.completions.create(model="raiser", prompt="Tell me", stream=True, max_tokens=5))
+    assert err.value.body["code"] == "worker_crashed"
+    assert "RuntimeError: fault: crash-in-loop" in err.value.body["message"]  # the worker said why, while it could
+    assert_gone([pid])
+    status = wait_for(lambda: (m := d.model("raiser"))["crashes"] == 1 and m, 10, what="the crash to be recorded")
+    assert "code 7" in status["last_error"] and "unexpected error" in status["last_error"]
+    log = (d.state_dir / "logs" / "worker-raiser.log").read_text()
+    assert "Traceback (most recent call last)" in log and "RuntimeError: fault: crash-in-loop" in log
+    assert "[crash]" in (d.state_dir / "daemon.log").read_text()
+
+
 def _broken_model(path: Path) -> None:
     path.mkdir()
     (path / "config.json").write_text(json.dumps({"model_type": "llama"}))
@@ -203,7 +226,7 @@ def test_malformed_frames_are_dropped_and_serving_goes_on(daemon: Daemon) -> Non
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 10_000)  # close() waits until the frames are delivered
-    sock.connect(f"ipc://{daemon.state_dir / 'run' / 'router.sock'}")
+    sock.connect(json.loads((daemon.state_dir / "daemon.json").read_text())["router"])  # the daemon's own word
     import msgpack
 
     frames = [b"\xc1\xc1garbage", msgpack.packb([1, 2]), msgpack.packb({"v": 1, "k": "tokens", "chunks": [[1]]}),

@@ -150,3 +150,26 @@ def test_status_reports_models(daemon: Daemon) -> None:
     for key in ("state", "pid", "in_flight", "memory_bytes"):
         assert key in tiny
     assert httpx.get(daemon.url + "/health").json() == {"status": "ok"}
+
+
+def test_special_tokens_are_not_text(client: openai.OpenAI, model_dir) -> None:
+    """Random weights sample <|pad|>, <|bos|> and turn markers now and then (about 4 in 1000 tokens at
+    temperature 1): they count as tokens but never reach `content`."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from worker.engine import special_token_ids
+    from worker.textstream import TextStream
+
+    tok = load_tokenizer(model_dir / "tiny")
+    special = special_token_ids(tok)
+    names = [tok.convert_ids_to_tokens(i) for i in sorted(special)]
+    assert {"<|pad|>", "<|bos|>", "<|im_start|>"} <= set(names)
+    ts = TextStream(tok.detokenizer, [], special)
+    ids = [*tok.encode("Hello"), *sorted(special), *tok.encode(" world")]
+    assert "".join(ts.push(i) for i in ids) + ts.flush() == "Hello world"
+
+    out = client.completions.create(model="tiny", prompt="Tell me", max_tokens=1500, temperature=1.0,
+                                    extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 1500
+    leaked = [name for name in names if name in out.choices[0].text]
+    assert not leaked, f"special tokens in the text: {leaked}"

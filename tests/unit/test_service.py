@@ -181,9 +181,10 @@ def test_plist_has_every_key_with_absolute_paths(fakes: Fakes, home: Path) -> No
     assert log_dir.is_dir()  # launchd does not create it
     assert job["WorkingDirectory"] == str(config.parent)
     env = job["EnvironmentVariables"]
-    assert set(env) == {"PATH", "MLXSUP_CONFIG", "PYTHONUNBUFFERED", "MLXSUP_LOG_STDERR"}
+    assert set(env) == {"PATH", "MLXSUP_CONFIG", "PYTHONUNBUFFERED", "MLXSUP_LOG_STDERR", "MLXSUP_SERVICE"}
     assert env["MLXSUP_CONFIG"] == str(config) and env["PYTHONUNBUFFERED"] == "1"
     assert env["MLXSUP_LOG_STDERR"] == "0"  # launchd's stderr file never rotates
+    assert env["MLXSUP_SERVICE"] == "launchd"  # a start that cannot succeed then exits 0: no restart loop
     assert env["PATH"].split(":")[0] == str(Path(sys.executable).parent)
     assert job["SoftResourceLimits"] == job["HardResourceLimits"] == {"NumberOfFiles": service.NOFILE}
     paths = [job["ProgramArguments"][0], job["ProgramArguments"][-1], job["StandardOutPath"],
@@ -328,7 +329,8 @@ def test_path_variables_are_carried_and_others_named(fakes: Fakes, home: Path, t
     job = plistlib.loads(plist_of(home).read_bytes())
     assert job["EnvironmentVariables"] == {
         "PATH": job["EnvironmentVariables"]["PATH"], "MLXSUP_CONFIG": str(config_of(home)), "PYTHONUNBUFFERED": "1",
-        "MLXSUP_LOG_STDERR": "0", "MLXSUP_STATE_DIR": str(tmp_path / "state"), "HF_HOME": str(tmp_path / "hf")}
+        "MLXSUP_LOG_STDERR": "0", "MLXSUP_SERVICE": "launchd", "MLXSUP_STATE_DIR": str(tmp_path / "state"),
+        "HF_HOME": str(tmp_path / "hf")}
     assert job["StandardErrorPath"] == str(tmp_path / "state" / "logs" / "service.err.log")
     assert "not carried into the service: MLXSUP_PORT;" in capsys.readouterr().out
 
