@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import service
+from supervisor.cli import service
 from supervisor.cli import main
 from supervisor.config import Settings
 
@@ -457,4 +457,4 @@ def test_stop_timeout_outlasts_graceful_shutdown(drain: float, settle: float, ki
 
 def test_deploy_templates_match_the_renderers() -> None:
     for rel, data in service.templates().items():
-        assert (REPO / "deploy" / rel).read_bytes() == data, f"deploy/{rel} is stale: python -m supervisor.service"
+        assert (REPO / "deploy" / rel).read_bytes() == data, f"deploy/{rel} is stale: python -m supervisor.cli.service"

@@ -17,7 +17,7 @@ writes it where the manager looks, and drives `launchctl` / `systemctl --user`. 
 - Output: launchd appends stdout/stderr to state_dir/logs/service.{out,err}.log (crashes before
   logging starts land there); systemd sends them to the journal. The plist uses plistlib.
 - `deploy/` holds both renderings with placeholder paths, kept equal by a test (regenerate:
-  `python -m supervisor.service`).
+  `python -m supervisor.cli.service`).
 The backend follows `sys.platform` (darwin: launchd, else systemd); `--backend` overrides it. The
 home directory is `Path.home()`, which honours HOME.
 """
@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from supervisor.cli import EXIT_NO_DAEMON, EXIT_USAGE, CliError
+from supervisor.cli.exits import EXIT_NO_DAEMON, EXIT_USAGE, CliError
 from supervisor.config import ConfigError, Settings, default_config_path, load_file
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ class Install:
         env = {"PATH": ":".join(dict.fromkeys(dirs)), "MLXSUP_CONFIG": str(self.config), "PYTHONUNBUFFERED": "1"}
         if backend == "launchd":  # launchd's stderr file never rotates: the rotated mlxsup.log has it all
             env["MLXSUP_LOG_STDERR"] = "0"
-            env["MLXSUP_SERVICE"] = "launchd"  # a start that cannot succeed exits 0: see cli.no_retry_status
+            env["MLXSUP_SERVICE"] = "launchd"  # a start that cannot succeed exits 0: see commands.no_retry_status
         return env | dict(self.carried)
 
 
@@ -423,7 +423,7 @@ def templates() -> dict[str, bytes]:
 
 
 if __name__ == "__main__":
-    root = Path(__file__).resolve().parent.parent / "deploy"
+    root = Path(__file__).resolve().parents[2] / "deploy"
     for rel, data in templates().items():
         _write(root / rel, data)
         print(root / rel)

@@ -20,17 +20,9 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+from supervisor.cli.exits import EXIT_NO_DAEMON, EXIT_USAGE, CliError
+from supervisor.cli.service import add_service_parser
 from supervisor.config import DEFAULT_PORT, ConfigError, Settings, describe, parse_size, resolve
-
-EXIT_USAGE = 2
-EXIT_NO_DAEMON = 3
-
-
-class CliError(Exception):
-    def __init__(self, message: str, code: int = 1) -> None:
-        super().__init__(message)
-        self.code = code
-
 
 def daemon_url(args: argparse.Namespace) -> str:
     if args.url:
@@ -310,8 +302,6 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--preset", default="tiny", choices=["tiny", "small", "1b"])
     m.add_argument("--seed", type=int, default=0)
     m.set_defaults(func=cmd_make_model)
-
-    from supervisor.service import add_service_parser  # here: service.py imports this module
 
     add_service_parser(sub)
     return p
