@@ -122,7 +122,7 @@ def wait_for_ssd(d: Daemon, model_id: str, blocks: int, timeout: float = 300) ->
 def run(args: argparse.Namespace, work: Path) -> dict:
     model = work / "models" / args.preset
     if not (model / "config.json").exists():
-        subprocess.run([sys.executable, "-m", "worker.make_model", str(model), "--preset", args.preset], check=True,
+        subprocess.run([sys.executable, "-m", "worker.mlx_engine.make_model", str(model), "--preset", args.preset], check=True,
                        cwd=ROOT)
     prompt, n_tokens = make_prompt(model, args.tokens)
     config = work / "bench.toml"

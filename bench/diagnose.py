@@ -6,7 +6,7 @@ imports  python -X importtime of what the worker imports: where a cold start's s
 exit     a process that loaded the model and generated: time from the end of its work to being reaped,
          for a plain return, after gc + mx.clear_cache, and with os._exit(0) (eviction's tail)
 engine   one process, batch 1, ITL of: A mlx_lm.load + BatchGenerator loop (the bench's inproc_batch);
-         B the product's worker.engine.Engine (its own loader) driven by submit/step, no sockets;
+         B the product's worker.mlx_engine.engine.Engine (its own loader) driven by submit/step, no sockets;
          C B's model under a plain BatchGenerator loop; D = B plus, per step, what WorkerLoop adds
          (msgpack-encode the Tokens message, zmq send, zmq poll(0)): which of these makes the worker slow
 arrival  in-process BatchGenerator at 32 sequences: all inserted at once (the bench's ceiling) vs
@@ -151,7 +151,7 @@ def part_engine(model_dir: str, tokens: int, rounds: int) -> dict:
     from bench.run import prompts
     from protocol.codec import encode
     from protocol.messages import Submit, Tokens
-    from worker.engine import Engine
+    from worker.mlx_engine.engine import Engine
 
     model_a, tok_a = load(model_dir)
     eng = Engine(Path(model_dir), max_batch_size=32, prefill_step_size=512)

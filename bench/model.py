@@ -22,11 +22,11 @@ NEVER_EOS = "<|bench_never|>"
 
 
 def make_source_model(path: Path, preset: str, seed: int = 0) -> Path:
-    """Run `mlxsup make-model` (python -m worker.make_model) unless the folder already holds a model."""
+    """Run `mlxsup make-model` (python -m worker.mlx_engine.make_model) unless the folder already holds a model."""
     if (path / "config.json").exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "worker.make_model", str(path), "--preset", preset, "--seed", str(seed)],
+    subprocess.run([sys.executable, "-m", "worker.mlx_engine.make_model", str(path), "--preset", preset, "--seed", str(seed)],
                    check=True, cwd=REPO, timeout=1800)
     return path
 

@@ -176,7 +176,7 @@ def markdown(res: dict) -> str:
     if dg:
         L.append("## Diagnostics (python -m bench.diagnose)\n")
         L.append("Measured earlier in the same session on other machines of the same kind (H100, same MLX). "
-                 "imports, exit and arrival exercise only MLX / mlx-lm; engine drives worker.engine.Engine.\n")
+                 "imports, exit and arrival exercise only MLX / mlx-lm; engine drives worker.mlx_engine.engine.Engine.\n")
         im = dg.get("imports") or {}
         if im.get("top_cumulative_s"):
             top = ", ".join(f"{n} {t:.2f} s" for n, d, t in im["top_cumulative_s"][:4])

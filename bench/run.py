@@ -46,7 +46,7 @@ def _vocabulary() -> list[str]:
     global _WORDS
     if _WORDS is None:
         try:
-            from worker.make_model import synthetic_corpus  # pure Python, no MLX
+            from worker.mlx_engine.make_model import synthetic_corpus  # pure Python, no MLX
 
             _WORDS = sorted({w.strip(".,!?:").lower() for line in synthetic_corpus(0, 400) for w in line.split()
                              if w.isascii() and w.strip(".,!?:").isalpha()})

@@ -28,7 +28,7 @@ import time
 import psutil
 import uvicorn
 
-from supervisor.app import build_app
+from supervisor.gateway.app import build_app
 from supervisor.config import DEMO_MODEL_ID, Settings, runtime_dir
 from supervisor.process import reap_stale
 from supervisor.registry import ModelSpec, Registry, is_model_dir, weights_bytes
@@ -55,7 +55,7 @@ def ensure_demo_model(settings: Settings) -> ModelSpec:
     path = settings.state_dir / "models" / DEMO_MODEL_ID
     if not is_model_dir(path):
         log.info("[demo] making the demo model in %s (once)", path)
-        subprocess.run([sys.executable, "-m", "worker.make_model", str(path), "--preset", "tiny"], check=True)
+        subprocess.run([sys.executable, "-m", "worker.mlx_engine.make_model", str(path), "--preset", "tiny"], check=True)
     return ModelSpec(DEMO_MODEL_ID, path, weights_bytes=weights_bytes(path))
 
 

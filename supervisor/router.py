@@ -24,7 +24,7 @@ from protocol.messages import (
 from supervisor import cache_admin, errors, policy
 from supervisor.config import Settings
 from supervisor.memory import footprint, system_available, system_total
-from supervisor.metrics import Metrics
+from supervisor.gateway.metrics import Metrics
 from supervisor.process import WorkerProcess, exit_meaning, model_args, worker_argv
 from supervisor.registry import ModelSpec, Registry
 from supervisor.transport import Transport

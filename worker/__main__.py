@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import zmq
 
-    from worker.server import Flags
+    from worker.loop import Flags
 
     flags = Flags()
     signal.signal(signal.SIGTERM, lambda *_: flags.sigterm.set())
@@ -135,7 +135,7 @@ def stand_by(sock, flags, log: logging.Logger) -> list[str] | None:
     """As a spare: import everything, report Standby, and wait for a Load (None: told to go)."""
     import zmq
 
-    importlib.import_module("worker.engine")  # the point of a spare: pay the imports before a model is asked for
+    importlib.import_module("worker.mlx_engine.engine")  # the point of a spare: pay the imports before a model is asked for
     from protocol.codec import ProtocolError, decode, encode
     from protocol.messages import Evict, Load, Standby
 
@@ -163,11 +163,11 @@ def serve_model(args: argparse.Namespace, sock, flags, log: logging.Logger) -> i
 
     from protocol.codec import encode
     from protocol.messages import Progress
-    from worker.server import WorkerLoop
+    from worker.loop import WorkerLoop
 
     try:
-        from worker.engine import Engine
-        from worker.prompt_cache import CacheOptions
+        from worker.mlx_engine.engine import Engine
+        from worker.mlx_engine.prompt_cache import CacheOptions
 
         def report(stage: str, fraction: float) -> None:
             sock.send(encode(Progress(stage, round(fraction, 3))), zmq.NOBLOCK)

@@ -16,7 +16,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # only the type: this module holds blocks but does no MLX work itself
-    from worker.kv_blocks import Block
+    from worker.mlx_engine.kv_blocks import Block
 
 
 class HotCache:

@@ -24,7 +24,7 @@ def _patch_server(server) -> None:
     import time
 
     from protocol.messages import Finished, Tokens
-    from worker import engine as engine_mod
+    from worker.mlx_engine import engine as engine_mod
 
     records: list = []
     state = {"t_gen": 0}
@@ -73,7 +73,7 @@ if _DIR:
 
     class _Hook(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path, target=None):
-            if name != "worker.server":
+            if name != "worker.loop":
                 return None
             spec = importlib.machinery.PathFinder.find_spec(name, path)
             if spec is None or spec.loader is None:

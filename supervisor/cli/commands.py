@@ -193,7 +193,7 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
-    argv = [sys.executable, "-m", "worker.make_model", args.dir, "--preset", args.preset, "--seed", str(args.seed)]
+    argv = [sys.executable, "-m", "worker.mlx_engine.make_model", args.dir, "--preset", args.preset, "--seed", str(args.seed)]
     return subprocess.run(argv).returncode
 
 

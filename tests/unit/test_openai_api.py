@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from supervisor.errors import InvalidRequest
-from supervisor.openai_api import parse_chat, parse_completion
+from supervisor.gateway.openai_api import parse_chat, parse_completion
 
 MSGS = [{"role": "user", "content": "hi"}]
 

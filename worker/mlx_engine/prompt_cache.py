@@ -28,7 +28,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from protocol.cachedir import model_fingerprint
 from protocol.messages import CacheStats
 from worker.hot_cache import HotCache
-from worker.kv_blocks import Block, chain_keys, cut_blocks, is_plain_kv, join_blocks, parent_of
+from worker.mlx_engine.kv_blocks import Block, chain_keys, cut_blocks, is_plain_kv, join_blocks, parent_of
 from worker.ssd_cache import SsdCache
 from worker.shutdown import run_best_effort
 from worker.ssd_format import BlockData

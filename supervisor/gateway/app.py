@@ -27,9 +27,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from protocol.messages import Finished
 from supervisor import __version__, errors
 from supervisor.config import Settings
-from supervisor.call import Call
-from supervisor.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from supervisor.openai_api import Parsed, Shaper, parse_chat, parse_completion
+from supervisor.gateway.call import Call
+from supervisor.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from supervisor.gateway.openai_api import Parsed, Shaper, parse_chat, parse_completion
 from supervisor.router import Router
 
 log = logging.getLogger(__name__)

@@ -38,7 +38,7 @@ from protocol.messages import (
     Submit,
     Tokens,
 )
-from worker.engine import Engine, RequestRejected, process_memory_bytes
+from worker.mlx_engine.engine import Engine, RequestRejected, process_memory_bytes
 from worker.shutdown import Shutdown
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 from protocol.messages import Finished
 from supervisor import errors
-from supervisor.openai_api import Parsed
+from supervisor.gateway.openai_api import Parsed
 from supervisor.router import Lease, Router
 
 

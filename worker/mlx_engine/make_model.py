@@ -5,7 +5,7 @@ a byte-level BPE trained locally with `tokenizers` on a deterministic synthetic 
 UTF-8 input encodes and the same preset always yields the same tokenizer. Random weights speak
 gibberish but cost what trained ones of the same shape cost.
 
-    python -m worker.make_model DIR [--preset tiny|small|1b] [--seed N]
+    python -m worker.mlx_engine.make_model DIR [--preset tiny|small|1b] [--seed N]
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from protocol.messages import (
     Finished,
     Submit,
 )
-from worker.prompt_cache import CacheOptions, PromptCaches
+from worker.mlx_engine.prompt_cache import CacheOptions, PromptCaches
 from worker.textstream import TextStream
 
 log = logging.getLogger(__name__)
