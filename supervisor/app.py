@@ -1,8 +1,10 @@
 """The HTTP gateway: Starlette routes, SSE, and the one mapping of errors to HTTP responses.
 
-The only module that knows HTTP. Each generation request takes a lease from the router, and
-the lease is released (and the worker told to abort, if the request is still running) in a
-`finally` that runs on every path: completion, error, client disconnect, server shutdown.
+With guard.py (the Host, Origin and body-type checks in front of every route), the only module
+that knows HTTP. Every body is decoded by body.py, so a bad one is a 400. Each generation
+request takes a lease from the router, and the lease is released (and the worker told to abort,
+if the request is still running) in a `finally` that runs on every path: completion, error,
+client disconnect, server shutdown. An explicit load's lease goes back as soon as it is taken.
 Errors before the first token become HTTP errors; after it, an SSE `error` event, never a
 silently truncated stream.
 """
@@ -217,7 +219,7 @@ class Gateway:
     async def load(self, request: Request) -> Response:
         """Load a model now; with {"stream": true}, SSE progress events until it is ready."""
         body = await _admin_body(request, {"stream"})
-        stream = body.get("stream", False)
+        stream = body.get("stream") or False
         if not isinstance(stream, bool):
             raise errors.InvalidRequest("'stream' must be a boolean", param="stream")
         name = request.path_params["model"]

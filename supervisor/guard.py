@@ -18,6 +18,8 @@ from reading the API or running anything:
 - CORS preflights are answered (204) for allowed origins only; their actual responses carry
   Access-Control-Allow-Origin. Preflights carry no credentials, so this runs before the API key.
 
+Refusals are 403 with an OpenAI error body: not 421 (it invites a client to retry on another
+connection) nor 400 (the request is well-formed; this server just will not serve it).
 Invariant: a refused request is answered here, before the app sees it and before its body is
 read, so nothing it asked for happens.
 """
@@ -149,21 +151,19 @@ class WebGuard:
                 f"this server does not answer to the Host {shown!r}: add the name to [server] allowed_hosts if "
                 "clients reach the daemon by it (a foreign name pointing at this machine is how DNS rebinding "
                 "attacks work)")
-        origins = headers.getlist("origin")
-        if not origins:
-            if scope["type"] == "http":
-                _check_body_type(scope["method"], headers)
-            return None
-        origin = parse_origin(origins[0]) if len(origins) == 1 else None
-        scheme = {"ws": "http", "wss": "https"}.get(scope["scheme"], scope["scheme"])
-        own = (scheme, target[0], target[1] if target[1] is not None else DEFAULT_PORTS.get(scheme))
-        if origin is None or (origin != own and origin not in self.origins):
-            raise errors.OriginNotAllowed(
-                f"requests from the web origin {', '.join(origins)[:100]!r} are not allowed: add it to "
-                "[server] allowed_origins to let its pages use this server")
-        if scope["type"] == "http" and scope["method"] != "OPTIONS":
+        cors_origin = None
+        if origins := headers.getlist("origin"):
+            origin = parse_origin(origins[0]) if len(origins) == 1 else None
+            scheme = {"ws": "http", "wss": "https"}.get(scope["scheme"], scope["scheme"])
+            own = (scheme, target[0], target[1] if target[1] is not None else DEFAULT_PORTS.get(scheme))
+            if origin is None or (origin != own and origin not in self.origins):
+                raise errors.OriginNotAllowed(
+                    f"requests from the web origin {', '.join(origins)[:100]!r} are not allowed: add it to "
+                    "[server] allowed_origins to let its pages use this server")
+            cors_origin = None if origin == own else origins[0]  # same-origin needs no CORS grant
+        if scope["type"] == "http":
             _check_body_type(scope["method"], headers)
-        return None if origin == own else origins[0]
+        return cors_origin
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send, exc: errors.MlxsupError) -> None:
         if scope["type"] == "websocket":
