@@ -59,10 +59,15 @@ def _type_ok(value: object, hint: Any) -> bool:
 
 
 def encode(msg: Message) -> bytes:
+    """The frame of `msg`; ProtocolError when a value cannot go on the wire (a string that is not
+    valid Unicode, an integer past 64 bits, nesting past msgpack's limit)."""
     body = {"v": PROTOCOL_VERSION, "k": msg.KIND}
     for name in _NAMES[msg.KIND]:
         body[name] = getattr(msg, name)
-    return msgpack.packb(body, use_bin_type=True)
+    try:
+        return msgpack.packb(body, use_bin_type=True)
+    except (ValueError, OverflowError, TypeError) as exc:  # UnicodeEncodeError is a ValueError
+        raise ProtocolError(f"{msg.KIND}: cannot encode: {exc}") from None
 
 
 def decode(frame: bytes) -> Message:

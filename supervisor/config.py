@@ -19,6 +19,7 @@ from pathlib import Path
 
 from supervisor.cache_config import DEFAULTS as CACHE_DEFAULTS
 from supervisor.cache_config import CacheConfig, parse_cache
+from supervisor.gateway.guard import host_name, parse_origin
 from supervisor.registry import ModelSpec, from_config
 from supervisor.units import parse_size
 
@@ -86,6 +87,8 @@ class Settings:
     restart_backoff_s: float = 0.5  # doubled per recent crash, capped at restart_backoff_max_s
     restart_backoff_max_s: float = 10.0
     api_key: str | None = None  # when set, every route but /health needs "Authorization: Bearer <key>"
+    allowed_hosts: list[str] = field(default_factory=list)  # Host names beyond localhost, loopback and `host`
+    allowed_origins: list[str] = field(default_factory=list)  # web origins whose pages may call the API (CORS)
     hf_cache: Path | None = field(default_factory=default_hf_cache)  # None: no Hugging Face discovery
     spare_workers: int = 1  # a process with its imports done, waiting for the next load (0: none)
     cache: CacheConfig = CACHE_DEFAULTS  # prompt caches: the [cache] section over the defaults
@@ -119,6 +122,7 @@ _SERVER_KEYS: dict[str, type | tuple[type, ...]] = {
     "load_timeout_s": (int, float), "prefill_step_size": int, "crash_limit": int, "crash_window_s": (int, float),
     "crash_cooldown_s": (int, float), "restart_backoff_s": (int, float), "restart_backoff_max_s": (int, float),
     "api_key": str, "sse_keepalive_s": (int, float), "hf_cache": str, "spare_workers": int,
+    "allowed_hosts": list, "allowed_origins": list,
 }
 _MEMORY_KEYS = {
     "ceiling": "memory_ceiling_bytes", "reserve": "memory_reserve_bytes", "worker_overhead": "worker_overhead_bytes",
@@ -165,6 +169,8 @@ def load_file(path: Path, settings: Settings) -> Settings:
             value = Path(value).expanduser() if value else None
         elif key == "model_dirs":
             value = [Path(v).expanduser() for v in value]
+        elif key in ("allowed_hosts", "allowed_origins"):
+            value = _web_names(key, value, path)
         setattr(settings, key, value)
     _apply_memory(data.get("memory", {}), settings, path)
     try:
@@ -173,6 +179,17 @@ def load_file(path: Path, settings: Settings) -> Settings:
     except ValueError as exc:
         raise ConfigError(f"{path}: {exc}") from None
     return settings
+
+
+def _web_names(key: str, values: list, path: Path) -> list[str]:
+    """allowed_hosts: host names or addresses, no port; allowed_origins: `scheme://host[:port]`."""
+    for value in values:
+        if key == "allowed_hosts":
+            if not isinstance(value, str) or host_name(value) is None:
+                raise ConfigError(f"{path}: server.{key}: expected host names without a port, got {value!r}")
+        elif not isinstance(value, str) or parse_origin(value) is None:
+            raise ConfigError(f"{path}: server.{key}: expected origins like 'http://localhost:3000', got {value!r}")
+    return list(values)
 
 
 def runtime_dir(state_dir: Path) -> Path:

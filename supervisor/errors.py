@@ -50,6 +50,20 @@ class Unauthorized(MlxsupError):
     code = "invalid_api_key"
 
 
+class Forbidden(MlxsupError):
+    status = 403
+    type = "permission_error"
+    code = "forbidden"
+
+
+class HostNotAllowed(Forbidden):
+    code = "host_not_allowed"
+
+
+class OriginNotAllowed(Forbidden):
+    code = "origin_not_allowed"
+
+
 class ModelNotFound(MlxsupError):
     status = 404
     type = "invalid_request_error"
@@ -66,6 +80,12 @@ class PayloadTooLarge(MlxsupError):
     status = 413
     type = "invalid_request_error"
     code = "payload_too_large"
+
+
+class UnsupportedMediaType(MlxsupError):
+    status = 415
+    type = "invalid_request_error"
+    code = "unsupported_media_type"
 
 
 class WorkerDied(MlxsupError):

@@ -17,6 +17,7 @@ import signal
 import time
 from pathlib import Path
 
+from protocol.codec import ProtocolError
 from protocol.messages import (
     EXIT_LOAD_FAILED, Abort, Bye, CacheCleared, CacheStats, Evict, Failed, Finished, Heartbeat, Load, Message,
     Progress, Ready, Standby, Submit, Tokens,
@@ -181,7 +182,13 @@ class Router:
             stream.fail(errors.ModelEvicted(f"the model '{worker.spec.id}' is being evicted"))
             return stream
         worker.streams[msg.rid] = stream
-        if not self.transport.send(worker.identity, msg):
+        try:
+            sent = self.transport.send(worker.identity, msg)
+        except ProtocolError as exc:  # a value the wire cannot carry: the request's fault, not the worker's
+            del worker.streams[msg.rid]
+            stream.fail(errors.InvalidRequest(f"the request cannot be sent to the worker: {exc}"))
+            return stream
+        if not sent:
             del worker.streams[msg.rid]
             stream.fail(errors.WorkerDied(f"the worker of '{worker.spec.id}' is not reachable"))
         return stream

@@ -59,6 +59,8 @@ host = "127.0.0.1"
 port = 8800
 # model_dirs = ["/Users/me/models"]   # folders of model folders
 # api_key = "..."                      # then every route but /health needs a bearer token
+# allowed_hosts = ["mybox.local"]      # Host names besides localhost and loopback addresses
+# allowed_origins = []                 # web pages (origins) allowed to call the API; none by default
 
 # [models.assistant]
 # path = "/Users/me/models/Qwen3-4B-4bit"

@@ -1,8 +1,10 @@
 """The HTTP gateway: Starlette routes, SSE, and the one mapping of errors to HTTP responses.
 
-The only module that knows HTTP. Each generation request takes a lease from the router, and
-the lease is released (and the worker told to abort, if the request is still running) in a
-`finally` that runs on every path: completion, error, client disconnect, server shutdown.
+With guard.py (the Host, Origin and body-type checks in front of every route), the only module
+that knows HTTP. Every body is decoded by body.py, so a bad one is a 400. Each generation
+request takes a lease from the router, and the lease is released (and the worker told to abort,
+if the request is still running) in a `finally` that runs on every path: completion, error,
+client disconnect, server shutdown. An explicit load's lease goes back as soon as it is taken.
 Errors before the first token become HTTP errors; after it, an SSE `error` event, never a
 silently truncated stream.
 """
@@ -26,8 +28,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from protocol.messages import Finished
 from supervisor import __version__, errors
+from supervisor.gateway.body import decode_json
 from supervisor.config import Settings
 from supervisor.gateway.call import Call
+from supervisor.gateway.guard import WebGuard
 from supervisor.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from supervisor.gateway.openai_api import Parsed, Shaper, parse_chat, parse_completion
 from supervisor.router import Router
@@ -44,6 +48,8 @@ def sse(obj: Any) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+ADMIN_BODY_LIMIT = 4096
+MAX_EVICT_TIMEOUT_S = 86400  # a drain deadline past a day is a mistake, and past 2**64 cannot go to the worker
 
 
 def error_response(exc: errors.MlxsupError) -> JSONResponse:
@@ -88,7 +94,8 @@ class SSEResponse(Response):
             self.on_close()
 
 
-async def read_json(request: Request, limit: int) -> Any:
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it passes `limit` bytes (never buffered whole first)."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise errors.PayloadTooLarge(f"the request body exceeds the limit of {limit} bytes")
@@ -97,12 +104,11 @@ async def read_json(request: Request, limit: int) -> Any:
         body += chunk
         if len(body) > limit:
             raise errors.PayloadTooLarge(f"the request body exceeds the limit of {limit} bytes")
-    try:
-        return json.loads(body.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise errors.InvalidRequest("the request body is not valid UTF-8") from None
-    except json.JSONDecodeError as exc:
-        raise errors.InvalidRequest(f"the request body is not valid JSON: {exc}") from None
+    return bytes(body)
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    return decode_json(await read_body(request, limit))
 
 
 class Gateway:
@@ -212,20 +218,22 @@ class Gateway:
 
     async def load(self, request: Request) -> Response:
         """Load a model now; with {"stream": true}, SSE progress events until it is ready."""
-        body = await self._admin_body(request)
+        body = await _admin_body(request, {"stream"})
+        stream = body.get("stream") or False
+        if not isinstance(stream, bool):
+            raise errors.InvalidRequest("'stream' must be a boolean", param="stream")
         name = request.path_params["model"]
         self.router.registry.resolve(name)
         t0 = time.monotonic()
         loading = asyncio.create_task(self.router.acquire(name, explicit=True), name=f"load[{name}]")
+        loading.add_done_callback(_release_lease)
 
         def report() -> dict:
-            lease = loading.result()
-            lease.release()
-            w = lease.worker
+            w = loading.result().worker
             return {"model": w.spec.id, "pid": w.pid, "state": w.state.value,
                     "duration_s": round(time.monotonic() - t0, 3)}
 
-        if not body.get("stream"):
+        if not stream:
             await loading
             return JSONResponse(report())
 
@@ -244,29 +252,26 @@ class Gateway:
                 yield sse(report())
             except errors.MlxsupError as exc:
                 yield sse(exc.body())
-            finally:
-                if not loading.done():
-                    loading.cancel()
 
-        return SSEResponse(events(), lambda: None)
+        def close() -> None:  # the client left, or the stream ended: a load still waiting is abandoned
+            if not loading.done():
+                loading.cancel()
 
-    async def _admin_body(self, request: Request) -> dict:
-        body = await read_json(request, 4096) if await request.body() else {}
-        if not isinstance(body, dict):
-            raise errors.InvalidRequest("the body must be a JSON object")
-        return body
+        return SSEResponse(events(), close)
 
     async def metrics(self, request: Request) -> Response:
         return Response(self.router.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     async def evict(self, request: Request) -> Response:
-        body = await self._admin_body(request)
+        body = await _admin_body(request, {"mode", "timeout"})
         mode = body.get("mode", "drain")
         if mode not in ("drain", "now"):
             raise errors.InvalidRequest("'mode' must be 'drain' or 'now'", param="mode")
         timeout = body.get("timeout")
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0):
-            raise errors.InvalidRequest("'timeout' must be a non-negative number of seconds", param="timeout")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not 0 <= timeout <= MAX_EVICT_TIMEOUT_S):
+            raise errors.InvalidRequest(f"'timeout' must be a number of seconds from 0 to {MAX_EVICT_TIMEOUT_S}",
+                                        param="timeout")
         report = await self.router.evict(request.path_params["model"], mode, timeout)
         return JSONResponse(report)
 
@@ -278,13 +283,31 @@ class Gateway:
 
     async def _clear_cache(self, request: Request, which: str) -> Response:
         """Body `{"model": id}` for one model, none (or `{}`) for all; answers with the bytes reclaimed."""
-        body = await read_json(request, 4096) if await request.body() else {}
-        if not isinstance(body, dict) or set(body) - {"model"}:
-            raise errors.InvalidRequest("the body must be a JSON object with at most a 'model' key")
+        body = await _admin_body(request, {"model"})
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise errors.InvalidRequest("'model' must be a string", param="model")
         return JSONResponse(await self.router.clear_cache(which, model))
+
+
+def _release_lease(loading: asyncio.Task) -> None:
+    """An explicit load needs the worker ready, not held: its lease goes back the moment it is taken,
+    on every path, even when no one is left to read the load's result (a client gone mid-stream)."""
+    if not loading.cancelled() and loading.exception() is None:
+        loading.result().release()
+
+
+async def _admin_body(request: Request, keys: set[str]) -> dict:
+    """An admin route's body: none (or `{}`) for the defaults, else an object with some of `keys`."""
+    raw = await read_body(request, ADMIN_BODY_LIMIT)
+    body = decode_json(raw) if raw else {}
+    if not isinstance(body, dict):
+        raise errors.InvalidRequest("the body must be a JSON object")
+    unknown = sorted(set(body) - keys)
+    if unknown:
+        raise errors.InvalidRequest(f"unrecognized argument(s): {', '.join(unknown)}; this route takes "
+                                    f"{', '.join(sorted(keys))}", param=unknown[0])
+    return body
 
 
 class RequireApiKey:
@@ -318,7 +341,7 @@ async def _on_error(request: Request, exc: Exception) -> Response:
     return error_response(errors.MlxsupError("internal server error"))
 
 
-def build_app(router: Router, settings: Settings) -> Starlette:
+def build_app(router: Router, settings: Settings) -> ASGIApp:
     gw = Gateway(router, settings)
     routes = [
         Route("/v1/chat/completions", gw.chat, methods=["POST"]),
@@ -333,7 +356,8 @@ def build_app(router: Router, settings: Settings) -> Starlette:
         Route("/api/ssd-cache/clear", gw.clear_ssd_cache, methods=["POST"]),
     ]
     handlers = {errors.MlxsupError: _on_error, HTTPException: _on_error, Exception: _on_error}
-    app = Starlette(routes=routes, exception_handlers=handlers)
+    app: ASGIApp = Starlette(routes=routes, exception_handlers=handlers)
     if settings.api_key:
-        return RequireApiKey(app, settings.api_key)  # type: ignore[return-value]
-    return app
+        app = RequireApiKey(app, settings.api_key)
+    # outermost: a request from a foreign Host or Origin is refused before anything else looks at it
+    return WebGuard(app, hosts=[settings.host, *settings.allowed_hosts], origins=settings.allowed_origins)

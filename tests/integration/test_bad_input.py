@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -12,10 +14,12 @@ import openai
 import pytest
 
 from tests.conftest import MLXSUP, Daemon
+from tests.integration import bodyfuzz
 
 MSGS = [{"role": "user", "content": "hi"}]
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
+FUZZ_BUDGET_S = 45  # the fuzz sends what it can in this time (all of it, ~3,000 bodies, on an idle 2-core machine)
 
 
 def chat(**kw) -> dict:
@@ -79,6 +83,40 @@ CASES = [
     ("evict-bad-timeout", "POST", "/api/models/tiny/evict", {"timeout": -1}, 400, "timeout"),
     ("evict-unknown-model", "POST", "/api/models/nope/evict", {}, 404, "model_not_found"),
     ("load-unknown-model", "POST", "/api/models/nope/load", None, 404, "model_not_found"),
+    # decoding: every way a body can fail to be JSON we take is a 400, not a 500
+    ("nested-200000-deep", "POST", CHAT, b"[" * 200_000 + b"]" * 200_000, 400, "invalid_request"),
+    ("nested-in-content", "POST", CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": '
+     + b'[{"text": ' * 150 + b'"x"' + b"}]" * 150 + b"}]}", 400, "invalid_request"),
+    ("lone-surrogate", "POST", CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}',
+     400, "messages[0].content"),
+    ("lone-surrogate-in-key", "POST", CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": "x", '
+     b'"\\udfff": 1}]}', 400, "messages[0]"),
+    ("lone-surrogate-model", "POST", COMP, b'{"model": "\\udbff", "prompt": "hi"}', 400, "model"),
+    ("lone-surrogate-stop", "POST", COMP, b'{"model": "tiny", "prompt": "hi", "stop": ["a\\ud800b"]}', 400, "stop[0]"),
+    ("int-5000-digits", "POST", COMP, b'{"model": "tiny", "prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}",
+     400, "invalid_request"),
+    ("nan-literal", "POST", COMP, b'{"model": "tiny", "prompt": "hi", "temperature": NaN}', 400, "invalid_request"),
+    ("infinity-literal", "POST", COMP, b'{"model": "tiny", "prompt": "hi", "top_p": -Infinity}', 400,
+     "invalid_request"),
+    ("float-overflow", "POST", COMP, b'{"model": "tiny", "prompt": "hi", "temperature": 1e999}', 400,
+     "invalid_request"),
+    ("utf8-bom", "POST", COMP, b'\xef\xbb\xbf{"model": "tiny", "prompt": "hi"}', 400, "invalid_request"),
+    ("raw-control-char", "POST", COMP, b'{"model": "tiny", "prompt": "a\x01b"}', 400, "invalid_request"),
+    ("user-number", "POST", CHAT, chat(user=5), 400, "user"),
+    ("seed-string", "POST", COMP, comp(seed="1"), 400, "seed"),
+    ("stream-options-not-object", "POST", COMP, comp(stream=True, stream_options=[1]), 400, "stream_options"),
+    # admin bodies, validated as strictly as the OpenAI routes
+    ("evict-timeout-past-64-bits", "POST", "/api/models/tiny/evict", {"timeout": 10**30}, 400, "timeout"),
+    ("evict-timeout-nan", "POST", "/api/models/tiny/evict", b'{"timeout": NaN}', 400, "invalid_request"),
+    ("evict-unknown-key", "POST", "/api/models/tiny/evict", {"mode": "now", "force": True}, 400, "force"),
+    ("evict-body-array", "POST", "/api/models/tiny/evict", [1], 400, "invalid_request"),
+    ("load-stream-not-bool", "POST", "/api/models/tiny/load", {"stream": "yes"}, 400, "stream"),
+    ("load-body-too-large", "POST", "/api/models/tiny/load", {"stream": "x" * 5000}, 413, "payload_too_large"),
+    ("clear-model-surrogate", "POST", "/api/hot-cache/clear", b'{"model": "\\ud800"}', 400, "model"),
+    ("clear-model-number", "POST", "/api/ssd-cache/clear", {"model": 3}, 400, "model"),
+    ("path-lone-surrogate-bytes", "POST", "/api/models/%ED%A0%80/evict", None, 404, "model_not_found"),
+    ("path-nul", "POST", "/api/models/%00/load", None, 404, "model_not_found"),
+    ("path-dot-dot", "POST", "/api/models/..%2F..%2Fetc/evict", None, 404, "model_not_found"),
 ]
 
 
@@ -91,12 +129,70 @@ def served(daemon: Daemon) -> Daemon:
 
 @pytest.mark.parametrize("name, method, path, body, status, expected", CASES, ids=[c[0] for c in CASES])
 def test_bad_request(served: Daemon, name, method, path, body, status, expected) -> None:
-    kwargs = {"content": body} if isinstance(body, bytes) else ({"json": body} if body is not None else {})
+    kwargs = {"content": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, bytes) else (
+        {"json": body} if body is not None else {})
     r = httpx.request(method, served.url + path, timeout=60, **kwargs)
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert set(error) >= {"message", "type", "param", "code"} and error["message"]
     assert expected in (error["code"], error["param"]), error
+
+
+def _check_answer(path: str, raw: bytes, r: httpx.Response) -> str | None:
+    """What is wrong with the answer to one fuzzed body, or None: a 4xx with OpenAI's error body, or a
+    2xx whose stream (if any) carries no server error."""
+    where = f"{path} {raw[:200]!r}: {r.status_code} {r.text[:300]}"
+    if r.status_code >= 500 or r.status_code < 200:
+        return where
+    if r.status_code >= 400:
+        error = r.json().get("error") or {}
+        return None if set(error) >= {"message", "type", "param", "code"} and error["message"] else where
+    if r.headers["content-type"].startswith("text/event-stream"):
+        for line in r.text.splitlines():
+            if line.startswith("data: {") and '"error"' in line:
+                if json.loads(line[6:])["error"]["code"] in ("internal_error", "worker_crashed"):
+                    return where
+    return None
+
+
+def test_fuzzed_bodies_get_4xx_or_2xx_never_5xx_and_the_worker_lives_on(served: Daemon) -> None:
+    """A few thousand mutated valid bodies on the generation and admin routes (fixed seed, bounded in
+    time): each gets a 4xx with an error body or a 2xx, and the worker never restarts."""
+    before = served.model("tiny")
+    cases = [*bodyfuzz.sweep(), *bodyfuzz.random_cases(seed=10, count=1500)]
+    deadline = time.monotonic() + FUZZ_BUDGET_S
+    headers = {"Content-Type": "application/json"}
+    with httpx.Client(base_url=served.url, timeout=60, headers=headers) as http:
+
+        def send(case: tuple[str, bytes]) -> str | None:
+            if time.monotonic() > deadline:
+                return "skipped"
+            path, raw = case
+            try:
+                return _check_answer(path, raw, http.post(path, content=raw))
+            except httpx.HTTPError as exc:  # no answer at all: worse than a 500
+                return f"{path} {raw[:200]!r}: {exc!r}"
+
+        with ThreadPoolExecutor(8) as pool:
+            outcomes = list(pool.map(send, cases))
+    answered = [o for o in outcomes if o != "skipped"]
+    problems = [o for o in answered if o is not None]
+    assert not problems, f"{len(problems)} of {len(answered)} bodies got a bad answer:\n" + "\n".join(problems[:10])
+    assert len(answered) >= 1000, f"only {len(answered)} of {len(cases)} bodies were sent within the budget"
+    after = served.model("tiny")
+    assert after["pid"] == before["pid"] and after["restarts"] == 0 and after["crashes"] == 0, after
+    assert "unhandled error" not in (served.state_dir / "daemon.log").read_text()
+    ok = httpx.post(served.v1 + "/completions", json=comp(max_tokens=3), timeout=60)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_top_k_past_the_vocabulary_keeps_every_token(served: Daemon) -> None:
+    """top_k >= the vocabulary used to raise inside the batched step, failing the batch and every request after."""
+    for top_k in (1024, 10**6):  # the tiny model's vocabulary is 1024 tokens
+        r = httpx.post(served.v1 + "/completions", json=comp(max_tokens=3, top_k=top_k, ignore_eos=True), timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+    ok = httpx.post(served.v1 + "/completions", json=comp(max_tokens=3), timeout=60)
+    assert ok.status_code == 200, ok.text
 
 
 def test_nothing_crashed_and_serving_goes_on(served: Daemon) -> None:

@@ -150,10 +150,13 @@ class Engine:
     def _sampler(self, msg: Submit):
         if msg.temperature == 0:
             return None  # the generator's greedy fallback; shared, so the batch samples in one call
-        key = (msg.temperature, msg.top_p, msg.top_k, msg.min_p)
+        # top_k at or past the vocabulary keeps every token, as OpenAI-compatible servers read it; mlx-lm
+        # raises on it inside the batched step instead, failing the whole batch (and the generator after it)
+        top_k = msg.top_k if self.vocab_size <= 0 or msg.top_k < self.vocab_size else 0
+        key = (msg.temperature, msg.top_p, top_k, msg.min_p)
         if key not in self._samplers:
             top_p = msg.top_p if msg.top_p < 1.0 else 0.0
-            self._samplers[key] = make_sampler(msg.temperature, top_p=top_p, min_p=msg.min_p, top_k=msg.top_k)
+            self._samplers[key] = make_sampler(msg.temperature, top_p=top_p, min_p=msg.min_p, top_k=top_k)
         return self._samplers[key]
 
     def submit(self, msg: Submit) -> None:

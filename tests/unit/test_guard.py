@@ -1,0 +1,124 @@
+"""The web guard's pure parts and its place in the middleware stack, in process (no daemon).
+
+Host and Origin parsing by table; the order against the API key (host and origin checks first, a
+preflight never needs the key); the config keys. Behaviour against a real daemon is in
+tests/integration/test_web_guard.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from supervisor.gateway.app import build_app
+from supervisor.config import ConfigError, Settings, load_file
+from supervisor.gateway.guard import WebGuard, host_name, is_loopback, parse_origin, split_host
+
+
+@pytest.mark.parametrize("value, parsed", [
+    ("localhost", ("localhost", None)), ("LocalHost:8800", ("localhost", 8800)), ("localhost.:1", ("localhost", 1)),
+    ("127.0.0.1:8800", ("127.0.0.1", 8800)), ("[::1]:8800", ("::1", 8800)), ("[::1]", ("::1", None)),
+    ("::1", None), ("localhost:", None), ("localhost:99999", None), ("localhost:８０", None), ("[::1]x", None),
+    ("a b", None), ("user@localhost", None), ("", None), ("evil.example.com", ("evil.example.com", None)),
+])
+def test_split_host(value: str, parsed: tuple | None) -> None:
+    assert split_host(value) == parsed
+
+
+@pytest.mark.parametrize("host, loopback", [
+    ("localhost", True), ("127.0.0.1", True), ("127.255.0.9", True), ("::1", True), ("::ffff:127.0.0.1", True),
+    ("0.0.0.0", False), ("10.0.0.1", False), ("localhost.evil.example.com", False), ("127.0.0.1.nip.io", False),
+])
+def test_loopback(host: str, loopback: bool) -> None:
+    assert is_loopback(host) is loopback
+
+
+@pytest.mark.parametrize("value, parsed", [
+    ("http://localhost:8800", ("http", "localhost", 8800)), ("http://LOCALHOST", ("http", "localhost", 80)),
+    ("https://app.example.test/", ("https", "app.example.test", 443)), ("http://[::1]:3000", ("http", "::1", 3000)),
+    ("chrome-extension://abcdef", ("chrome-extension", "abcdef", None)),
+    ("null", None), ("http://a.test/path", None), ("http://u@a.test", None), ("http://a.test:99999", None),
+    ("file://", None), ("http://a.test?x", None),
+])
+def test_parse_origin(value: str, parsed: tuple | None) -> None:
+    assert parse_origin(value) == parsed
+
+
+def test_configured_names() -> None:
+    assert [host_name(v) for v in ("box.lan", "10.0.0.2", "::1", "[::1]", "box.lan:80", "")] == \
+        ["box.lan", "10.0.0.2", "::1", "::1", None, None]
+    with pytest.raises(ValueError):
+        WebGuard(lambda *_: None, origins=["not an origin"])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("section, ok", [
+    ('allowed_hosts = ["box.lan", "10.0.0.2", "::1"]', True),
+    ('allowed_origins = ["http://localhost:3000", "https://app.example.test"]', True),
+    ('allowed_hosts = ["box.lan:8800"]', False), ('allowed_hosts = [1]', False), ('allowed_hosts = "box.lan"', False),
+    ('allowed_origins = ["localhost:3000"]', False), ('allowed_origins = ["*"]', False),
+])
+def test_config_keys(tmp_path: Path, section: str, ok: bool) -> None:
+    path = tmp_path / "config.toml"
+    path.write_text(f"[server]\n{section}\n")
+    if ok:
+        settings = load_file(path, Settings())
+        assert settings.allowed_hosts or settings.allowed_origins
+    else:
+        with pytest.raises(ConfigError, match="server.allowed_"):
+            load_file(path, Settings())
+
+
+def _stub_router() -> SimpleNamespace:
+    return SimpleNamespace(registry=SimpleNamespace(ids=lambda: ["tiny"]), shutting_down=False)
+
+
+async def _get(app, method: str, path: str, headers: dict) -> httpx.Response:
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:8800") as client:
+        return await client.request(method, path, headers=headers)
+
+
+def test_host_and_origin_come_before_the_api_key_and_a_preflight_needs_none() -> None:
+    settings = Settings(api_key="k", allowed_origins=["http://app.example.test:3000"])
+    app = build_app(_stub_router(), settings)  # type: ignore[arg-type]
+    key = {"Authorization": "Bearer k"}
+
+    async def scenario() -> None:
+        r = await _get(app, "GET", "/v1/models", {"Host": "evil.example.com"})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "host_not_allowed"  # not 401: no key asked
+        r = await _get(app, "GET", "/v1/models", {**key, "Origin": "http://evil.example.com"})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed"  # a key does not help
+        r = await _get(app, "OPTIONS", "/v1/models", {"Origin": "http://app.example.test:3000",
+                                                      "Access-Control-Request-Method": "GET"})
+        assert r.status_code == 204 and r.headers["access-control-allow-origin"] == "http://app.example.test:3000"
+        r = await _get(app, "GET", "/v1/models", {"Origin": "http://app.example.test:3000"})
+        assert r.status_code == 401 and r.headers["access-control-allow-origin"]  # the browser may read the 401
+        r = await _get(app, "GET", "/v1/models", {**key, "Origin": "http://app.example.test:3000"})
+        assert r.status_code == 200 and r.json()["data"][0]["id"] == "tiny"
+
+    asyncio.run(scenario())
+
+
+def test_a_websocket_from_a_foreign_origin_is_closed_before_the_app_sees_it() -> None:
+    seen: list[dict] = []
+
+    async def app(scope, receive, send) -> None:
+        seen.append(scope)
+
+    guard = WebGuard(app)
+    scope = {"type": "websocket", "scheme": "ws", "path": "/ui/live",
+             "headers": [(b"host", b"127.0.0.1:8800"), (b"origin", b"http://evil.example.com")]}
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def receive() -> dict:
+        return {"type": "websocket.connect"}
+
+    asyncio.run(guard(scope, receive, send))
+    assert not seen and sent == [{"type": "websocket.close", "code": 1008, "reason": "origin_not_allowed"}]
