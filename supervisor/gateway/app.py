@@ -128,7 +128,12 @@ class Gateway:
         call = Call(self.router, parsed, request.url.path)
         shaper = Shaper(parsed, self.router.registry.resolve(parsed.model).id)
         starting = asyncio.create_task(call.start(), name=f"start[{parsed.submit.rid}]")
-        done, _ = await asyncio.wait({starting}, timeout=self.settings.sse_keepalive_s if parsed.stream else None)
+        try:
+            done, _ = await asyncio.wait({starting}, timeout=self.settings.sse_keepalive_s if parsed.stream else None)
+        except asyncio.CancelledError:  # the server is going away under this request: leave nothing held
+            starting.cancel()
+            call.close()
+            raise
         if not done:  # a cold load: keep the client's connection alive with SSE comments meanwhile
             return SSEResponse(self._sse_waiting(call, starting, shaper), call.close)
         try:
@@ -205,6 +210,7 @@ class Gateway:
 
     async def models(self, request: Request) -> Response:
         created = int(self.started)
+        self.router.registry.refresh()  # a model folder added since is listed too
         data = [{"id": m, "object": "model", "created": created, "owned_by": "mlxsup"}
                 for m in self.router.registry.ids()]
         return JSONResponse({"object": "list", "data": data})

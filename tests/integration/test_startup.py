@@ -98,6 +98,7 @@ def test_a_model_put_into_a_watched_folder_later_is_served(daemon_factory, model
         return r if r.status_code == 200 else None
 
     wait_for(served, 30, interval=0.5, what="the new model to be served")
+    assert [m["id"] for m in httpx.get(d.v1 + "/models", timeout=10).json()["data"]] == ["newcomer"]
 
 
 def test_signals_that_arrive_together_drain_instead_of_killing(daemon_factory, model_dir: Path,
