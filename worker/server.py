@@ -5,6 +5,11 @@ in flight the loop polls the socket without waiting and steps the engine; idle, 
 the socket up to one heartbeat interval. Heartbeats come from this loop, so a heartbeat
 proves the generation loop turns, not merely that a socket is open.
 
+Each step is sized by the engine to a time target (worker/step_cost.py), so the loop turns
+several times a second even while a long prompt is prefilled. A step predicted to take a
+sizeable part of a heartbeat interval is announced first (StepStarted, with its prediction), so
+the supervisor can tell a slow step from a stuck one; decode steps, short, are never announced.
+
 Signals and the lifeline only flip flags (see worker/__main__.py); the loop acts on them.
 """
 
@@ -34,6 +39,7 @@ from protocol.messages import (
     Heartbeat,
     Message,
     Ready,
+    StepStarted,
     Submit,
     Tokens,
 )
@@ -41,6 +47,8 @@ from worker.engine import Engine, RequestRejected, process_memory_bytes
 from worker.shutdown import Shutdown
 
 log = logging.getLogger(__name__)
+
+ANNOUNCE_FRACTION = 0.5  # a step predicted to take more than this part of a heartbeat interval is announced
 
 
 @dataclass
@@ -169,6 +177,9 @@ class WorkerLoop:
         if "slow-steps" in self._faults:
             time.sleep(0.4)
         try:
+            plan = self.engine.plan_step()
+            if plan.predicted_s > ANNOUNCE_FRACTION * self.heartbeat_s:
+                self.send(StepStarted(round(plan.predicted_s, 4), plan.prefill_tokens, plan.decoding))
             chunks, finished = self.engine.step()
         except Exception as exc:
             log.exception("[step] generation failed; failing the batch")

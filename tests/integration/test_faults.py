@@ -17,7 +17,7 @@ import pytest
 import zmq
 
 from protocol.messages import PROTOCOL_VERSION
-from tests.conftest import Daemon, assert_gone, start_daemon, wait_for
+from tests.conftest import Daemon, assert_gone, make_model, start_daemon, wait_for
 
 LONG = {"max_tokens": 8000, "extra_body": {"ignore_eos": True}}
 
@@ -141,6 +141,36 @@ housekeeping_s = 0.1
     print(f"hang detected and the stream failed {seconds:.2f}s after SIGSTOP (timeout 2.0s)")
     assert_gone([pid])
     assert "hung" in d.model("tiny")["last_error"]
+    # evidence before the kill: every thread's Python stack, written by the worker itself into its log
+    worker_log = d.state_dir / "logs" / "worker-tiny.log"
+    stacks = wait_for(lambda: "(most recent call first)" in worker_log.read_text() and worker_log.read_text(), 10,
+                      what="the hung worker's stacks in its log")
+    assert "Thread 0x" in stacks and 'File "' in stacks and "in run" in stacks  # the loop's frames among them
+    assert "python stacks in" in (d.state_dir / "daemon.log").read_text()
+
+
+def test_a_prefill_longer_than_the_hang_timeout_is_not_a_hang(daemon_factory, tmp_path: Path) -> None:
+    """On this CPU a `small` model prefills ~0.1 s a token: the old fixed step (512 tokens, here the whole
+    ~80-token prompt in one step, ~8 s) ran past a 2 s hang timeout and the worker was killed as hung.
+    Steps bounded by time keep the loop turning, so the request completes on the same worker."""
+    make_model(tmp_path / "small", preset="small")
+    d = daemon_factory("--config", config(tmp_path, "longprefill", f"""
+[server]
+hang_timeout_s = 2.0
+housekeeping_s = 0.1
+
+[models.small]
+path = "{tmp_path / 'small'}"
+"""))
+    pid = load(d, "small")
+    system = "You are a careful assistant. " + "Answer briefly and cite the rule you used. " * 2
+    r = httpx.post(d.v1 + "/chat/completions", timeout=120, json={
+        "model": "small", "max_tokens": 2, "messages": [{"role": "system", "content": system},
+                                                        {"role": "user", "content": "Hello"}]})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] >= 60
+    status = d.model("small")
+    assert status["pid"] == pid and status["crashes"] == 0 and status["last_error"] is None
 
 
 def test_slow_prefill_and_slow_steps_are_not_a_hang(daemon_factory, model_dir: Path, tmp_path: Path) -> None:
