@@ -1,7 +1,8 @@
 """Every message that crosses the supervisor <-> worker boundary, one typed class each.
 
 Messages to the worker are imperative (Load, Submit, Abort, Evict, ClearCache); messages from it
-are facts (Standby, Progress, Ready, Tokens, Finished, Failed, Heartbeat, CacheStats, CacheCleared, Bye).
+are facts (Standby, Progress, Ready, Tokens, Finished, Failed, Heartbeat, StepStarted, CacheStats, CacheCleared,
+Bye).
 Fields hold only msgpack-native types (str, int, float, bool, None, list, dict) so the codec can
 validate them without any custom serialisation; errors travel as data (a machine code and a message), never as
 serialised exceptions.
@@ -9,10 +10,11 @@ serialised exceptions.
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-PROTOCOL_VERSION = 2  # 2: prompt caches (ClearCache, CacheCleared, CacheStats)
+PROTOCOL_VERSION = 3  # 2: prompt caches (ClearCache, CacheCleared, CacheStats); 3: StepStarted
 
 # Machine codes carried by Failed and surfaced to HTTP clients as the error "code".
 MODEL_EVICTED = "model_evicted"
@@ -32,6 +34,10 @@ EXIT_LOAD_FAILED = 4
 EXIT_PARENT_GONE = 5
 EXIT_PROTOCOL = 6
 EXIT_CRASHED = 7  # an unexpected exception escaped the worker's loop (its traceback is in the worker's log)
+
+# Sent by the supervisor to a worker it is about to kill as hung: the worker's faulthandler writes
+# every thread's Python stack to its stderr (the worker's log), so a hang leaves evidence.
+DUMP_STACKS_SIGNAL = signal.SIGUSR1
 
 
 @dataclass(slots=True)
@@ -165,6 +171,19 @@ class Heartbeat(Message):
 
 
 @dataclass(slots=True)
+class StepStarted(Message):
+    """The generation loop starts an engine step predicted to take `predicted_s`: sent only for steps
+    predicted to take a sizeable part of a heartbeat interval (never per decode token), so the
+    supervisor can tell a slow step from a stuck one. The work it holds: prompt tokens it
+    prefills (padded, all sequences) and sequences it decodes."""
+
+    KIND: ClassVar[str] = "step_started"
+    predicted_s: float
+    prefill_tokens: int
+    decoding: int
+
+
+@dataclass(slots=True)
 class CacheStats(Message):
     """The worker's prompt caches, sent with every heartbeat. Entries are KV blocks.
 
@@ -228,6 +247,7 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     Finished,
     Failed,
     Heartbeat,
+    StepStarted,
     CacheStats,
     CacheCleared,
     Bye,

@@ -78,9 +78,10 @@ class Settings:
     pressure_hard: float = 0.97  # abort and evict the least recently used busy worker
     housekeeping_s: float = 0.5  # TTL, pressure and hang checks
     # faults
-    hang_timeout_s: float = 30.0  # no heartbeat from a ready worker's loop this long: kill it
+    hang_timeout_s: float = 30.0  # a ready worker's loop silent this long (or far past a long step's prediction): kill
     load_timeout_s: float = 600.0
-    prefill_step_size: int = 512  # prompt tokens per engine step, so heartbeats flow during prefill
+    prefill_step_size: int = 2048  # the most prompt tokens of a sequence one engine step prefills
+    step_target_s: float = 0.25  # an engine step's target duration: prefill chunks are sized to it
     crash_limit: int = 3  # crashes within crash_window_s mark the model failed
     crash_window_s: float = 60.0
     crash_cooldown_s: float = 60.0  # a failed model is tried again after this, or on an explicit load
@@ -122,7 +123,7 @@ _SERVER_KEYS: dict[str, type | tuple[type, ...]] = {
     "load_timeout_s": (int, float), "prefill_step_size": int, "crash_limit": int, "crash_window_s": (int, float),
     "crash_cooldown_s": (int, float), "restart_backoff_s": (int, float), "restart_backoff_max_s": (int, float),
     "api_key": str, "sse_keepalive_s": (int, float), "hf_cache": str, "spare_workers": int,
-    "allowed_hosts": list, "allowed_origins": list,
+    "allowed_hosts": list, "allowed_origins": list, "step_target_s": (int, float),
 }
 _MEMORY_KEYS = {
     "ceiling": "memory_ceiling_bytes", "reserve": "memory_reserve_bytes", "worker_overhead": "worker_overhead_bytes",

@@ -1,4 +1,4 @@
-"""Pure eviction decisions: does a load fit, which idle worker goes, who goes under pressure.
+"""Pure lifecycle decisions: does a load fit, which idle worker goes, who goes under pressure, who is hung.
 
 Functions of plain values, no I/O, no logging, no clock: the router hands them a snapshot
 (`WorkerView`s) and acts on the answer in the same loop turn. Invariants:
@@ -7,7 +7,9 @@ Functions of plain values, no I/O, no logging, no clock: the router hands them a
   recently used unpinned one;
 - a pinned worker is never chosen here at all (only an explicit evict removes it);
 - memory of a worker already being evicted counts as used until it is gone, and as on its way
-  back: decisions wait for it rather than evicting more.
+  back: decisions wait for it rather than evicting more;
+- a worker is hung only when its loop is silent past hang_timeout_s and, if its last message
+  announced a step, also far past what that step's work predicts (STEP_OVERRUN times).
 """
 
 from __future__ import annotations
@@ -93,3 +95,26 @@ def pressure_level(available: int, total: int, soft: float, hard: float) -> str 
 def ttl_expired(views: list[WorkerView], ttls: dict[str, float | None], now: float) -> list[str]:
     """Idle, unpinned workers whose idle time passed their TTL (counted from their last request's end)."""
     return [v.id for v in idle_lru(views) if (ttl := ttls.get(v.id)) and now - v.last_used >= ttl]
+
+
+STEP_OVERRUN = 4.0  # a step announced with a prediction is hung once silent this many times that long
+
+
+def hang_reason(now: float, last_seen: float, hang_timeout_s: float, step_started: float | None = None,
+                step_predicted_s: float = 0.0) -> str | None:
+    """Why a ready worker counts as hung, or None while it is not.
+
+    `last_seen`: its last message of any kind; `step_started`: when it last announced a step
+    (StepStarted) predicted to take `step_predicted_s`. That step is still running while no
+    message came after it; it is allowed max(hang_timeout_s, STEP_OVERRUN * prediction).
+    """
+    silent = now - last_seen
+    if step_started is not None and step_started >= last_seen:
+        allowed = max(hang_timeout_s, STEP_OVERRUN * step_predicted_s)
+        if silent > allowed:
+            return (f"a step predicted to take {step_predicted_s:.1f}s has run {silent:.1f}s "
+                    f"(allowed {allowed:.1f}s)")
+        return None
+    if silent > hang_timeout_s:
+        return f"no message from its generation loop for {silent:.1f}s"
+    return None

@@ -6,6 +6,9 @@ even by SIGKILL, the OS closes it and the worker sees EOF and exits (the lifelin
 macOS where there is no parent-death signal). The worker runs in its own session so a terminal's
 Ctrl-C reaches only the supervisor, which then orders the exit.
 
+Before a hang kill, `dump_stacks` asks the worker for its Python stacks (DUMP_STACKS_SIGNAL, then
+SIGCONT so a stopped worker can write them) and waits, bounded, until they are in its log.
+
 Invariant: `exited` is set only after the process has been reaped.
 """
 
@@ -24,11 +27,13 @@ from pathlib import Path
 
 import psutil
 
-from protocol.messages import EXIT_CRASHED, EXIT_LOAD_FAILED, EXIT_PARENT_GONE
+from protocol.messages import DUMP_STACKS_SIGNAL, EXIT_CRASHED, EXIT_LOAD_FAILED, EXIT_PARENT_GONE
 
 log = logging.getLogger(__name__)
 
 STDERR_TAIL_LINES = 40
+STACK_DUMP_MARK = "(most recent call first)"  # faulthandler's header of each thread's stack
+STACK_DUMP_QUIET_S = 0.1  # a dump is one burst: this long without a new line after it began ends it
 LOG_MAX_BYTES = 10 * 2**20
 LOG_BACKUPS = 3
 
@@ -48,6 +53,8 @@ class WorkerProcess:
         self.signals_sent: list[str] = []
         self.kill_reason: str | None = None  # why this supervisor sent SIGKILL, for the reap log
         self._tasks: list[asyncio.Task] = []
+        self._last_line_at = 0.0
+        self._stack_dump: asyncio.Event | None = None  # set by the stderr pump when a requested dump begins
 
     @property
     def pid(self) -> int | None:
@@ -90,6 +97,9 @@ class WorkerProcess:
             async for raw in self.proc.stderr:
                 line = raw.decode("utf-8", "replace").rstrip()
                 self.stderr_tail.append(line)
+                self._last_line_at = time.monotonic()
+                if self._stack_dump is not None and STACK_DUMP_MARK in line:
+                    self._stack_dump.set()
                 if self.log_path != sink_path:
                     if sink:
                         sink.close()
@@ -132,6 +142,33 @@ class WorkerProcess:
                 self.signals_sent.append(sig.name)
             except ProcessLookupError:
                 pass
+
+    async def dump_stacks(self, timeout_s: float) -> bool:
+        """Ask the worker for every thread's Python stack, in its log; True once the dump arrived.
+
+        Bounded by `timeout_s`: a worker that cannot answer (stuck in C without the signal
+        reaching Python's handler, or gone) costs that long at most.
+        """
+        if self.proc is None or self.returncode is not None:
+            return False
+        deadline = time.monotonic() + timeout_s
+        self._stack_dump = asyncio.Event()
+        self.signal(DUMP_STACKS_SIGNAL)
+        self.signal(signal.SIGCONT)  # a stopped process handles its pending signal once it runs
+        try:
+            await asyncio.wait_for(self._stack_dump.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        while time.monotonic() < deadline and time.monotonic() - self._last_line_at < STACK_DUMP_QUIET_S:
+            await asyncio.sleep(STACK_DUMP_QUIET_S / 2)  # the rest of the burst, until stderr goes quiet
+        return True
+
+    async def kill_after_stack_dump(self, timeout_s: float, why: str) -> None:
+        """SIGKILL, once the worker's stacks are in its log or `timeout_s` has passed."""
+        dumped = await self.dump_stacks(timeout_s)
+        log.error("[kill] model=%s pid=%s by=supervisor: SIGKILL; python stacks %s", self.model_id, self.pid,
+                  f"in {self.log_path}" if dumped else f"not written within {timeout_s:.1f}s")
+        self.signal(signal.SIGKILL, why)
 
     async def wait(self, timeout: float | None) -> bool:
         """Wait for the process to be reaped; True if it was within `timeout`."""
@@ -185,13 +222,15 @@ def worker_argv(endpoint: str, identity: str, heartbeat_s: float, model_args: li
 
 
 def model_args(model_path: Path, model_id: str, max_batch_size: int, prefill_step_size: int,
-               extra: tuple[str, ...] = (), cache_args: tuple[str, ...] = ()) -> list[str]:
+               extra: tuple[str, ...] = (), cache_args: tuple[str, ...] = (),
+               step_target_s: float | None = None) -> list[str]:
     """What makes a worker one model's worker: on its command line, or in a spare's Load message.
 
     `cache_args` come from CacheConfig.worker_args, `extra` (the model's worker_args) last.
     """
+    pacing = ["--step-target-s", str(step_target_s)] if step_target_s is not None else []
     return ["--model-path", str(model_path), "--model-id", model_id, "--max-batch-size", str(max_batch_size),
-            "--prefill-step-size", str(prefill_step_size), *cache_args, *extra]
+            "--prefill-step-size", str(prefill_step_size), *pacing, *cache_args, *extra]
 
 
 def exit_meaning(returncode: int | None) -> str:

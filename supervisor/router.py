@@ -7,6 +7,7 @@ Everything here runs on the one asyncio loop. Rules that keep it race-free:
 - Slow work (spawn, stop) runs as tasks that report back through futures and events.
 - Message handlers (`_on_<kind>`) never await.
 - A worker's route and accounting are dropped only after its process has been reaped.
+- A hang kill never blocks the loop: the stack dump and the SIGKILL run as a task.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 from protocol.codec import ProtocolError
 from protocol.messages import (
     EXIT_LOAD_FAILED, Abort, Bye, CacheCleared, CacheStats, Evict, Failed, Finished, Heartbeat, Load, Message,
-    Progress, Ready, Standby, Submit, Tokens,
+    Progress, Ready, Standby, StepStarted, Submit, Tokens,
 )
 from supervisor import cache_admin, errors, policy
 from supervisor.config import Settings
@@ -34,6 +35,8 @@ from supervisor.workers import Lease, ModelRecord, Spare, State, Stream, Worker
 __all__ = ["Lease", "ModelRecord", "Router", "Spare", "State", "Stream", "Worker"]
 
 log = logging.getLogger(__name__)
+
+STACK_DUMP_WAIT_S = 1.0  # how long a hang kill waits for the worker's stacks before SIGKILL
 
 
 class Router:
@@ -203,7 +206,7 @@ class Router:
         """A worker for `spec`: the spare on standby if there is one (its imports are paid), else a new process."""
         st = self.settings
         args = model_args(spec.path, spec.id, st.max_batch_size, st.prefill_step_size, spec.worker_args,
-                          tuple(st.model_cache(spec).worker_args(st.state_dir)))
+                          tuple(st.model_cache(spec).worker_args(st.state_dir)), step_target_s=st.step_target_s)
         log_path = st.log_dir / f"worker-{spec.id.replace('/', '--')}.log"
         spare = self.spare if self.spare is not None and self.spare.standing_by else None
         if spare is not None:
@@ -376,20 +379,29 @@ class Router:
         return [r for r in reports if isinstance(r, dict)]
 
     def _watch_liveness(self, now: float) -> None:
-        """Kill workers whose loop stopped turning (no message for hang_timeout_s) or whose load stalls."""
+        """Kill workers whose loop stopped turning (see policy.hang_reason) or whose load stalls."""
         s = self.settings
         for worker in list(self.workers.values()):
             if worker.kill_reason is not None:
                 continue
-            if worker.state is State.READY and now - worker.last_seen > s.hang_timeout_s:
-                self._kill(worker, f"hung: no heartbeat from its generation loop for {now - worker.last_seen:.1f}s")
+            if worker.state is State.READY:
+                why = policy.hang_reason(now, worker.last_seen, s.hang_timeout_s, worker.step_started,
+                                         worker.step_predicted_s)
+                if why is not None:
+                    self._kill(worker, f"hung: {why}", dump_stacks=True)
             elif worker.state is State.LOADING and now - worker.started_at > s.load_timeout_s:
-                self._kill(worker, f"the load did not finish within {s.load_timeout_s:.0f}s")
+                self._kill(worker, f"the load did not finish within {s.load_timeout_s:.0f}s", dump_stacks=True)
 
-    def _kill(self, worker: Worker, reason: str) -> None:
+    def _kill(self, worker: Worker, reason: str, dump_stacks: bool = False) -> None:
+        """SIGKILL the worker, recording why; with `dump_stacks`, after it wrote its stacks to its log (a task)."""
         worker.kill_reason = reason
-        log.error("[kill] model=%s pid=%s: %s", worker.spec.id, worker.pid, reason)
-        if worker.process is not None:
+        log.error("[kill] model=%s pid=%s by=supervisor: %s", worker.spec.id, worker.pid, reason)
+        if worker.process is None:
+            return
+        if dump_stacks:
+            worker.killing = asyncio.create_task(worker.process.kill_after_stack_dump(STACK_DUMP_WAIT_S, reason),
+                                                 name=f"kill[{worker.spec.id}]")
+        else:
             worker.process.signal(signal.SIGKILL, reason)
 
     # --- messages from workers (never await) -------------------------------------------
@@ -415,6 +427,9 @@ class Router:
                 stream.fail(errors.from_worker(msg.code, msg.message))
         elif isinstance(msg, Heartbeat):
             worker.heartbeat = msg
+        elif isinstance(msg, StepStarted):
+            worker.step_started = worker.last_seen
+            worker.step_predicted_s = msg.predicted_s
         elif isinstance(msg, CacheStats):
             worker.cache = msg
         elif isinstance(msg, CacheCleared):

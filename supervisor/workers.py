@@ -73,6 +73,9 @@ class Worker:
     evict_reason: str | None = None
     kill_reason: str | None = None  # why the supervisor killed it (hang, load timeout)
     last_seen: float = field(default_factory=time.monotonic)  # any message: the loop is turning
+    step_started: float | None = None  # when it last announced a long step (StepStarted) ...
+    step_predicted_s: float = 0.0  # ... and that step's predicted duration
+    killing: asyncio.Task | None = None  # the hang kill: stacks dumped, then SIGKILL
     progress: Progress = field(default_factory=lambda: Progress("starting", 0.0))
     progressed: asyncio.Event = field(default_factory=asyncio.Event)  # replaced after each set
     gone: asyncio.Event = field(default_factory=asyncio.Event)

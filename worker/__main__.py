@@ -7,11 +7,14 @@ command line, and it goes on as that model's worker. Signal handlers only flip f
 the lifeline thread watches stdin (a pipe from the supervisor) and flips `parent_gone` on EOF,
 so the worker exits by itself when its supervisor dies, even by SIGKILL, on any OS. If the
 loop does not get out in time after that, the lifeline ends the process hard.
+DUMP_STACKS_SIGNAL (SIGUSR1) makes faulthandler write every thread's Python stack to stderr,
+which the supervisor keeps in this worker's log: it asks for them before it kills a hung worker.
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib
 import logging
 import os
@@ -20,7 +23,7 @@ import sys
 import threading
 from pathlib import Path
 
-from protocol.messages import EXIT_CRASHED, EXIT_LOAD_FAILED, EXIT_OK, EXIT_PARENT_GONE
+from protocol.messages import DUMP_STACKS_SIGNAL, EXIT_CRASHED, EXIT_LOAD_FAILED, EXIT_OK, EXIT_PARENT_GONE
 
 PARENT_GONE_GRACE_S = 5.0
 FAULTS = {
@@ -32,6 +35,7 @@ FAULTS = {
     "ssd-stall": "the SSD writer stops halfway through a block (to be killed mid-write)",
     "ssd-slow": "the SSD writer is slow",
     "crash-in-loop": "raise an unexpected exception in the loop while a request runs",
+    "step-raises": "the engine's step raises (as MLX or mlx-lm may), leaving its generator unusable",
 }
 
 
@@ -44,8 +48,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--identity", required=True, help="this worker's routing identity")
     p.add_argument("--heartbeat-s", type=float, default=1.0)
     p.add_argument("--max-batch-size", type=int, default=32)
-    p.add_argument("--prefill-step-size", type=int, default=512,
-                   help="prompt tokens per engine step: bounds a step's time, so heartbeats show prefill progress")
+    p.add_argument("--prefill-step-size", type=int, default=2048,
+                   help="the most prompt tokens of one sequence an engine step prefills (time bounds it below)")
+    p.add_argument("--step-target-s", type=float, default=0.25,
+                   help="an engine step's target duration: each prefill chunk is sized to it from measured speed")
     p.add_argument("--lifeline", action="store_true", help="exit when stdin reaches EOF")
     p.add_argument("--hot-cache-bytes", type=int, default=0, help="hot prefix cache budget (0: off)")
     p.add_argument("--ssd-cache-root", type=Path, default=None,
@@ -84,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("worker")
+    # Evidence before a kill: the supervisor asks a worker it declares hung for every thread's Python
+    # stack; faulthandler writes it from the signal itself (no GIL, no loop needed) to stderr, its log.
+    faulthandler.register(DUMP_STACKS_SIGNAL, file=sys.stderr, all_threads=True)
 
     import zmq
 
@@ -176,7 +185,7 @@ def serve_model(args: argparse.Namespace, sock, flags, log: logging.Logger) -> i
                              args.cache_block_tokens, args.cache_close_s, tuple(args.fault))
         engine = Engine(args.model_path, max_batch_size=args.max_batch_size,
                         prefill_step_size=args.prefill_step_size, report=report, cache=cache,
-                        model_id=args.model_id)
+                        model_id=args.model_id, step_target_s=args.step_target_s)
     except Exception as exc:
         log.error("[load] model=%s path=%s failed: %s", args.model_id, args.model_path, exc)
         return EXIT_LOAD_FAILED

@@ -5,6 +5,11 @@ in flight the loop polls the socket without waiting and steps the engine; idle, 
 the socket up to one heartbeat interval. Heartbeats come from this loop, so a heartbeat
 proves the generation loop turns, not merely that a socket is open.
 
+Each step is sized by the engine to a time target (worker/step_cost.py), so the loop turns
+several times a second even while a long prompt is prefilled. A step predicted to take a
+sizeable part of a heartbeat interval is announced first (StepStarted, with its prediction), so
+the supervisor can tell a slow step from a stuck one; decode steps, short, are never announced.
+
 Signals and the lifeline only flip flags (see worker/__main__.py); the loop acts on them.
 """
 
@@ -35,6 +40,7 @@ from protocol.messages import (
     Heartbeat,
     Message,
     Ready,
+    StepStarted,
     Submit,
     Tokens,
 )
@@ -42,6 +48,8 @@ from worker.mlx_engine.engine import Engine, RequestRejected, process_memory_byt
 from worker.shutdown import Shutdown
 
 log = logging.getLogger(__name__)
+
+ANNOUNCE_FRACTION = 0.5  # a step predicted to take more than this part of a heartbeat interval is announced
 
 
 @dataclass
@@ -172,12 +180,18 @@ class WorkerLoop:
         if "crash-in-loop" in self._faults:  # testing: an exception no handler here expects
             raise RuntimeError("fault: crash-in-loop")
         try:
+            plan = self.engine.plan_step()
+            if plan.predicted_s > ANNOUNCE_FRACTION * self.heartbeat_s:
+                self.send(StepStarted(round(plan.predicted_s, 4), plan.prefill_tokens, plan.decoding))
             chunks, finished = self.engine.step()
+            if "step-raises" in self._faults:  # testing: MLX or mlx-lm failing inside a step
+                raise RuntimeError("fault: step-raises")
         except Exception as exc:
-            log.exception("[step] generation failed; failing the batch")
+            # mlx-lm leaves a BatchGenerator that raised mid-step unusable: fail the batch, then end the
+            # process (a crash the supervisor sees) rather than fail every later request while looking healthy
             for f in self.engine.fail_all(INTERNAL_ERROR, f"generation failed: {exc}"):
                 self.send(f)
-            return
+            raise
         if chunks:
             self.send(Tokens(chunks))
         for f in finished:

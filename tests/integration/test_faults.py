@@ -17,7 +17,7 @@ import pytest
 import zmq
 
 from protocol.messages import PROTOCOL_VERSION
-from tests.conftest import Daemon, assert_gone, start_daemon, wait_for
+from tests.conftest import Daemon, assert_gone, make_model, start_daemon, wait_for
 
 LONG = {"max_tokens": 8000, "extra_body": {"ignore_eos": True}}
 
@@ -143,6 +143,26 @@ worker_args = ["--fault", "crash-in-loop"]
     assert "[crash]" in (d.state_dir / "daemon.log").read_text()
 
 
+def test_a_failed_engine_step_fails_the_batch_and_ends_the_worker(daemon_factory, model_dir: Path,
+                                                                  tmp_path: Path) -> None:
+    """A generator that raised mid-step is unusable: the worker must not stay up failing every request."""
+    d = daemon_factory("--config", config(tmp_path, "step", f"""
+[server]
+crash_limit = 5
+
+[models.flaky]
+path = "{model_dir / 'tiny'}"
+worker_args = ["--fault", "step-raises"]
+"""))
+    pid = load(d, "flaky")
+    r = httpx.post(d.v1 + "/completions", json={"model": "flaky", "prompt": "x", "max_tokens": 5}, timeout=60)
+    assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
+    assert "fault: step-raises" in r.json()["error"]["message"]
+    assert_gone([pid])
+    status = wait_for(lambda: (m := d.model("flaky"))["crashes"] == 1 and m, 10, what="the crash to be recorded")
+    assert "code 7" in status["last_error"]
+
+
 def _broken_model(path: Path) -> None:
     path.mkdir()
     (path / "config.json").write_text(json.dumps({"model_type": "llama"}))
@@ -164,6 +184,36 @@ housekeeping_s = 0.1
     print(f"hang detected and the stream failed {seconds:.2f}s after SIGSTOP (timeout 2.0s)")
     assert_gone([pid])
     assert "hung" in d.model("tiny")["last_error"]
+    # evidence before the kill: every thread's Python stack, written by the worker itself into its log
+    worker_log = d.state_dir / "logs" / "worker-tiny.log"
+    stacks = wait_for(lambda: "(most recent call first)" in worker_log.read_text() and worker_log.read_text(), 10,
+                      what="the hung worker's stacks in its log")
+    assert "Thread 0x" in stacks and 'File "' in stacks and "in run" in stacks  # the loop's frames among them
+    assert "python stacks in" in (d.state_dir / "daemon.log").read_text()
+
+
+def test_a_prefill_longer_than_the_hang_timeout_is_not_a_hang(daemon_factory, tmp_path: Path) -> None:
+    """On this CPU a `small` model prefills ~0.1 s a token: the old fixed step (512 tokens, here the whole
+    ~80-token prompt in one step, ~8 s) ran past a 2 s hang timeout and the worker was killed as hung.
+    Steps bounded by time keep the loop turning, so the request completes on the same worker."""
+    make_model(tmp_path / "small", preset="small")
+    d = daemon_factory("--config", config(tmp_path, "longprefill", f"""
+[server]
+hang_timeout_s = 2.0
+housekeeping_s = 0.1
+
+[models.small]
+path = "{tmp_path / 'small'}"
+"""))
+    pid = load(d, "small")
+    system = "You are a careful assistant. " + "Answer briefly and cite the rule you used. " * 2
+    r = httpx.post(d.v1 + "/chat/completions", timeout=120, json={
+        "model": "small", "max_tokens": 2, "messages": [{"role": "system", "content": system},
+                                                        {"role": "user", "content": "Hello"}]})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] >= 60
+    status = d.model("small")
+    assert status["pid"] == pid and status["crashes"] == 0 and status["last_error"] is None
 
 
 def test_slow_prefill_and_slow_steps_are_not_a_hang(daemon_factory, model_dir: Path, tmp_path: Path) -> None:

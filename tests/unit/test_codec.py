@@ -11,7 +11,7 @@ from protocol.codec import MAX_MESSAGE_BYTES, ProtocolError, VersionMismatch, de
 from tests.unit.golden import GOLDEN_SHA256
 from protocol.messages import (
     ALL_MESSAGES, PROTOCOL_VERSION, Abort, Bye, CacheCleared, CacheStats, ClearCache, Evict, Failed, Finished,
-    Heartbeat, Load, Progress, Ready, Standby, Submit, Tokens,
+    Heartbeat, Load, Progress, Ready, Standby, StepStarted, Submit, Tokens,
 )
 
 SAMPLES = [
@@ -27,6 +27,7 @@ SAMPLES = [
     Finished(rid="r1", text="!", finish_reason="stop", prompt_tokens=3, completion_tokens=4, cached_tokens=2),
     Failed(rid="r1", code="model_evicted", message="gone"),
     Heartbeat(active=1, waiting=0, batch_size=1, max_batch_size=16, generated_tokens=99, memory_bytes=1 << 30),
+    StepStarted(predicted_s=0.75, prefill_tokens=128, decoding=8),
     ClearCache(rid="c1", which="ssd"),
     CacheStats(block_tokens=64, hot_entries=3, hot_bytes=3 << 20, hot_budget_bytes=1 << 30, hot_hits=2, hot_misses=1,
                hot_hit_tokens=128, ssd_enabled=True, ssd_entries=5, ssd_bytes=5 << 20, ssd_cap_bytes=8 << 30,

@@ -1,10 +1,12 @@
-"""Eviction policy as tables: pure functions of worker snapshots."""
+"""Lifecycle policy as tables: pure functions of worker snapshots, and the hang verdict."""
 
 from __future__ import annotations
 
 import pytest
 
-from supervisor.policy import Admission, WorkerView, admit, pressure_level, pressure_victim, ttl_expired
+from supervisor.policy import (
+    STEP_OVERRUN, Admission, WorkerView, admit, hang_reason, pressure_level, pressure_victim, ttl_expired,
+)
 
 MiB = 2**20
 
@@ -58,3 +60,30 @@ def test_ttl_skips_busy_pinned_and_unset() -> None:
              w("fresh", 1, used=9), w("never", 1, used=0)]
     ttls = {"old": 5, "busy": 5, "pin": 5, "fresh": 5, "never": None}
     assert ttl_expired(views, ttls, now=10) == ["old"]
+
+
+@pytest.mark.parametrize("now, last_seen, step_started, predicted, hung", [
+    # no step announced: silent past hang_timeout_s (5 s) is a hang, whatever the loop was doing
+    (104.9, 100.0, None, 0.0, False),
+    (105.1, 100.0, None, 0.0, True),
+    # a step announced as short: the hang timeout still rules (a SIGSTOP mid-step is caught in time)
+    (105.1, 100.0, 100.0, 0.3, True),
+    # a long step announced: allowed STEP_OVERRUN x its prediction, never less than hang_timeout_s
+    (130.0, 100.0, 100.0, 10.0, False),
+    (139.9, 100.0, 100.0, 10.0, False),
+    (140.1, 100.0, 100.0, 10.0, True),
+    (104.0, 100.0, 100.0, 0.5, False),
+    # a message after the announced step ended it: back to the plain timeout
+    (106.1, 101.0, 100.0, 10.0, True),
+    (105.9, 101.0, 100.0, 10.0, False),
+])
+def test_hang_verdict(now: float, last_seen: float, step_started: float | None, predicted: float,
+                      hung: bool) -> None:
+    reason = hang_reason(now, last_seen, 5.0, step_started, predicted)
+    assert (reason is not None) is hung
+    assert STEP_OVERRUN == 4.0
+
+
+def test_hang_reason_says_what_the_loop_was_doing() -> None:
+    assert hang_reason(140.1, 100.0, 5.0, 100.0, 10.0).startswith("a step predicted to take 10.0s has run 40.1s")
+    assert hang_reason(106.0, 100.0, 5.0) == "no message from its generation loop for 6.0s"

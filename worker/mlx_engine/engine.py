@@ -9,6 +9,13 @@ aborted or finished is removed from the BatchGenerator at once, so it costs no m
 With prompt caches (worker/prompt_cache.py), a request joins the batch with its cached prefix
 as its starting cache and only the rest of its prompt to compute; a finished one leaves its
 KV state to the caches. A cache failure is logged and costs only the cache's benefit.
+
+Steps are bounded by time, not by a token count: before each step, the prefill chunk (the
+BatchGenerator's `prefill_step_size`, which it reads on every step) is sized by the step cost
+model (worker/step_cost.py) from what this model's steps measured on this machine, so a step
+stays near `step_target_s` however long the prompt, and streams already decoding keep flowing
+while it is prefilled. The engine follows each request's prefill (tokens left, position) from
+the generator's progress reports, so the plan needs nothing of the generator's internals.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from protocol.messages import (
     Submit,
 )
 from worker.mlx_engine.prompt_cache import CacheOptions, PromptCaches
+from worker.step_cost import PrefillSeq, StepCostModel, StepPlan, StepWork
 from worker.textstream import TextStream
 
 log = logging.getLogger(__name__)
@@ -55,6 +63,8 @@ class Request:
     text: TextStream
     completion_tokens: int = 0
     cached_tokens: int = 0
+    prefill_left: int = 0  # prompt tokens still to prefill (the last one is decoded, not prefilled)
+    position: int = 0  # prompt tokens in its cache so far
 
 
 def process_memory_bytes() -> int:
@@ -90,10 +100,17 @@ def load_with_progress(model_path: Path, report: Callable[[str, float], None]) -
     return model, tokenizer
 
 
+def time_one_token(model) -> float:
+    """Seconds of one token's forward pass: the step cost model's seed, more than a prefilled token costs."""
+    t0 = time.perf_counter()
+    mx.eval(model(mx.array([[0]])))
+    return time.perf_counter() - t0
+
+
 class Engine:
     def __init__(self, model_path: Path, max_batch_size: int = 32, prefill_batch_size: int = 8,
                  prefill_step_size: int = 2048, report: Callable[[str, float], None] = lambda *_: None,
-                 cache: CacheOptions | None = None, model_id: str = "") -> None:
+                 cache: CacheOptions | None = None, model_id: str = "", step_target_s: float = 0.25) -> None:
         t0 = time.perf_counter()
         self.model, self.tokenizer = load_with_progress(model_path, report)
         config = json.loads((model_path / "config.json").read_text())
@@ -110,9 +127,13 @@ class Engine:
             stop_tokens=[[t] for t in eos],
             completion_batch_size=max_batch_size,
             prefill_batch_size=prefill_batch_size,
-            prefill_step_size=prefill_step_size,
+            prefill_step_size=prefill_step_size,  # the most a step takes; the cost model sets each step's
         )
         self.max_batch_size = max_batch_size
+        self.prefill_batch_size = prefill_batch_size
+        self.cost = StepCostModel(step_target_s, prefill_step_size, time_one_token(self.model))
+        self._prefilling: dict[str, Request] = {}  # requests with prompt left to prefill, in arrival order
+        self._plan: StepPlan | None = None
         self._samplers: dict[tuple, object] = {}
         self._by_uid: dict[int, Request] = {}
         self._by_rid: dict[str, Request] = {}
@@ -182,9 +203,11 @@ class Engine:
             stop_sequences=[self._stop_none if msg.ignore_eos else self._stop_eos],
         )
         req = Request(msg.rid, uid, len(tokens), TextStream(self.tokenizer.detokenizer, msg.stop, self._special),
-                      cached_tokens=cached)
+                      cached_tokens=cached, prefill_left=len(tokens) - cached - 1, position=cached)
         self._by_uid[uid] = req
         self._by_rid[msg.rid] = req
+        if req.prefill_left > 0:
+            self._prefilling[msg.rid] = req
 
     def _lookup(self, rid: str, tokens: list[int]) -> tuple[int, list | None]:
         if self.caches is None:
@@ -208,14 +231,48 @@ class Engine:
         if req is None:
             return False
         del self._by_uid[req.uid]
+        self._prefilling.pop(rid, None)
         self.gen.remove([req.uid])
         return True
 
     # --- generation --------------------------------------------------------------------
 
+    def _step_work(self) -> StepWork:
+        """What the next step holds: the generator prefills the oldest prompts, prefill_batch_size at a time."""
+        decoding = len(self._by_rid) - len(self._prefilling)
+        if not self._prefilling or decoding >= self.max_batch_size:
+            return StepWork(decoding)
+        prefill = []
+        for req in self._prefilling.values():
+            prefill.append(PrefillSeq(req.prefill_left, req.position))
+            if len(prefill) == self.prefill_batch_size:
+                break
+        return StepWork(decoding, tuple(prefill))
+
+    def plan_step(self) -> StepPlan:
+        """Size the next step's prefill chunk to the step target; the plan says what it holds and its predicted time."""
+        plan = self._plan = self.cost.plan(self._step_work())
+        self.gen.prefill_step_size = max(plan.chunk, self.cost.min_chunk)
+        return plan
+
+    def _on_prefill_progress(self, uid: int, done: int, total: int) -> None:
+        req = self._by_uid.get(uid)
+        if req is None:
+            return
+        req.prefill_left = max(0, total - 1 - done)
+        req.position = req.cached_tokens + done
+        if req.prefill_left == 0:
+            self._prefilling.pop(req.rid, None)
+
     def step(self) -> tuple[list[list], list[Finished]]:
         """One BatchGenerator step: text chunks [[rid, text, n]] and the requests that finished."""
-        _, responses = self.gen.next()
+        plan = self._plan or self.plan_step()
+        self._plan = None
+        t0 = time.perf_counter()
+        progress, responses = self.gen.next()
+        self.cost.observe(plan, time.perf_counter() - t0)
+        for p in progress:
+            self._on_prefill_progress(p.uid, *p.progress)
         self.peak_batch_size = max(self.peak_batch_size, len(responses))
         chunks: list[list] = []
         finished: list[Finished] = []
@@ -240,6 +297,7 @@ class Engine:
                                      req.cached_tokens))
             del self._by_uid[req.uid]
             del self._by_rid[req.rid]
+            self._prefilling.pop(req.rid, None)
             if r.finish_reason is None:  # a stop string ended it: the generator still runs it
                 cache, tokens = self.gen.remove([req.uid], return_prompt_caches=True).get(req.uid, (None, None))
             else:

@@ -1,0 +1,137 @@
+"""The step cost model against synthetic machines: chunks sized to a time target, learned from measured steps."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from worker.step_cost import GROWTH, NonNegativeFit, PrefillSeq, StepCostModel, StepWork
+
+
+class Machine:
+    """A synthetic machine with known costs: what a real step's wall time would be (seconds)."""
+
+    def __init__(self, a: float, k: float, d0: float = 0.0, d1: float = 0.0, noise: float = 0.0, seed: int = 0) -> None:
+        self.a, self.k, self.d0, self.d1, self.noise = a, k, d0, d1, noise
+        self.rng = random.Random(seed)
+
+    def step_s(self, work: StepWork, chunk: int) -> float:
+        t = self.d0 + self.d1 * work.decoding if work.decoding else 0.0
+        if work.prefill:
+            c = min(chunk, max(s.left for s in work.prefill))
+            t += self.a * c * len(work.prefill) + self.k * sum(c * (s.position + c / 2) for s in work.prefill)
+        return t * (1 + self.rng.uniform(-self.noise, self.noise))
+
+
+def prefill_prompt(model: StepCostModel, machine: Machine, prompt: int, decoding: int = 0,
+                   position: int = 0) -> list[tuple[int, float]]:
+    """Prefill one prompt step by step as the engine does; return (chunk, measured seconds) per step."""
+    steps, left = [], prompt
+    while left > 0:
+        work = StepWork(decoding, (PrefillSeq(left, position + prompt - left),))
+        plan = model.plan(work)
+        elapsed = machine.step_s(work, plan.chunk)
+        model.observe(plan, elapsed)
+        steps.append((plan.chunk, elapsed))
+        left -= plan.chunk
+    return steps
+
+
+def test_fit_recovers_known_coefficients_and_keeps_them_non_negative() -> None:
+    fit = NonNegativeFit(forgetting=1.0)
+    for x1, x2 in [(16, 1), (64, 40), (128, 300), (32, 900), (256, 50)]:
+        fit.add(x1, x2, 0.002 * x1 + 0.0005 * x2)
+    t1, t2 = fit.coef()
+    assert t1 == pytest.approx(0.002, rel=1e-6) and t2 == pytest.approx(0.0005, rel=1e-6)
+    anti = NonNegativeFit(forgetting=1.0)  # data that a negative coefficient would fit best
+    for x1, x2 in [(10, 10), (20, 10), (30, 10)]:
+        anti.add(x1, x2, 1.0 - 0.01 * x1)
+    assert all(t >= 0 for t in anti.coef())
+    assert NonNegativeFit().coef() is None
+
+
+def test_first_chunk_is_small_before_any_measurement() -> None:
+    model = StepCostModel(target_s=0.25, max_chunk=2048, seed_token_s=0.005)
+    plan = model.plan(StepWork(0, (PrefillSeq(10_000, 0),)))
+    assert plan.chunk == 50  # 0.25 s at the seed's (pessimistic) 5 ms per token
+    assert plan.predicted_s == pytest.approx(0.25)
+
+
+def test_steps_settle_on_the_target_on_a_slow_cpu() -> None:
+    """A `small`-like model on this CPU: ~0.1 s a token, growing with position. The old fixed 512-token step
+    would take ~60 s; every step after the first few stays near the 0.25 s target."""
+    cpu = Machine(a=0.09, k=0.00003, noise=0.05)
+    model = StepCostModel(target_s=0.25, max_chunk=2048, seed_token_s=0.11, min_chunk=1)
+    steps = prefill_prompt(model, cpu, prompt=300)
+    assert sum(c for c, _ in steps) >= 300
+    assert max(t for _, t in steps[3:]) < 0.25 * 1.5
+    assert cpu.step_s(StepWork(0, (PrefillSeq(512, 0),)), 512) > 40  # what one old step cost
+
+
+def test_chunks_shrink_as_attention_grows_with_position() -> None:
+    gpu = Machine(a=0.00005, k=0.00000002)
+    model = StepCostModel(target_s=0.25, max_chunk=8192, seed_token_s=0.004)
+    steps = prefill_prompt(model, gpu, prompt=60_000)
+    chunks = [c for c, _ in steps]
+    late = [t for _, t in steps[len(steps) // 2:]]
+    assert chunks[-2] < max(chunks)  # the late chunks are smaller than the largest
+    assert max(late) < 0.25 * 1.5
+
+
+def test_growth_is_bounded_by_the_largest_measured_chunk() -> None:
+    fast = Machine(a=1e-6, k=0.0)
+    model = StepCostModel(target_s=0.25, max_chunk=100_000, seed_token_s=0.01)
+    steps = prefill_prompt(model, fast, prompt=50_000)
+    chunks = [c for c, _ in steps]
+    assert chunks[0] == 25
+    for before, after in zip(chunks, chunks[1:]):
+        assert after <= max(model.min_chunk, GROWTH * before) or after == chunks[-1]
+
+
+def test_chunk_respects_min_and_max_and_what_is_left() -> None:
+    model = StepCostModel(target_s=0.25, max_chunk=512, seed_token_s=1e-6)
+    assert model.plan(StepWork(0, (PrefillSeq(100_000, 0),))).chunk == 512  # max_chunk
+    assert model.plan(StepWork(0, (PrefillSeq(40, 0),))).chunk == 40  # only what is left
+    slow = StepCostModel(target_s=0.25, max_chunk=512, seed_token_s=10.0, min_chunk=16)
+    plan = slow.plan(StepWork(0, (PrefillSeq(1000, 0),)))
+    assert plan.chunk == 16 and plan.predicted_s == pytest.approx(160.0)  # over the target, and says so
+
+
+def test_sequences_prefilled_together_share_the_budget() -> None:
+    model = StepCostModel(target_s=0.25, max_chunk=4096, seed_token_s=0.001)
+    one = model.plan(StepWork(0, (PrefillSeq(10_000, 0),)))
+    four = model.plan(StepWork(0, tuple(PrefillSeq(10_000, 0) for _ in range(4))))
+    assert one.chunk == 250 and four.chunk == 62
+    assert four.prefill_tokens == 4 * 62
+
+
+def test_decoding_takes_its_part_of_the_step_and_never_starves() -> None:
+    model = StepCostModel(target_s=0.25, max_chunk=4096, seed_token_s=0.001)
+    for _ in range(5):  # decode-only steps: 8 sequences, 0.05 s
+        model.observe(model.plan(StepWork(8)), 0.05)
+    assert model.decode_s(8) == pytest.approx(0.05, rel=0.01)
+    plan = model.plan(StepWork(8, (PrefillSeq(10_000, 0),)))
+    assert plan.chunk == 200 and plan.predicted_s == pytest.approx(0.25, rel=0.01)  # 0.20 s left for prefill
+    busy = StepCostModel(target_s=0.25, max_chunk=4096, seed_token_s=0.001)
+    for _ in range(5):  # decoding alone takes longer than the target: prefill gets as much as decoding
+        busy.observe(busy.plan(StepWork(32)), 0.8)
+    assert busy.plan(StepWork(32, (PrefillSeq(10_000, 0),))).chunk in (799, 800)  # 0.8 s at 1 ms a token
+
+
+def test_decode_cost_is_learned_apart_from_prefill() -> None:
+    cpu = Machine(a=0.01, k=0.0, d0=0.002, d1=0.02)
+    model = StepCostModel(target_s=0.5, max_chunk=4096, seed_token_s=0.05)
+    for n in (1, 2, 4, 8, 4, 8):
+        model.observe(model.plan(StepWork(n)), cpu.step_s(StepWork(n), 0))
+    steps = prefill_prompt(model, cpu, prompt=2000, decoding=8)
+    assert model.decode_s(8) == pytest.approx(0.162, rel=0.01)
+    assert max(t for _, t in steps[3:]) < 0.5 * 1.2
+    assert min(c for c, _ in steps[3:-1]) >= 30  # (0.5 - 0.162) / 0.01 per token
+
+
+def test_decode_only_step_predictions_need_no_prefill() -> None:
+    model = StepCostModel(target_s=0.25, max_chunk=2048, seed_token_s=0.1)
+    plan = model.plan(StepWork(3))
+    assert plan.prefill_tokens == 0 and plan.predicted_s == pytest.approx(0.3)
+    assert model.plan(StepWork(0)).predicted_s == 0.0
