@@ -80,8 +80,7 @@ class Router:
             return
         self._watch_liveness(time.monotonic())
         views = self._views()
-        ttls = {w.spec.id: (w.spec.ttl_s if w.spec.ttl_s is not None else s.default_ttl_s)
-                for w in self.workers.values()}
+        ttls = {w.spec.id: s.model_ttl(w.spec) for w in self.workers.values()}
         for model_id in policy.ttl_expired(views, ttls, time.monotonic()):
             self._begin_evict(self.workers[model_id], "drain", None, "ttl")
         victim = policy.pressure_victim(self._views(), level)
@@ -197,7 +196,7 @@ class Router:
         st = self.settings
         args = model_args(spec.path, spec.id, st.max_batch_size, st.prefill_step_size, spec.worker_args,
                           tuple(st.model_cache(spec).worker_args(st.state_dir)))
-        log_path = st.log_dir / f"worker-{spec.id.replace('/', '--')}.log"
+        log_path = st.worker_log(spec.id)
         spare = self.spare if self.spare is not None and self.spare.standing_by else None
         if spare is not None:
             self.spare = None
@@ -237,8 +236,7 @@ class Router:
         self._spawned += 1
         identity = f"spare#{self._spawned}".encode()
         argv = worker_argv(self.transport.endpoint, identity.decode(), self.settings.heartbeat_s, ["--spare"])
-        spare = Spare(identity, WorkerProcess("spare", argv, self.settings.log_dir / "worker-spare.log",
-                                              pid_dir=self.runtime_dir))
+        spare = Spare(identity, WorkerProcess("spare", argv, self.settings.worker_log("spare"), pid_dir=self.runtime_dir))
         self.spare = spare
         asyncio.create_task(self._run_spare(spare), name="run[spare]")
 
@@ -464,7 +462,7 @@ class Router:
         worker = self.workers.get(model_id)
         record = self.records.get(model_id, ModelRecord())
         spec = self.registry.specs[model_id]
-        ttl = spec.ttl_s if spec.ttl_s is not None else self.settings.default_ttl_s
+        ttl = self.settings.model_ttl(spec)
         status = {"id": model_id, "state": State.STOPPED.value, "pid": None, "memory_bytes": None, "in_flight": 0,
                   "queued": 0, "leases": 0, "idle_s": None, "ttl_s": ttl, "ttl_remaining_s": None,
                   "pinned": spec.pinned, "restarts": max(0, record.starts - 1), "crashes": record.crashes,

@@ -18,18 +18,17 @@ import zmq.asyncio
 
 from protocol.codec import ProtocolError, VersionMismatch, decode, encode
 from protocol.messages import Message
+from supervisor.config import router_socket
 
 log = logging.getLogger(__name__)
-
-IPC_PATH_LIMIT = 100
 
 Handler = Callable[[bytes, Message], None]
 Refusal = Callable[[bytes, str], None]
 
 
 def choose_endpoint(runtime_dir: Path) -> str:
-    path = runtime_dir / "router.sock"
-    if zmq.has("ipc") and len(str(path)) < IPC_PATH_LIMIT:
+    path = router_socket(runtime_dir)
+    if zmq.has("ipc") and path is not None:
         return f"ipc://{path}"
     return "tcp://127.0.0.1:0"
 

@@ -142,8 +142,7 @@ def cmd_load(args: argparse.Namespace) -> int:
 
 
 def log_path(settings: Settings, model: str | None) -> Path:
-    name = f"worker-{model.replace('/', '--')}.log" if model else "mlxsup.log"
-    return settings.log_dir / name
+    return settings.worker_log(model) if model else settings.log_dir / "mlxsup.log"
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
