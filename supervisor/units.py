@@ -16,7 +16,7 @@ def parse_size(value: int | float | str) -> int:
     """Bytes from 1234, "512MiB", "8GB", "1.5 GiB"."""
     if isinstance(value, bool):
         raise ValueError(f"not a size: {value!r}")
-    if is_number(value):
+    if isinstance(value, (int, float)):
         return int(value)
     text = value.strip().lower().replace(" ", "")
     number = text.rstrip("kmgtib")
