@@ -1,5 +1,8 @@
 """`mlxsup serve`: assemble router, transport and gateway on one event loop, and run until told to stop.
 
+`build_router` is where the router meets the real world: the ZeroMQ transport, `python -m worker`
+processes, this machine's memory, the system clock and the gateway's metrics (effects.py).
+
 Start-up checks come first, before any worker exists: the state directory is ours, every
 model folder exists, there is something to serve, and the HTTP port is bound. A failure there
 is a StartupError: one line, no process left, and an exit status that tells a service manager

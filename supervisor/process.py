@@ -6,7 +6,8 @@ even by SIGKILL, the OS closes it and the worker sees EOF and exits (the lifelin
 macOS where there is no parent-death signal). The worker runs in its own session so a terminal's
 Ctrl-C reaches only the supervisor, which then orders the exit.
 
-Invariant: `exited` is set only after the process has been reaped.
+Invariant: `exited` is set only after the process has been reaped. WorkerProcess is the real
+effects.WorkerHandle; the router makes one through the Spawn that daemon.build_router gives it.
 """
 
 from __future__ import annotations
