@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from supervisor.units import parse_size
+from supervisor.units import is_number, parse_size
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ def parse_cache(table: object, where: str, base: Path) -> CacheConfig:
             value = Path(value).expanduser()
             value = value if value.is_absolute() else (base / value).resolve()
         elif key == "block_tokens":
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 4096:
+            if not is_number(value, integer=True) or not 1 <= value <= 4096:
                 raise ValueError(f"{name}: must be an integer from 1 to 4096")
         else:
             raise ValueError(f"{name}: unknown key")

@@ -19,12 +19,20 @@ from pathlib import Path
 
 from supervisor.cache_config import DEFAULTS as CACHE_DEFAULTS
 from supervisor.cache_config import CacheConfig, parse_cache
-from supervisor.gateway.guard import host_name, parse_origin
+from supervisor.hosts import host_name, parse_origin
 from supervisor.registry import ModelSpec, from_config
-from supervisor.units import parse_size
+from supervisor.units import is_number, parse_size
 
 DEFAULT_PORT = 8800
 DEMO_MODEL_ID = "demo"
+ROUTER_SOCKET = "router.sock"  # the router's ipc:// socket, in the runtime directory
+IPC_PATH_LIMIT = 100  # an ipc:// socket path must be shorter (sun_path: 104 bytes on macOS, 108 on Linux)
+
+
+def router_socket(run_dir: Path) -> Path | None:
+    """Where the router's ipc:// socket lives, or None when that path is too long for one."""
+    path = run_dir / ROUTER_SOCKET
+    return path if len(str(path)) < IPC_PATH_LIMIT else None
 
 
 class ConfigError(ValueError):
@@ -98,6 +106,14 @@ class Settings:
         """A model's effective cache settings: its own overrides, then [cache], then the defaults."""
         return spec.cache.over(self.cache)
 
+    def model_ttl(self, spec: ModelSpec) -> float | None:
+        """A model's idle TTL: its own, else the server's default; None: never."""
+        return spec.ttl_s if spec.ttl_s is not None else self.default_ttl_s
+
+    def worker_log(self, model_id: str) -> Path:
+        """The log file of a model's worker (`spare` for the spare's)."""
+        return self.log_dir / f"worker-{model_id.replace('/', '--')}.log"
+
     def ceiling(self, total: int) -> int:
         if self.memory_ceiling_bytes is not None:
             return self.memory_ceiling_bytes
@@ -138,11 +154,11 @@ def _apply_memory(section: dict, settings: "Settings", path: Path) -> None:
             raise ConfigError(f"{path}: memory.{key}: unknown key")
         try:
             if key in ("pressure_soft", "pressure_hard"):
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+                if not is_number(value) or not 0 < value <= 1:
                     raise ValueError("a fraction between 0 and 1")
                 value = float(value)
             elif key == "max_loaded_models":
-                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                if not is_number(value, integer=True) or value < 1:
                     raise ValueError("a positive integer")
             else:
                 value = parse_size(value)
@@ -200,7 +216,7 @@ def runtime_dir(state_dir: Path) -> Path:
     short one under the temp dir derived from the state dir, so a restart finds it again.
     """
     path = state_dir / "run"
-    if len(str(path / "router.sock")) >= 100:
+    if router_socket(path) is None:
         digest = hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:12]
         path = Path(tempfile.gettempdir()) / f"mlxsup-{os.getuid()}-{digest}"
     path.mkdir(parents=True, exist_ok=True)
@@ -247,17 +263,13 @@ def resolve(config: str | None = None, overrides: dict | None = None) -> tuple[S
 
 def describe(settings: Settings, path: Path | None) -> dict:
     """The effective configuration as plain data, secrets redacted (for `mlxsup config show`)."""
+    from supervisor.memory import system_total  # psutil: paid only here, not by every command that reads config
+
     skip = {"models"}
     server = {f.name: getattr(settings, f.name) for f in fields(settings) if f.name not in skip}
     server["api_key"] = "<set>" if settings.api_key else None
-    server["memory_ceiling_effective_bytes"] = settings.ceiling(_total_memory())
+    server["memory_ceiling_effective_bytes"] = settings.ceiling(system_total())
     models = {m.id: {"path": str(m.path), "aliases": list(m.aliases), "ttl_s": m.ttl_s, "pinned": m.pinned,
                      "worker_args": list(m.worker_args)} for m in settings.models}
     return json.loads(json.dumps({"config_file": str(path) if path else None, "settings": server,
                                   "models": models}, default=str))
-
-
-def _total_memory() -> int:
-    import psutil
-
-    return int(psutil.virtual_memory().total)

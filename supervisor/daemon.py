@@ -1,5 +1,8 @@
 """`mlxsup serve`: assemble router, transport and gateway on one event loop, and run until told to stop.
 
+`build_router` is where the router meets the real world: the ZeroMQ transport, `python -m worker`
+processes, this machine's memory, the system clock and the gateway's metrics (effects.py).
+
 Start-up checks come first, before any worker exists: the state directory is ours, every
 model folder exists, there is something to serve, and the HTTP port is bound. A failure there
 is a StartupError: one line, no process left, and an exit status that tells a service manager
@@ -24,15 +27,20 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import uvicorn
 
-from supervisor.gateway.app import build_app
+from supervisor import memory
 from supervisor.config import DEMO_MODEL_ID, Settings, runtime_dir
-from supervisor.process import reap_stale
+from supervisor.effects import SystemClock
+from supervisor.gateway.app import build_app
+from supervisor.gateway.metrics import Metrics
+from supervisor.process import WorkerProcess, reap_stale
 from supervisor.registry import ModelSpec, Registry, is_model_dir, weights_bytes
 from supervisor.router import Router
+from supervisor.transport import Transport
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +122,19 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def build_router(registry: Registry, settings: Settings, run_dir: Path) -> Router:
+    """The router wired to the world: ZeroMQ, `python -m worker` processes, this machine's memory, real time."""
+
+    def spawn(model_id: str, argv: list[str], log_path: Path) -> WorkerProcess:
+        return WorkerProcess(model_id, argv, log_path, pid_dir=run_dir)
+
+    metrics = Metrics()
+    router = Router(registry, settings, transport=Transport(run_dir), spawn=spawn, memory=memory, clock=SystemClock(),
+                    metrics=metrics)
+    metrics.watch(lambda: router.status().to_dict())
+    return router
+
+
 async def serve(settings: Settings) -> int:
     settings.state_dir.mkdir(parents=True, exist_ok=True)
     settings.log_dir.mkdir(parents=True, exist_ok=True)
@@ -122,7 +143,7 @@ async def serve(settings: Settings) -> int:
     listener = listen(settings.host, settings.port)
     run_dir = runtime_dir(settings.state_dir)
     reap_stale(run_dir)
-    router = Router(registry, settings, run_dir)
+    router = build_router(registry, settings, run_dir)
     router.start()
     app = build_app(router, settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,

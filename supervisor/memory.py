@@ -5,6 +5,7 @@ jetsam acts on) via `proc_pid_rusage`; elsewhere psutil's RSS. (USS was tried: i
 how many other workers share the same libraries at that moment, so the same worker measured
 differently from one minute to the next; RSS is stable and errs on the safe side.)
 Never a process-wide MLX gauge: each worker is measured as its own process.
+The module itself is the router's MemoryProbe (effects.py).
 """
 
 from __future__ import annotations

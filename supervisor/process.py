@@ -9,7 +9,8 @@ Ctrl-C reaches only the supervisor, which then orders the exit.
 Before a hang kill, `dump_stacks` asks the worker for its Python stacks (DUMP_STACKS_SIGNAL, then
 SIGCONT so a stopped worker can write them) and waits, bounded, until they are in its log.
 
-Invariant: `exited` is set only after the process has been reaped.
+Invariant: `exited` is set only after the process has been reaped. WorkerProcess is the real
+effects.WorkerHandle; the router makes one through the Spawn that daemon.build_router gives it.
 """
 
 from __future__ import annotations

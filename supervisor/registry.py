@@ -17,6 +17,7 @@ from pathlib import Path
 
 from supervisor.cache_config import CacheConfig, parse_cache
 from supervisor.errors import ModelNotFound
+from supervisor.units import is_number
 
 RESCAN_S = 2.0
 
@@ -93,7 +94,7 @@ def from_config(models: dict, base: Path) -> list[ModelSpec]:
         if not all(isinstance(a, str) for a in [*aliases, *args]):
             raise ValueError(f"models.{model_id}: aliases and worker_args must be lists of strings")
         ttl = entry.get("ttl_s")
-        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl < 0):
+        if ttl is not None and (not is_number(ttl) or ttl < 0):
             raise ValueError(f"models.{model_id}.ttl_s: must be a non-negative number of seconds")
         pinned = entry.get("pinned", False)
         if not isinstance(pinned, bool):

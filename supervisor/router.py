@@ -1,97 +1,69 @@
 """The router: the single owner of the supervisor's state (workers, leases, request streams).
 
-Everything here runs on the one asyncio loop. Rules that keep it race-free:
+Routing, leases, messages from workers, requests with a reply, and status live here; starting,
+watching and stopping workers, and the state itself, in its base (lifecycle.py). Everything runs
+on the one asyncio loop, and every effect goes through the interfaces in effects.py, passed to
+the constructor (daemon.build_router wires the real ones). Rules that keep it race-free:
 - A check-then-act decision never has an `await` in the middle: a worker is picked and its
   lease taken in the same loop turn; a worker is marked `evicting` in the same turn that
   decides to evict it.
 - Slow work (spawn, stop) runs as tasks that report back through futures and events.
-- Message handlers (`_on_<kind>`) never await.
-- A worker's route and accounting are dropped only after its process has been reaped.
-- A hang kill never blocks the loop: the stack dump and the SIGKILL run as a task.
+- Message handlers (`_on_<kind>`, dispatched by HANDLERS) never await.
+- A request with a reply (`ask`) waits on a future in its worker's `replies` table: resolved by
+  the reply's handler, failed when the worker exits. One mechanism for every such request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import signal
-import time
-from pathlib import Path
+import uuid
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any, ClassVar
 
 from protocol.codec import ProtocolError
 from protocol.messages import (
-    EXIT_LOAD_FAILED, Abort, Bye, CacheCleared, CacheStats, Evict, Failed, Finished, Heartbeat, Load, Message,
-    Progress, Ready, Standby, StepStarted, Submit, Tokens,
+    Abort, Bye, CacheCleared, CacheStats, Failed, Finished, Heartbeat, Message, Progress, Ready, Standby,
+    StepStarted, Submit, Tokens,
 )
 from supervisor import cache_admin, errors, policy
-from supervisor.config import Settings
-from supervisor.memory import footprint, system_available, system_total
-from supervisor.gateway.metrics import Metrics
-from supervisor.process import WorkerProcess, exit_meaning, model_args, worker_argv
-from supervisor.registry import ModelSpec, Registry
-from supervisor.transport import Transport
-from supervisor.workers import Lease, ModelRecord, Spare, State, Stream, Worker
-
-__all__ = ["Lease", "ModelRecord", "Router", "Spare", "State", "Stream", "Worker"]
+from supervisor.lifecycle import Lifecycle, MetricsT
+from supervisor.registry import ModelSpec
+from supervisor.reports import LoadProgress, ModelStatus, SpareStatus, Status
+from supervisor.workers import ModelRecord, State, Stream, Worker
 
 log = logging.getLogger(__name__)
 
-STACK_DUMP_WAIT_S = 1.0  # how long a hang kill waits for the worker's stacks before SIGKILL
+
+class Lease:
+    """A request's claim on a worker, taken when routed and released when its response ends."""
+
+    def __init__(self, router: Router[Any], worker: Worker) -> None:
+        self._router = router
+        self.worker = worker
+        self.released = False
+
+    def submit(self, msg: Submit) -> Stream:
+        return self._router._submit(self.worker, msg)
+
+    def abort(self, rid: str) -> None:
+        self._router._abort(self.worker, rid)
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self._router._release(self.worker)
 
 
-class Router:
-    def __init__(self, registry: Registry, settings: Settings, runtime_dir: Path) -> None:
-        self.registry = registry
-        self.settings = settings
-        self.runtime_dir = runtime_dir
-        self.transport = Transport(runtime_dir, self._on_message, self._on_refused)
-        self.workers: dict[str, Worker] = {}
-        self.records: dict[str, ModelRecord] = {}
-        self._by_identity: dict[bytes, Worker] = {}
-        self._spawned = 0
-        self._housekeeping: asyncio.Task | None = None
-        self.spare: Spare | None = None
-        self._pressure: str | None = None
-        self.shutting_down = False
-        self.metrics = Metrics()
-        self.metrics.watch(self.status)
-
+class Router(Lifecycle[MetricsT]):
     def start(self) -> None:
-        self.transport.start()
+        self.transport.start(self._on_message, self._on_refused)
         for spec in self.registry.specs.values():
             if spec.pinned:
                 self._start(spec)
         self._replenish_spare()
         self._housekeeping = asyncio.create_task(self._keep_house(), name="housekeeping")
-
-    # --- TTL and memory pressure -------------------------------------------------------
-
-    async def _keep_house(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.housekeeping_s)
-            try:
-                self._housekeep()
-            except Exception:
-                log.exception("[housekeeping] failed; going on")
-
-    def _housekeep(self) -> None:
-        s = self.settings
-        level = policy.pressure_level(system_available(), system_total(), s.pressure_soft, s.pressure_hard)
-        self._pressure = level
-        if level is not None and self.spare is not None:  # the spare is pure overhead: it goes first
-            asyncio.create_task(self._stop_spare(), name="stop[spare]")
-        if not self.workers:
-            return
-        self._watch_liveness(time.monotonic())
-        views = self._views()
-        ttls = {w.spec.id: (w.spec.ttl_s if w.spec.ttl_s is not None else s.default_ttl_s)
-                for w in self.workers.values()}
-        for model_id in policy.ttl_expired(views, ttls, time.monotonic()):
-            self._begin_evict(self.workers[model_id], "drain", None, "ttl")
-        victim = policy.pressure_victim(self._views(), level)
-        if victim is not None:
-            model_id, busy = victim
-            self._begin_evict(self.workers[model_id], "now" if busy else "drain", None, f"pressure-{level}")
 
     # --- routing -----------------------------------------------------------------------
 
@@ -110,13 +82,13 @@ class Router:
                 raise errors.ShuttingDown("the server is shutting down")
             worker = self.workers.get(spec.id)
             if worker is None:
-                now = time.monotonic()
+                now = self.clock.monotonic()
                 if record.failed_until > now:
                     raise errors.ModelLoadFailed(
                         f"the model '{spec.id}' is marked failed ({record.last_error}); it is tried again in "
                         f"{record.failed_until - now:.0f}s, or now with an explicit load")
                 if record.backoff_until > now:
-                    await asyncio.sleep(record.backoff_until - now)
+                    await self.clock.sleep(record.backoff_until - now)
                     continue
                 decision = policy.admit(self._estimate(spec), self._views(), self.ceiling,
                                         self.settings.max_loaded_models)
@@ -142,23 +114,6 @@ class Router:
 
     async def _evictions_done(self) -> None:
         await asyncio.gather(*(w.gone.wait() for w in list(self.workers.values()) if w.state is State.EVICTING))
-
-    @property
-    def ceiling(self) -> int:
-        return self.settings.ceiling(system_total())
-
-    def _estimate(self, spec: ModelSpec) -> int:
-        return spec.weights_bytes + self.settings.worker_overhead_bytes
-
-    def _bytes(self, worker: Worker) -> int:
-        measured = footprint(worker.pid) if worker.pid else None
-        if worker.state is State.LOADING:
-            return max(measured or 0, self._estimate(worker.spec))
-        return measured if measured is not None else self._estimate(worker.spec)
-
-    def _views(self) -> list[policy.WorkerView]:
-        return [policy.WorkerView(w.spec.id, w.state.value, self._bytes(w), w.leases > 0, w.spec.pinned, w.last_used)
-                for w in self.workers.values()]
 
     def _insufficient(self, spec: ModelSpec, decision: policy.Admission) -> errors.InsufficientMemory:
         views = self._views()
@@ -200,209 +155,61 @@ class Router:
         if worker.streams.pop(rid, None) is not None:
             self.transport.send(worker.identity, Abort(rid))
 
-    # --- worker lifecycle --------------------------------------------------------------
+    def _release(self, worker: Worker) -> None:
+        worker.leases -= 1
+        worker.last_used = self.clock.monotonic()
 
-    def _start(self, spec: ModelSpec) -> Worker:
-        """A worker for `spec`: the spare on standby if there is one (its imports are paid), else a new process."""
-        st = self.settings
-        args = model_args(spec.path, spec.id, st.max_batch_size, st.prefill_step_size, spec.worker_args,
-                          tuple(st.model_cache(spec).worker_args(st.state_dir)), step_target_s=st.step_target_s)
-        log_path = st.log_dir / f"worker-{spec.id.replace('/', '--')}.log"
-        spare = self.spare if self.spare is not None and self.spare.standing_by else None
-        if spare is not None:
-            self.spare = None
-            identity, process = spare.identity, spare.process
-            process.assign(spec.id, log_path)
-        else:
-            self._spawned += 1
-            identity = f"{spec.id}#{self._spawned}".encode()
-            argv = worker_argv(self.transport.endpoint, identity.decode(), st.heartbeat_s, args)
-            process = WorkerProcess(spec.id, argv, log_path, pid_dir=self.runtime_dir)
-        worker = Worker(spec, identity, asyncio.get_running_loop().create_future(), process=process)
-        worker.ready.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved by design
-        self.workers[spec.id] = worker
-        self._by_identity[identity] = worker
-        self.records.setdefault(spec.id, ModelRecord()).starts += 1
-        if spare is not None:
-            log.info("[load] model=%s on the spare pid=%s", spec.id, process.pid)
-            self.transport.send(identity, Load(args=args))
-        self._replenish_spare()  # at most one spawn per load: a spare that keeps dying cannot loop
-        asyncio.create_task(self._run(worker), name=f"run[{spec.id}]")
-        return worker
+    # --- requests with a reply ---------------------------------------------------------
 
-    async def _run(self, worker: Worker) -> None:
-        assert worker.process is not None
-        if worker.process.proc is None:
-            try:
-                await worker.process.start()
-            except OSError as exc:
-                self._on_exited(worker, f"could not start the worker: {exc}")
-                return
-        await worker.process.exited.wait()
-        self._on_exited(worker)
+    async def ask(self, model_id: str, build: Callable[[str], Message], timeout_s: float) -> Message | None:
+        """Send `build(rid)` to the model's worker and return its reply; None when no worker runs.
 
-    def _replenish_spare(self) -> None:
-        if self.spare is not None or not self.settings.spare_workers or self.shutting_down or self._pressure:
-            return
-        self._spawned += 1
-        identity = f"spare#{self._spawned}".encode()
-        argv = worker_argv(self.transport.endpoint, identity.decode(), self.settings.heartbeat_s, ["--spare"])
-        spare = Spare(identity, WorkerProcess("spare", argv, self.settings.log_dir / "worker-spare.log",
-                                              pid_dir=self.runtime_dir))
-        self.spare = spare
-        asyncio.create_task(self._run_spare(spare), name="run[spare]")
-
-    async def _run_spare(self, spare: Spare) -> None:
-        try:
-            await spare.process.start()
-        except OSError as exc:
-            log.error("[spare] could not start: %s", exc)
-        await spare.process.exited.wait()
-        if self.spare is spare:  # it died on standby; the next load spawns a fresh worker and a new spare
-            self.spare = None
-            log.warning("[spare] exited on standby with code %s", spare.process.returncode)
-
-    async def _stop_spare(self) -> None:
-        spare, self.spare = self.spare, None
-        if spare is not None:
-            await spare.process.stop(0.0, self.settings.kill_timeout_s)  # SIGTERM: it leaves its standby
-
-    def kill_all(self, why: str) -> None:
-        """The forced exit (a second Ctrl-C): SIGKILL every worker process, the spare too."""
-        for process in [w.process for w in self.workers.values()] + [self.spare.process if self.spare else None]:
-            if process is not None:
-                process.signal(signal.SIGKILL, why)
-
-    def _on_exited(self, worker: Worker, reason: str | None = None) -> None:
-        spec = worker.spec
-        record = self.records[spec.id]
-        rc = worker.process.returncode if worker.process else None
-        tail = list(worker.process.stderr_tail) if worker.process else []
-        evicted = worker.state is State.EVICTING
-        if not evicted:
-            meaning = exit_meaning(rc)
-            record.last_error = (reason or worker.kill_reason or f"worker exited with code {rc}"
-                                 + (f" ({meaning})" if meaning else "") + (f": {tail[-1]}" if tail else ""))
-            record.last_stderr = tail[-10:]
-            record.note_crash(time.monotonic(), self.settings, load_failed=rc == EXIT_LOAD_FAILED)
-            log.error("[crash] model=%s pid=%s exit=%s: %s", spec.id, worker.pid, rc, record.last_error)
-            self.metrics.crashes.labels(spec.id).inc()
-            if worker.info is None:
-                self.metrics.loads.labels(spec.id, "failed").inc()
-        record.last_exit = rc
-        if not worker.ready.done():
-            worker.ready.set_exception(
-                errors.ModelEvicted(f"the model '{spec.id}' was evicted while it was loading") if evicted
-                else errors.ModelLoadFailed(f"the model '{spec.id}' failed to load: {record.last_error}"))
-        error: errors.MlxsupError = (
-            errors.ModelEvicted(f"the model '{spec.id}' was evicted") if evicted
-            else errors.WorkerDied(f"the worker of '{spec.id}' exited unexpectedly (code {rc})"))
-        for stream in worker.streams.values():
-            stream.fail(error)
-        worker.streams.clear()
-        for pending in worker.clears.values():
-            if not pending.done():
-                pending.set_exception(error)
-        worker.clears.clear()
-        worker.state = State.STOPPED if evicted else State.FAILED
-        if self.workers.get(spec.id) is worker:
-            del self.workers[spec.id]
-        self._by_identity.pop(worker.identity, None)
-        worker.gone.set()
-
-    async def evict(self, name: str, mode: str = "drain", timeout_s: float | None = None,
-                    reason: str = "api") -> dict:
-        """Run the eviction sequence and wait until the process is reaped. Joins one in progress."""
-        spec = self.registry.resolve(name)
-        worker = self.workers.get(spec.id)
-        if worker is None:
-            return {"model": spec.id, "evicted": False, "reason": "not loaded"}
-        return await asyncio.shield(self._begin_evict(worker, mode, timeout_s, reason))
-
-    def _begin_evict(self, worker: Worker, mode: str, timeout_s: float | None, reason: str) -> asyncio.Task:
-        """Mark the worker evicting in this very turn and start the sequence; idempotent."""
-        if worker.evicting is None:
-            worker.state = State.EVICTING
-            worker.evict_reason = reason
-            timeout = self.settings.evict_timeout_s if timeout_s is None else timeout_s
-            log.info("[evict] model=%s pid=%s reason=%s mode=%s", worker.spec.id, worker.pid, reason, mode)
-            self.metrics.evictions.labels(worker.spec.id, reason).inc()
-            worker.evicting = asyncio.create_task(self._evict(worker, mode, timeout), name=f"evict[{worker.spec.id}]")
-        elif mode == "now" and worker.info is not None:
-            self.transport.send(worker.identity, Evict(mode="now", deadline_s=0))  # tighten a drain
-        return worker.evicting
-
-    async def _evict(self, worker: Worker, mode: str, timeout_s: float) -> dict:
-        t0 = time.monotonic()
-        pid = worker.pid
-        memory_before = footprint(pid) if pid else None
-        if worker.info is not None:
-            self.transport.send(worker.identity, Evict(mode=mode, deadline_s=timeout_s))
-            grace = timeout_s + self.settings.settle_grace_s
-        else:  # still loading: nothing to drain, the worker turns SIGTERM into its own orderly exit
-            grace = 0.0
-        assert worker.process is not None
-        ladder = await worker.process.stop(grace, self.settings.kill_timeout_s)
-        await worker.gone.wait()
-        bye = worker.bye
-        report = {
-            "model": worker.spec.id,
-            "evicted": True,
-            "reason": worker.evict_reason,
-            "pid": pid,
-            "mode": mode,
-            "memory_before_bytes": memory_before,
-            "duration_s": round(time.monotonic() - t0, 4),
-            "exit": ladder.get("exit"),
-            "signals": ladder.get("signals", []),
-            "aborted": bye.aborted if bye else None,
-            "drained": bye.drained if bye else None,
-            "phases_s": {k: round(v, 4) for k, v in bye.phases.items()} if bye else {},
-            "memory_after_settle_bytes": bye.memory_bytes if bye else None,
-        }
-        log.info("[evict] model=%s pid=%s exit=%s signals=%s ms=%d", worker.spec.id, pid, report["exit"],
-                 report["signals"], report["duration_s"] * 1000)
-        self.records[worker.spec.id].last_eviction = {k: report[k] for k in ("reason", "mode", "duration_s", "exit")}
-        return report
-
-    async def shutdown(self) -> list[dict]:
-        """Refuse new work, then evict every worker in parallel, draining up to the deadline."""
-        self.shutting_down = True
-        if self._housekeeping:
-            self._housekeeping.cancel()
-        reports = await asyncio.gather(
-            self._stop_spare(),
-            *(self._begin_evict(w, "drain", self.settings.shutdown_drain_s, "shutdown")
-              for w in list(self.workers.values())),
-            return_exceptions=True)
-        await self.transport.close()
-        return [r for r in reports if isinstance(r, dict)]
-
-    def _watch_liveness(self, now: float) -> None:
-        """Kill workers whose loop stopped turning (see policy.hang_reason) or whose load stalls."""
-        s = self.settings
-        for worker in list(self.workers.values()):
-            if worker.kill_reason is not None:
+        Waits out a load (the ready worker answers) and an eviction; a worker that exits before
+        it answers fails the pending reply, and the model is looked at again. None is returned in
+        the turn that found no worker, so a caller that acts on it before its next await acts
+        while none can start. Raises WorkerDied if the worker is unreachable, TimeoutError
+        after `timeout_s` (on the router's clock).
+        """
+        while True:
+            worker = self.workers.get(model_id)
+            if worker is None:
+                return None
+            if worker.state is State.EVICTING:
+                await worker.gone.wait()
                 continue
-            if worker.state is State.READY:
-                why = policy.hang_reason(now, worker.last_seen, s.hang_timeout_s, worker.step_started,
-                                         worker.step_predicted_s)
-                if why is not None:
-                    self._kill(worker, f"hung: {why}", dump_stacks=True)
-            elif worker.state is State.LOADING and now - worker.started_at > s.load_timeout_s:
-                self._kill(worker, f"the load did not finish within {s.load_timeout_s:.0f}s", dump_stacks=True)
+            if worker.state is State.LOADING:
+                try:
+                    await asyncio.shield(worker.ready)
+                except errors.MlxsupError:
+                    pass
+                continue
+            rid = f"req-{uuid.uuid4().hex[:12]}"
+            reply: asyncio.Future = asyncio.get_running_loop().create_future()
+            reply.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved even if we stop waiting
+            worker.replies[rid] = reply
+            if not self.transport.send(worker.identity, build(rid)):
+                worker.replies.pop(rid, None)
+                raise errors.WorkerDied(f"the worker of '{model_id}' is not reachable")
+            try:
+                return await self._reply_within(reply, timeout_s)
+            except errors.MlxsupError:
+                continue  # it exited before it answered (its exit failed the reply): look again
+            finally:
+                worker.replies.pop(rid, None)
 
-    def _kill(self, worker: Worker, reason: str, dump_stacks: bool = False) -> None:
-        """SIGKILL the worker, recording why; with `dump_stacks`, after it wrote its stacks to its log (a task)."""
-        worker.kill_reason = reason
-        log.error("[kill] model=%s pid=%s by=supervisor: %s", worker.spec.id, worker.pid, reason)
-        if worker.process is None:
-            return
-        if dump_stacks:
-            worker.killing = asyncio.create_task(worker.process.kill_after_stack_dump(STACK_DUMP_WAIT_S, reason),
-                                                 name=f"kill[{worker.spec.id}]")
-        else:
-            worker.process.signal(signal.SIGKILL, reason)
+    async def _reply_within(self, reply: asyncio.Future, timeout_s: float) -> Message:
+        timer = asyncio.ensure_future(self.clock.sleep(timeout_s))
+        try:
+            await asyncio.wait({reply, timer}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            timer.cancel()
+        if not reply.done():
+            raise TimeoutError(f"no reply in {timeout_s:.0f}s")
+        return reply.result()
+
+    async def clear_cache(self, which: str, name: str | None = None) -> dict:
+        """Empty one cache tier of one model (`name`) or of all; see supervisor/cache_admin.py."""
+        return await cache_admin.clear(self, which, name)
 
     # --- messages from workers (never await) -------------------------------------------
 
@@ -414,38 +221,12 @@ class Router:
         if worker is None:
             log.warning("[transport] message kind=%s from unknown worker %r", msg.KIND, identity)
             return
-        worker.last_seen = time.monotonic()
-        if isinstance(msg, Tokens):
-            self._on_tokens(worker, msg)
-        elif isinstance(msg, Finished):
-            stream = worker.streams.pop(msg.rid, None)
-            if stream is not None:
-                stream.queue.put_nowait(msg)
-        elif isinstance(msg, Failed):
-            stream = worker.streams.pop(msg.rid, None)
-            if stream is not None:
-                stream.fail(errors.from_worker(msg.code, msg.message))
-        elif isinstance(msg, Heartbeat):
-            worker.heartbeat = msg
-        elif isinstance(msg, StepStarted):
-            worker.step_started = worker.last_seen
-            worker.step_predicted_s = msg.predicted_s
-        elif isinstance(msg, CacheStats):
-            worker.cache = msg
-        elif isinstance(msg, CacheCleared):
-            pending = worker.clears.pop(msg.rid, None)
-            if pending is not None and not pending.done():
-                pending.set_result(msg)
-        elif isinstance(msg, Ready):
-            self._on_ready(worker, msg)
-        elif isinstance(msg, Progress):
-            worker.progress = msg
-            worker.progressed.set()
-            worker.progressed = asyncio.Event()
-        elif isinstance(msg, Bye):
-            worker.bye = msg
-        else:
+        worker.last_seen = self.clock.monotonic()
+        handler = self.HANDLERS.get(msg.KIND)
+        if handler is None:
             log.warning("[transport] unexpected kind=%s from %r", msg.KIND, identity)
+            return
+        handler(self, worker, msg)
 
     def _on_tokens(self, worker: Worker, msg: Tokens) -> None:
         streams = worker.streams
@@ -459,17 +240,64 @@ class Router:
             if stream is not None:
                 stream.queue.put_nowait((text, n))
 
+    def _on_finished(self, worker: Worker, msg: Finished) -> None:
+        stream = worker.streams.pop(msg.rid, None)
+        if stream is not None:
+            stream.queue.put_nowait(msg)
+
+    def _on_failed(self, worker: Worker, msg: Failed) -> None:
+        stream = worker.streams.pop(msg.rid, None)
+        if stream is not None:
+            stream.fail(errors.from_worker(msg.code, msg.message))
+
+    def _on_reply(self, worker: Worker, msg: CacheCleared) -> None:
+        """A reply (a kind that carries its request's rid, mapped here in HANDLERS): resolves its `ask`."""
+        pending = worker.replies.pop(msg.rid, None)
+        if pending is not None and not pending.done():
+            pending.set_result(msg)
+
     def _on_ready(self, worker: Worker, msg: Ready) -> None:
         worker.info = msg
         if worker.state is State.LOADING:
-            worker.state = State.READY
-            worker.last_used = time.monotonic()
+            worker.move(State.READY)
+            worker.last_used = self.clock.monotonic()
             log.info("[load] model=%s pid=%d ready in %.2fs", worker.spec.id, msg.pid, msg.load_s)
             self.metrics.loads.labels(worker.spec.id, "ok").inc()
-            self.metrics.load_seconds.labels(worker.spec.id).observe(time.monotonic() - worker.started_at)
+            self.metrics.load_seconds.labels(worker.spec.id).observe(self.clock.monotonic() - worker.started_at)
             worker.progressed.set()
         if not worker.ready.done():
             worker.ready.set_result(msg)
+
+    def _on_progress(self, worker: Worker, msg: Progress) -> None:
+        worker.progress = msg
+        worker.progressed.set()
+        worker.progressed = asyncio.Event()
+
+    def _on_heartbeat(self, worker: Worker, msg: Heartbeat) -> None:
+        worker.heartbeat = msg
+
+    def _on_step_started(self, worker: Worker, msg: StepStarted) -> None:
+        worker.step_started = worker.last_seen
+        worker.step_predicted_s = msg.predicted_s
+
+    def _on_cache_stats(self, worker: Worker, msg: CacheStats) -> None:
+        worker.cache = msg
+
+    def _on_bye(self, worker: Worker, msg: Bye) -> None:
+        worker.bye = msg
+
+    HANDLERS: ClassVar[dict[str, Callable[[Router[Any], Worker, Any], None]]] = {
+        Tokens.KIND: _on_tokens,
+        Finished.KIND: _on_finished,
+        Failed.KIND: _on_failed,
+        Ready.KIND: _on_ready,
+        Progress.KIND: _on_progress,
+        Heartbeat.KIND: _on_heartbeat,
+        StepStarted.KIND: _on_step_started,
+        CacheStats.KIND: _on_cache_stats,
+        CacheCleared.KIND: _on_reply,
+        Bye.KIND: _on_bye,
+    }
 
     def _on_refused(self, identity: bytes, reason: str) -> None:
         worker = self._by_identity.get(identity)
@@ -482,49 +310,42 @@ class Router:
 
     # --- status ------------------------------------------------------------------------
 
-    def model_status(self, model_id: str) -> dict:
+    def model_status(self, model_id: str) -> ModelStatus:
         worker = self.workers.get(model_id)
         record = self.records.get(model_id, ModelRecord())
         spec = self.registry.specs[model_id]
-        ttl = spec.ttl_s if spec.ttl_s is not None else self.settings.default_ttl_s
-        status = {"id": model_id, "state": State.STOPPED.value, "pid": None, "memory_bytes": None, "in_flight": 0,
-                  "queued": 0, "leases": 0, "idle_s": None, "ttl_s": ttl, "ttl_remaining_s": None,
-                  "pinned": spec.pinned, "restarts": max(0, record.starts - 1), "crashes": record.crashes,
-                  "last_error": record.last_error, "stderr_tail": record.last_stderr,
-                  "last_eviction": record.last_eviction, "worker_active": 0, "batch_size": 0, "peak_batch_size": 0,
-                  "cache": None}
+        ttl = self.settings.model_ttl(spec)
+        now = self.clock.monotonic()
+        status = ModelStatus(id=model_id, state=State.STOPPED.value, ttl_s=ttl, pinned=spec.pinned,
+                             restarts=max(0, record.starts - 1), crashes=record.crashes, last_error=record.last_error,
+                             stderr_tail=tuple(record.last_stderr), last_eviction=record.last_eviction)
         if worker is None:
-            if record.failed_until > time.monotonic():
-                status["state"] = State.FAILED.value
-                status["retry_in_s"] = round(record.failed_until - time.monotonic(), 1)
+            if record.failed_until > now:
+                return replace(status, state=State.FAILED.value, retry_in_s=round(record.failed_until - now, 1))
             return status
         hb = worker.heartbeat
-        idle = time.monotonic() - worker.last_used if worker.leases == 0 and worker.state is State.READY else 0.0
-        status.update(
-            state=worker.state.value, pid=worker.pid, memory_bytes=footprint(worker.pid) if worker.pid else None,
+        idle = now - worker.last_used if worker.leases == 0 and worker.state is State.READY else 0.0
+        return replace(
+            status, state=worker.state.value, pid=worker.pid,
+            memory_bytes=self.memory.footprint(worker.pid) if worker.pid else None,
             in_flight=len(worker.streams), leases=worker.leases, idle_s=round(idle, 1),
             ttl_remaining_s=round(max(0.0, ttl - idle), 1) if ttl and not spec.pinned else None,
             queued=hb.waiting if hb else 0, worker_active=hb.active if hb else 0, batch_size=hb.batch_size if hb else 0,
             peak_batch_size=hb.max_batch_size if hb else 0, generated_tokens=hb.generated_tokens if hb else 0,
             context_length=worker.info.context_length if worker.info else None,
             cache=cache_admin.stats_view(worker.cache),
+            progress=LoadProgress(worker.progress.stage, worker.progress.fraction)
+            if worker.state is State.LOADING else None,
         )
-        if worker.state is State.LOADING:
-            status["progress"] = {"stage": worker.progress.stage, "fraction": worker.progress.fraction}
-        return status
 
-    async def clear_cache(self, which: str, name: str | None = None) -> dict:
-        """Empty one cache tier of one model (`name`) or of all; see supervisor/cache_admin.py."""
-        return await cache_admin.clear(self, which, name)
-
-    def status(self) -> dict:
+    def status(self) -> Status:
         views = self._views()
-        return {
-            "ceiling_bytes": self.ceiling,
-            "used_bytes": sum(v.bytes for v in views),
-            "system_available_bytes": system_available(),
-            "system_total_bytes": system_total(),
-            "max_loaded_models": self.settings.max_loaded_models,
-            "spare": {"pid": self.spare.process.pid, "standing_by": self.spare.standing_by} if self.spare else None,
-            "models": [self.model_status(m) for m in self.registry.ids()],
-        }
+        return Status(
+            ceiling_bytes=self.ceiling,
+            used_bytes=sum(v.bytes for v in views),
+            system_available_bytes=self.memory.system_available(),
+            system_total_bytes=self.memory.system_total(),
+            max_loaded_models=self.settings.max_loaded_models,
+            spare=SpareStatus(self.spare.process.pid, self.spare.standing_by) if self.spare else None,
+            models=[self.model_status(m) for m in self.registry.ids()],
+        )

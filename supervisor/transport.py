@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from pathlib import Path
 
 import zmq
@@ -18,24 +17,23 @@ import zmq.asyncio
 
 from protocol.codec import ProtocolError, VersionMismatch, decode, encode
 from protocol.messages import Message
+from supervisor.config import router_socket
+from supervisor.effects import Handler, Refusal
 
 log = logging.getLogger(__name__)
 
-IPC_PATH_LIMIT = 100
-
-Handler = Callable[[bytes, Message], None]
-Refusal = Callable[[bytes, str], None]
-
 
 def choose_endpoint(runtime_dir: Path) -> str:
-    path = runtime_dir / "router.sock"
-    if zmq.has("ipc") and len(str(path)) < IPC_PATH_LIMIT:
+    path = router_socket(runtime_dir)
+    if zmq.has("ipc") and path is not None:
         return f"ipc://{path}"
     return "tcp://127.0.0.1:0"
 
 
 class Transport:
-    def __init__(self, runtime_dir: Path, on_message: Handler, on_refused: Refusal) -> None:
+    """Bound when made (so its endpoint can go on workers' command lines); reads once started."""
+
+    def __init__(self, runtime_dir: Path) -> None:
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -48,15 +46,13 @@ class Transport:
             Path(endpoint[len("ipc://"):]).unlink(missing_ok=True)  # a stale socket from a dead run
         self.sock.bind(endpoint)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._on_message = on_message
-        self._on_refused = on_refused
         self._reader: asyncio.Task | None = None
         self.dropped = 0
 
-    def start(self) -> None:
-        self._reader = asyncio.create_task(self._read(), name="reader[router]")
+    def start(self, on_message: Handler, on_refused: Refusal) -> None:
+        self._reader = asyncio.create_task(self._read(on_message, on_refused), name="reader[router]")
 
-    async def _read(self) -> None:
+    async def _read(self, on_message: Handler, on_refused: Refusal) -> None:
         while True:
             frames = await self.sock.recv_multipart(copy=True)
             if len(frames) != 2:
@@ -68,14 +64,14 @@ class Transport:
                 msg = decode(frame)
             except VersionMismatch as exc:
                 self.dropped += 1
-                self._on_refused(identity, str(exc))
+                on_refused(identity, str(exc))
                 continue
             except ProtocolError as exc:
                 self.dropped += 1
                 log.warning("[transport] dropped a malformed message from %r: %s", identity, exc)
                 continue
             try:
-                self._on_message(identity, msg)
+                on_message(identity, msg)
             except Exception:
                 log.exception("[transport] handler failed on kind=%s from %r", msg.KIND, identity)
 

@@ -1,6 +1,10 @@
-"""The supervisor's view of worker processes: states, handles, request streams, leases, and the
+"""The supervisor's view of worker processes: states, handles, request streams, and the
 per-model record that outlives one process. Plain data with small invariants; the router
-(router.py) is the only code that mutates them, on its one event loop.
+(router.py on lifecycle.py) is the only code that mutates them, on its one event loop.
+
+A worker's state changes only through `Worker.move`, along TRANSITIONS (written down below).
+Any other move is a bug: it is logged as an error and, with MLXSUP_STRICT_STATES=1 (the test
+suite sets it), raises IllegalTransition.
 """
 
 from __future__ import annotations
@@ -8,19 +12,19 @@ from __future__ import annotations
 import asyncio
 import collections
 import enum
-import time
+import logging
+import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from protocol.messages import Bye, CacheStats, Finished, Heartbeat, Progress, Ready, Submit
+from protocol.messages import Bye, CacheStats, Finished, Heartbeat, Progress, Ready
 from supervisor import errors
 from supervisor.config import Settings
-from supervisor.process import WorkerProcess
+from supervisor.effects import WorkerHandle
 from supervisor.registry import ModelSpec
+from supervisor.reports import EvictReport
 
-if TYPE_CHECKING:
-    from supervisor.router import Router
+log = logging.getLogger(__name__)
 
 
 class State(enum.StrEnum):
@@ -29,6 +33,19 @@ class State(enum.StrEnum):
     EVICTING = "evicting"
     STOPPED = "stopped"
     FAILED = "failed"
+
+
+TRANSITIONS: dict[State, frozenset[State]] = {
+    State.LOADING: frozenset({State.READY, State.EVICTING, State.FAILED}),  # Ready; an evict; it died loading
+    State.READY: frozenset({State.EVICTING, State.FAILED}),  # an evict; a crash
+    State.EVICTING: frozenset({State.STOPPED}),  # reaped (however it ended: an evicted worker is not failed)
+    State.STOPPED: frozenset(),  # a stopped or failed worker is done; the model's next one is a new Worker
+    State.FAILED: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A worker asked to move where TRANSITIONS does not allow: a bug in the router."""
 
 
 class Stream:
@@ -57,22 +74,22 @@ class Stream:
 class Worker:
     spec: ModelSpec
     identity: bytes
-    ready: asyncio.Future
-    process: WorkerProcess | None = None
-    state: State = State.LOADING
+    process: WorkerHandle
+    ready: asyncio.Future  # Ready, or the error that ended the load
+    started_at: float  # the router's clock, as are last_used and last_seen
+    _state: State = field(default=State.LOADING, init=False)
     info: Ready | None = None
     streams: dict[str, Stream] = field(default_factory=dict)
+    replies: dict[str, asyncio.Future] = field(default_factory=dict)  # request rid -> its reply (router.ask)
     leases: int = 0
-    started_at: float = field(default_factory=time.monotonic)
-    last_used: float = field(default_factory=time.monotonic)
+    last_used: float = field(init=False)  # the end of its last lease, or its start
+    last_seen: float = field(init=False)  # any message: the loop is turning
     heartbeat: Heartbeat | None = None
     bye: Bye | None = None
     cache: CacheStats | None = None
-    clears: dict[str, asyncio.Future] = field(default_factory=dict)  # ClearCache rid -> its CacheCleared
     evicting: asyncio.Task | None = None
     evict_reason: str | None = None
     kill_reason: str | None = None  # why the supervisor killed it (hang, load timeout)
-    last_seen: float = field(default_factory=time.monotonic)  # any message: the loop is turning
     step_started: float | None = None  # when it last announced a long step (StepStarted) ...
     step_predicted_s: float = 0.0  # ... and that step's predicted duration
     killing: asyncio.Task | None = None  # the hang kill: stacks dumped, then SIGKILL
@@ -80,9 +97,25 @@ class Worker:
     progressed: asyncio.Event = field(default_factory=asyncio.Event)  # replaced after each set
     gone: asyncio.Event = field(default_factory=asyncio.Event)
 
+    def __post_init__(self) -> None:
+        self.last_used = self.last_seen = self.started_at
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+    def move(self, to: State) -> None:
+        """The one place a worker's state changes; a move TRANSITIONS does not allow is a bug."""
+        if to not in TRANSITIONS[self._state]:
+            log.error("[state] model=%s pid=%s illegal transition %s -> %s: a bug, please report it",
+                      self.spec.id, self.pid, self._state.value, to.value)
+            if os.environ.get("MLXSUP_STRICT_STATES") == "1":
+                raise IllegalTransition(f"{self.spec.id}: {self._state.value} -> {to.value}")
+        self._state = to
+
     @property
     def pid(self) -> int | None:
-        return self.process.pid if self.process else None
+        return self.process.pid
 
 
 @dataclass
@@ -94,7 +127,7 @@ class ModelRecord:
     last_error: str | None = None
     last_exit: int | None = None
     last_stderr: list[str] = field(default_factory=list)
-    last_eviction: dict | None = None
+    last_eviction: EvictReport | None = None
     recent_crashes: collections.deque = field(default_factory=collections.deque)  # monotonic times
     failed_until: float = 0.0  # crash loop or failed load: refuse to start before this
     backoff_until: float = 0.0  # after a crash: wait before the next start
@@ -121,28 +154,5 @@ class Spare:
     """A worker process with its imports paid, on standby until a model is handed to it."""
 
     identity: bytes
-    process: WorkerProcess
+    process: WorkerHandle
     standing_by: bool = False  # it said Standby: a Load now is served at once
-
-
-class Lease:
-    """A request's claim on a worker, taken when routed and released when its response ends."""
-
-    def __init__(self, router: "Router", worker: Worker) -> None:
-        self._router = router
-        self.worker = worker
-        self.released = False
-
-    def submit(self, msg: Submit) -> Stream:
-        return self._router._submit(self.worker, msg)
-
-    def abort(self, rid: str) -> None:
-        self._router._abort(self.worker, rid)
-
-    def release(self) -> None:
-        if not self.released:
-            self.released = True
-            self.worker.leases -= 1
-            self.worker.last_used = time.monotonic()
-
-

@@ -23,6 +23,7 @@ from pathlib import Path
 from supervisor.cli.exits import EXIT_NO_DAEMON, EXIT_USAGE, CliError
 from supervisor.cli.service import add_service_parser
 from supervisor.config import DEFAULT_PORT, ConfigError, Settings, describe, parse_size, resolve
+from supervisor.reports import EvictReport, ModelStatus
 
 def daemon_url(args: argparse.Namespace) -> str:
     if args.url:
@@ -93,13 +94,12 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0
     print(f"mlxsup {status['version']}  up {status['uptime_s']:.0f}s")
     rows = [("MODEL", "STATE", "PID", "MEMORY", "IN-FLIGHT", "BATCH", "HOT CACHE", "SSD CACHE", "LAST ERROR")]
-    for m in status["models"]:
-        cache = m.get("cache") or {}
+    for m in map(ModelStatus.from_dict, status["models"]):
+        cache = m.cache or {}
         hot, ssd = cache.get("hot") or {}, cache.get("ssd") or {}
-        rows.append((m["id"], m["state"], str(m["pid"] or "-"), _mib(m["memory_bytes"]), str(m["in_flight"]),
-                     str(m.get("batch_size", "-")), _mib(hot.get("bytes")),
-                     _mib(ssd.get("bytes")) if ssd.get("enabled") else ("off" if ssd else "-"),
-                     (m.get("last_error") or "")[:60]))
+        rows.append((m.id, m.state, str(m.pid or "-"), _mib(m.memory_bytes), str(m.in_flight), str(m.batch_size),
+                     _mib(hot.get("bytes")), _mib(ssd.get("bytes")) if ssd.get("enabled") else ("off" if ssd else "-"),
+                     (m.last_error or "")[:60]))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
@@ -110,20 +110,21 @@ def cmd_evict(args: argparse.Namespace) -> int:
     base = daemon_url(args)
     models = args.models
     if args.all:
-        models = [m["id"] for m in call(base + "/api/status")["models"] if m["state"] not in ("stopped", "failed")]
+        statuses = map(ModelStatus.from_dict, call(base + "/api/status")["models"])
+        models = [m.id for m in statuses if m.state not in ("stopped", "failed")]
     elif not models:
         raise CliError("name a model to evict, or pass --all", EXIT_USAGE)
     body: dict = {"mode": "now" if args.now else "drain"}
     if args.timeout is not None:
         body["timeout"] = args.timeout
     for model in models:
-        r = call(f"{base}/api/models/{model}/evict", "POST", body)
-        if not r.get("evicted"):
-            print(f"{r['model']}: not loaded")
+        r = EvictReport.from_dict(call(f"{base}/api/models/{model}/evict", "POST", body))
+        if not r.evicted:
+            print(f"{r.model}: not loaded")
             continue
-        print(f"{r['model']}: evicted pid {r['pid']} in {r['duration_s']:.2f}s, returned "
-              f"{_mib(r['memory_before_bytes'])} (exit {r['exit']}, aborted {r['aborted']}, "
-              f"signals {','.join(r['signals']) or 'none'})")
+        print(f"{r.model}: evicted pid {r.pid} in {r.duration_s or 0.0:.2f}s, returned "
+              f"{_mib(r.memory_before_bytes)} (exit {r.exit}, aborted {r.aborted}, "
+              f"signals {','.join(r.signals) or 'none'})")
     return 0
 
 
@@ -142,8 +143,7 @@ def cmd_load(args: argparse.Namespace) -> int:
 
 
 def log_path(settings: Settings, model: str | None) -> Path:
-    name = f"worker-{model.replace('/', '--')}.log" if model else "mlxsup.log"
-    return settings.log_dir / name
+    return settings.worker_log(model) if model else settings.log_dir / "mlxsup.log"
 
 
 def cmd_logs(args: argparse.Namespace) -> int:

@@ -220,7 +220,7 @@ class Gateway:
 
     async def status(self, request: Request) -> Response:
         return JSONResponse({"version": __version__, "uptime_s": round(time.time() - self.started, 1),
-                             **self.router.status()})
+                             **self.router.status().to_dict()})
 
     async def load(self, request: Request) -> Response:
         """Load a model now; with {"stream": true}, SSE progress events until it is ready."""
@@ -279,7 +279,7 @@ class Gateway:
             raise errors.InvalidRequest(f"'timeout' must be a number of seconds from 0 to {MAX_EVICT_TIMEOUT_S}",
                                         param="timeout")
         report = await self.router.evict(request.path_params["model"], mode, timeout)
-        return JSONResponse(report)
+        return JSONResponse(report.to_dict())
 
     async def clear_hot_cache(self, request: Request) -> Response:
         return await self._clear_cache(request, "hot")

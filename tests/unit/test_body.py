@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
-from pathlib import Path
 
 import pytest
 
 from protocol.codec import ProtocolError, encode
-from protocol.messages import Evict, Ready, Submit
+from protocol.messages import Evict, Submit
 from supervisor.gateway.body import MAX_DEPTH, decode_json
-from supervisor.config import Settings
 from supervisor.errors import InvalidRequest
-from supervisor.registry import ModelSpec, Registry
-from supervisor.router import Router
 
 
 @pytest.mark.parametrize("raw, says, param", [
@@ -51,28 +46,3 @@ def test_what_the_wire_cannot_carry_is_a_protocol_error() -> None:
         encode(Submit(rid="r", max_tokens=1, prompt="\ud800"))
     with pytest.raises(ProtocolError, match="evict: cannot encode"):
         encode(Evict(deadline_s=10**30))
-
-
-def test_a_submit_the_wire_cannot_carry_fails_its_request_with_400(tmp_path: Path) -> None:
-    """Behind the decode checks, the router's one place that sends a request: an unencodable value
-    there is the request's fault (400), not a crash of the gateway (500)."""
-
-    async def scenario() -> None:
-        settings = Settings(state_dir=tmp_path, spare_workers=0, pressure_soft=1.0, pressure_hard=1.0)
-        router = Router(Registry({"m": ModelSpec("m", tmp_path)}), settings, tmp_path)
-        router._run = lambda worker: asyncio.sleep(0)  # no process: the worker is driven by hand
-        try:
-            acquiring = asyncio.create_task(router.acquire("m"))
-            await asyncio.sleep(0)
-            worker = router.workers["m"]
-            router._on_ready(worker, Ready("m", 1, 8192, 10, 1, 1, 0.1))
-            lease = await acquiring
-            stream = lease.submit(Submit(rid="r1", max_tokens=1, prompt="a\udc00b"))
-            with pytest.raises(InvalidRequest, match="cannot be sent to the worker"):
-                await anext(stream.events())
-            assert not worker.streams  # nothing waits for an answer that cannot come
-            lease.release()
-        finally:
-            await router.transport.close()
-
-    asyncio.run(scenario())

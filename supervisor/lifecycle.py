@@ -1,0 +1,303 @@
+"""Worker lifecycle: start (fresh, or on the spare), watch, crash, evict, shut down; and the
+memory accounting those decisions read. The base of the Router (router.py), holding its state.
+
+All of it runs on the one asyncio loop, and acts on the world only through the effects passed
+in (effects.py). Rules:
+- A worker is marked evicting in the very turn that decides to evict it (`_begin_evict`); a
+  second evict of the same worker joins the first (a `now` one tightens a drain).
+- A worker's route and accounting are dropped only after its process has been reaped
+  (`_on_exited`, called once per worker when its process is gone).
+- A crash or a failed load is written in the model's record: restarts back off, and a crash
+  loop or a failed load marks the model failed until a cool-down (or an explicit load).
+- Slow work (spawn, stop) runs as tasks; nothing here awaits between a check and its act.
+- A hang kill never blocks the loop: the stack dump and the SIGKILL run as a task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import Generic, TypeVar
+
+from protocol.messages import EXIT_LOAD_FAILED, Evict, Load
+from supervisor import errors, policy
+from supervisor.config import Settings
+from supervisor.effects import Clock, LifecycleMetrics, MemoryProbe, Messenger, Spawn
+from supervisor.process import exit_meaning, model_args, worker_argv
+from supervisor.registry import ModelSpec, Registry
+from supervisor.reports import EvictReport
+from supervisor.workers import ModelRecord, Spare, State, Worker
+
+log = logging.getLogger(__name__)
+
+STACK_DUMP_WAIT_S = 1.0  # how long a hang kill waits for the worker's stacks before SIGKILL
+
+MetricsT = TypeVar("MetricsT", bound=LifecycleMetrics)  # the gateway's Metrics, which counts requests too
+
+
+class Lifecycle(Generic[MetricsT]):
+    def __init__(self, registry: Registry, settings: Settings, *, transport: Messenger, spawn: Spawn,
+                 memory: MemoryProbe, clock: Clock, metrics: MetricsT) -> None:
+        self.registry = registry
+        self.settings = settings
+        self.transport = transport
+        self.spawn = spawn
+        self.memory = memory
+        self.clock = clock
+        self.metrics = metrics
+        self.workers: dict[str, Worker] = {}
+        self.records: dict[str, ModelRecord] = {}
+        self._by_identity: dict[bytes, Worker] = {}
+        self._spawned = 0
+        self._housekeeping: asyncio.Task | None = None
+        self.spare: Spare | None = None
+        self._pressure: str | None = None
+        self.shutting_down = False
+
+    # --- TTL and memory pressure -------------------------------------------------------
+
+    async def _keep_house(self) -> None:
+        while True:
+            await self.clock.sleep(self.settings.housekeeping_s)
+            try:
+                self._housekeep()
+            except Exception:
+                log.exception("[housekeeping] failed; going on")
+
+    def _housekeep(self) -> None:
+        s = self.settings
+        level = policy.pressure_level(self.memory.system_available(), self.memory.system_total(),
+                                      s.pressure_soft, s.pressure_hard)
+        self._pressure = level
+        if level is not None and self.spare is not None:  # the spare is pure overhead: it goes first
+            asyncio.create_task(self._stop_spare(), name="stop[spare]")
+        if not self.workers:
+            return
+        self._watch_liveness(self.clock.monotonic())
+        views = self._views()
+        ttls = {w.spec.id: s.model_ttl(w.spec) for w in self.workers.values()}
+        for model_id in policy.ttl_expired(views, ttls, self.clock.monotonic()):
+            self._begin_evict(self.workers[model_id], "drain", None, "ttl")
+        victim = policy.pressure_victim(self._views(), level)
+        if victim is not None:
+            model_id, busy = victim
+            self._begin_evict(self.workers[model_id], "now" if busy else "drain", None, f"pressure-{level}")
+
+    def _watch_liveness(self, now: float) -> None:
+        """Kill workers whose loop stopped turning (see policy.hang_reason) or whose load stalls."""
+        s = self.settings
+        for worker in list(self.workers.values()):
+            if worker.kill_reason is not None:
+                continue
+            if worker.state is State.READY:
+                why = policy.hang_reason(now, worker.last_seen, s.hang_timeout_s, worker.step_started,
+                                         worker.step_predicted_s)
+                if why is not None:
+                    self._kill(worker, f"hung: {why}", dump_stacks=True)
+            elif worker.state is State.LOADING and now - worker.started_at > s.load_timeout_s:
+                self._kill(worker, f"the load did not finish within {s.load_timeout_s:.0f}s", dump_stacks=True)
+
+    def _kill(self, worker: Worker, reason: str, dump_stacks: bool = False) -> None:
+        """SIGKILL the worker, recording why; with `dump_stacks`, after it wrote its stacks to its log (a task)."""
+        worker.kill_reason = reason
+        log.error("[kill] model=%s pid=%s by=supervisor: %s", worker.spec.id, worker.pid, reason)
+        if worker.process is None:
+            return
+        if dump_stacks:
+            worker.killing = asyncio.create_task(worker.process.kill_after_stack_dump(STACK_DUMP_WAIT_S, reason),
+                                                 name=f"kill[{worker.spec.id}]")
+        else:
+            worker.process.signal(signal.SIGKILL, reason)
+
+    # --- memory accounting -------------------------------------------------------------
+
+    @property
+    def ceiling(self) -> int:
+        return self.settings.ceiling(self.memory.system_total())
+
+    def _estimate(self, spec: ModelSpec) -> int:
+        return spec.weights_bytes + self.settings.worker_overhead_bytes
+
+    def _bytes(self, worker: Worker) -> int:
+        measured = self.memory.footprint(worker.pid) if worker.pid else None
+        if worker.state is State.LOADING:
+            return max(measured or 0, self._estimate(worker.spec))
+        return measured if measured is not None else self._estimate(worker.spec)
+
+    def _views(self) -> list[policy.WorkerView]:
+        return [policy.WorkerView(w.spec.id, w.state.value, self._bytes(w), w.leases > 0, w.spec.pinned, w.last_used)
+                for w in self.workers.values()]
+
+    # --- starting workers --------------------------------------------------------------
+
+    def _start(self, spec: ModelSpec) -> Worker:
+        """A worker for `spec`: the spare on standby if there is one (its imports are paid), else a new process."""
+        st = self.settings
+        args = model_args(spec.path, spec.id, st.max_batch_size, st.prefill_step_size, spec.worker_args,
+                          tuple(st.model_cache(spec).worker_args(st.state_dir)), step_target_s=st.step_target_s)
+        log_path = st.worker_log(spec.id)
+        spare = self.spare if self.spare is not None and self.spare.standing_by else None
+        if spare is not None:
+            self.spare = None
+            identity, process = spare.identity, spare.process
+            process.assign(spec.id, log_path)
+        else:
+            self._spawned += 1
+            identity = f"{spec.id}#{self._spawned}".encode()
+            argv = worker_argv(self.transport.endpoint, identity.decode(), st.heartbeat_s, args)
+            process = self.spawn(spec.id, argv, log_path)
+        worker = Worker(spec, identity, process, asyncio.get_running_loop().create_future(), self.clock.monotonic())
+        worker.ready.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved by design
+        self.workers[spec.id] = worker
+        self._by_identity[identity] = worker
+        self.records.setdefault(spec.id, ModelRecord()).starts += 1
+        if spare is not None:
+            log.info("[load] model=%s on the spare pid=%s", spec.id, process.pid)
+            self.transport.send(identity, Load(args=args))
+        self._replenish_spare()  # at most one spawn per load: a spare that keeps dying cannot loop
+        asyncio.create_task(self._run(worker, spawned=spare is None), name=f"run[{spec.id}]")
+        return worker
+
+    async def _run(self, worker: Worker, spawned: bool) -> None:
+        """Start a freshly spawned worker's process (a spare's runs already), then wait for its end."""
+        if spawned:
+            try:
+                await worker.process.start()
+            except OSError as exc:
+                self._on_exited(worker, f"could not start the worker: {exc}")
+                return
+        await worker.process.exited.wait()
+        self._on_exited(worker)
+
+    def _replenish_spare(self) -> None:
+        if self.spare is not None or not self.settings.spare_workers or self.shutting_down or self._pressure:
+            return
+        self._spawned += 1
+        identity = f"spare#{self._spawned}".encode()
+        argv = worker_argv(self.transport.endpoint, identity.decode(), self.settings.heartbeat_s, ["--spare"])
+        spare = Spare(identity, self.spawn("spare", argv, self.settings.worker_log("spare")))
+        self.spare = spare
+        asyncio.create_task(self._run_spare(spare), name="run[spare]")
+
+    async def _run_spare(self, spare: Spare) -> None:
+        try:
+            await spare.process.start()
+        except OSError as exc:
+            log.error("[spare] could not start: %s", exc)
+        await spare.process.exited.wait()
+        if self.spare is spare:  # it died on standby; the next load spawns a fresh worker and a new spare
+            self.spare = None
+            log.warning("[spare] exited on standby with code %s", spare.process.returncode)
+
+    async def _stop_spare(self) -> None:
+        spare, self.spare = self.spare, None
+        if spare is not None:
+            await spare.process.stop(0.0, self.settings.kill_timeout_s)  # SIGTERM: it leaves its standby
+
+    def kill_all(self, why: str) -> None:
+        """The forced exit (a second Ctrl-C): SIGKILL every worker process, the spare too."""
+        for process in [w.process for w in self.workers.values()] + [self.spare.process if self.spare else None]:
+            if process is not None:
+                process.signal(signal.SIGKILL, why)
+
+    # --- a worker's end ----------------------------------------------------------------
+
+    def _on_exited(self, worker: Worker, reason: str | None = None) -> None:
+        spec = worker.spec
+        record = self.records[spec.id]
+        rc = worker.process.returncode
+        tail = list(worker.process.stderr_tail)
+        evicted = worker.state is State.EVICTING
+        if not evicted:
+            meaning = exit_meaning(rc)
+            record.last_error = (reason or worker.kill_reason or f"worker exited with code {rc}"
+                                 + (f" ({meaning})" if meaning else "") + (f": {tail[-1]}" if tail else ""))
+            record.last_stderr = tail[-10:]
+            record.note_crash(self.clock.monotonic(), self.settings, load_failed=rc == EXIT_LOAD_FAILED)
+            log.error("[crash] model=%s pid=%s exit=%s: %s", spec.id, worker.pid, rc, record.last_error)
+            self.metrics.crashes.labels(spec.id).inc()
+            if worker.info is None:
+                self.metrics.loads.labels(spec.id, "failed").inc()
+        record.last_exit = rc
+        if not worker.ready.done():
+            worker.ready.set_exception(
+                errors.ModelEvicted(f"the model '{spec.id}' was evicted while it was loading") if evicted
+                else errors.ModelLoadFailed(f"the model '{spec.id}' failed to load: {record.last_error}"))
+        error: errors.MlxsupError = (
+            errors.ModelEvicted(f"the model '{spec.id}' was evicted") if evicted
+            else errors.WorkerDied(f"the worker of '{spec.id}' exited unexpectedly (code {rc})"))
+        for stream in worker.streams.values():
+            stream.fail(error)
+        worker.streams.clear()
+        for pending in worker.replies.values():  # requests it will never answer now
+            if not pending.done():
+                pending.set_exception(error)
+        worker.replies.clear()
+        worker.move(State.STOPPED if evicted else State.FAILED)
+        if self.workers.get(spec.id) is worker:
+            del self.workers[spec.id]
+        self._by_identity.pop(worker.identity, None)
+        worker.gone.set()
+
+    # --- eviction and shutdown ---------------------------------------------------------
+
+    async def evict(self, name: str, mode: str = "drain", timeout_s: float | None = None,
+                    reason: str = "api") -> EvictReport:
+        """Run the eviction sequence and wait until the process is reaped. Joins one in progress."""
+        spec = self.registry.resolve(name)
+        worker = self.workers.get(spec.id)
+        if worker is None:
+            return EvictReport.not_loaded(spec.id)
+        return await asyncio.shield(self._begin_evict(worker, mode, timeout_s, reason))
+
+    def _begin_evict(self, worker: Worker, mode: str, timeout_s: float | None, reason: str) -> asyncio.Task:
+        """Mark the worker evicting in this very turn and start the sequence; idempotent."""
+        if worker.evicting is None:
+            worker.move(State.EVICTING)
+            worker.evict_reason = reason
+            timeout = self.settings.evict_timeout_s if timeout_s is None else timeout_s
+            log.info("[evict] model=%s pid=%s reason=%s mode=%s", worker.spec.id, worker.pid, reason, mode)
+            self.metrics.evictions.labels(worker.spec.id, reason).inc()
+            worker.evicting = asyncio.create_task(self._evict(worker, mode, timeout), name=f"evict[{worker.spec.id}]")
+        elif mode == "now" and worker.info is not None:
+            self.transport.send(worker.identity, Evict(mode="now", deadline_s=0))  # tighten a drain
+        return worker.evicting
+
+    async def _evict(self, worker: Worker, mode: str, timeout_s: float) -> EvictReport:
+        t0 = self.clock.monotonic()
+        pid = worker.pid
+        memory_before = self.memory.footprint(pid) if pid else None
+        if worker.info is not None:
+            self.transport.send(worker.identity, Evict(mode=mode, deadline_s=timeout_s))
+            grace = timeout_s + self.settings.settle_grace_s
+        else:  # still loading: nothing to drain, the worker turns SIGTERM into its own orderly exit
+            grace = 0.0
+        ladder = await worker.process.stop(grace, self.settings.kill_timeout_s)
+        await worker.gone.wait()
+        bye = worker.bye
+        report = EvictReport(
+            model=worker.spec.id, evicted=True, reason=worker.evict_reason, pid=pid, mode=mode,
+            memory_before_bytes=memory_before, duration_s=round(self.clock.monotonic() - t0, 4),
+            exit=ladder.get("exit"), signals=tuple(ladder.get("signals", [])),
+            aborted=bye.aborted if bye else None, drained=bye.drained if bye else None,
+            phases_s={k: round(v, 4) for k, v in bye.phases.items()} if bye else {},
+            memory_after_settle_bytes=bye.memory_bytes if bye else None,
+        )
+        log.info("[evict] model=%s pid=%s exit=%s signals=%s ms=%d", worker.spec.id, pid, report.exit,
+                 list(report.signals), (report.duration_s or 0.0) * 1000)
+        self.records[worker.spec.id].last_eviction = report
+        return report
+
+    async def shutdown(self) -> list[EvictReport]:
+        """Refuse new work, then evict every worker in parallel, draining up to the deadline."""
+        self.shutting_down = True
+        if self._housekeeping:
+            self._housekeeping.cancel()
+        reports = await asyncio.gather(
+            self._stop_spare(),
+            *(self._begin_evict(w, "drain", self.settings.shutdown_drain_s, "shutdown")
+              for w in list(self.workers.values())),
+            return_exceptions=True)
+        await self.transport.close()
+        return [r for r in reports if isinstance(r, EvictReport)]
