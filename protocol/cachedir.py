@@ -30,7 +30,7 @@ _SAMPLES = 16
 _SAMPLE_BYTES = 64 * 1024
 
 
-def _hash_weights(h: "hashlib._Hash", path: Path) -> None:
+def _hash_weights(h: hashlib._Hash, path: Path) -> None:
     size = path.stat().st_size
     h.update(f"{path.name}:{size}".encode())
     with open(path, "rb") as f:

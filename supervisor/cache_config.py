@@ -33,7 +33,7 @@ class CacheConfig:
     ssd_cap: int | None = None
     block_tokens: int | None = None
 
-    def over(self, base: "CacheConfig") -> "CacheConfig":
+    def over(self, base: CacheConfig) -> CacheConfig:
         """This config with its unset keys taken from `base`."""
         return CacheConfig(**{f.name: getattr(base, f.name) if getattr(self, f.name) is None else getattr(self, f.name)
                               for f in fields(self)})

@@ -16,6 +16,7 @@ import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import cast
 
 from supervisor.cache_config import DEFAULTS as CACHE_DEFAULTS
 from supervisor.cache_config import CacheConfig, parse_cache
@@ -147,7 +148,7 @@ _MEMORY_KEYS = {
 }
 
 
-def _apply_memory(section: dict, settings: "Settings", path: Path) -> None:
+def _apply_memory(section: dict, settings: Settings, path: Path) -> None:
     for key, value in section.items():
         attr = _MEMORY_KEYS.get(key)
         if attr is None:
@@ -183,11 +184,11 @@ def load_file(path: Path, settings: Settings) -> Settings:
         if not isinstance(value, expected) or isinstance(value, bool):
             raise ConfigError(f"{path}: server.{key}: expected {expected}, got {value!r}")
         if key in ("state_dir", "hf_cache"):
-            value = Path(value).expanduser() if value else None
+            value = Path(str(value)).expanduser() if value else None
         elif key == "model_dirs":
-            value = [Path(v).expanduser() for v in value]
+            value = [Path(v).expanduser() for v in cast(list, value)]
         elif key in ("allowed_hosts", "allowed_origins"):
-            value = _web_names(key, value, path)
+            value = _web_names(key, cast(list, value), path)
         setattr(settings, key, value)
     _apply_memory(data.get("memory", {}), settings, path)
     try:

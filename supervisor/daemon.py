@@ -53,7 +53,7 @@ class _Server(uvicorn.Server):
     def install_signal_handlers(self) -> None:  # uvicorn < 0.29
         pass
 
-    def capture_signals(self):  # type: ignore[override]  # uvicorn >= 0.29
+    def capture_signals(self):  # uvicorn >= 0.29
         import contextlib
 
         return contextlib.nullcontext()
@@ -63,7 +63,8 @@ def ensure_demo_model(settings: Settings) -> ModelSpec:
     path = settings.state_dir / "models" / DEMO_MODEL_ID
     if not is_model_dir(path):
         log.info("[demo] making the demo model in %s (once)", path)
-        subprocess.run([sys.executable, "-m", "worker.mlx_engine.make_model", str(path), "--preset", "tiny"], check=True)
+        subprocess.run([sys.executable, "-m", "worker.mlx_engine.make_model", str(path), "--preset", "tiny"],
+                       check=True)
     return ModelSpec(DEMO_MODEL_ID, path, weights_bytes=weights_bytes(path))
 
 
@@ -173,7 +174,7 @@ async def serve(settings: Settings) -> int:
         loop.add_signal_handler(sig, handle, sig)
 
     serving = asyncio.create_task(server.serve(sockets=[listener]), name="http")
-    while not server.started and not serving.done():
+    while not server.started and not serving.done():  # noqa: ASYNC110 - uvicorn's `started` is a bare flag
         await asyncio.sleep(0.01)
     if serving.done():  # the socket is bound already: this is some other start-up failure
         await router.shutdown()

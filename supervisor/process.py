@@ -160,8 +160,9 @@ class WorkerProcess:
             await asyncio.wait_for(self._stack_dump.wait(), timeout_s)
         except TimeoutError:
             return False
-        while time.monotonic() < deadline and time.monotonic() - self._last_line_at < STACK_DUMP_QUIET_S:
-            await asyncio.sleep(STACK_DUMP_QUIET_S / 2)  # the rest of the burst, until stderr goes quiet
+        # the rest of the burst, until stderr goes quiet (no event marks "done writing")
+        while time.monotonic() < deadline and time.monotonic() - self._last_line_at < STACK_DUMP_QUIET_S:  # noqa: ASYNC110
+            await asyncio.sleep(STACK_DUMP_QUIET_S / 2)
         return True
 
     async def kill_after_stack_dump(self, timeout_s: float, why: str) -> None:

@@ -114,7 +114,7 @@ class Registry:
     _scanned_at: float = 0.0
 
     @classmethod
-    def build(cls, model_dirs: list[Path], configured: list[ModelSpec], hf_cache: Path | None = None) -> "Registry":
+    def build(cls, model_dirs: list[Path], configured: list[ModelSpec], hf_cache: Path | None = None) -> Registry:
         """Hugging Face cache < model directories < config entries, for the same id."""
         reg = cls(model_dirs=list(model_dirs), hf_cache=hf_cache)
         reg.specs.update((spec.id, spec) for spec in reg._scan())

@@ -24,8 +24,20 @@ from typing import Any, ClassVar
 
 from protocol.codec import ProtocolError
 from protocol.messages import (
-    Abort, Bye, CacheCleared, CacheStats, Failed, Finished, Heartbeat, Message, Progress, Ready, Standby,
-    StepStarted, Submit, Tokens,
+    Abort,
+    Bye,
+    CacheCleared,
+    CacheStats,
+    Failed,
+    Finished,
+    Heartbeat,
+    Message,
+    Progress,
+    Ready,
+    Standby,
+    StepStarted,
+    Submit,
+    Tokens,
 )
 from supervisor import cache_admin, errors, policy
 from supervisor.lifecycle import Lifecycle, MetricsT

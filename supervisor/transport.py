@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
+from typing import cast
 
 import zmq
 import zmq.asyncio
@@ -77,7 +78,7 @@ class Transport:
 
     def send(self, identity: bytes, msg: Message) -> bool:
         """Send without waiting; False when the worker is gone or not yet connected (EHOSTUNREACH)."""
-        fut = self.sock.send_multipart([identity, encode(msg)], flags=zmq.NOBLOCK)
+        fut = cast(asyncio.Future, self.sock.send_multipart([identity, encode(msg)], flags=zmq.NOBLOCK))
         if fut.done() and fut.exception() is not None:
             log.warning("[transport] could not send kind=%s to %r: %s", msg.KIND, identity, fut.exception())
             return False
@@ -90,4 +91,4 @@ class Transport:
         self.sock.close(linger=0)
         self.ctx.term()
         if self.endpoint.startswith("ipc://"):
-            Path(self.endpoint[len("ipc://"):]).unlink(missing_ok=True)
+            Path(self.endpoint[len("ipc://"):]).unlink(missing_ok=True)  # noqa: ASYNC240 - one local unlink

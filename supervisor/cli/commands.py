@@ -25,6 +25,7 @@ from supervisor.cli.service import add_service_parser
 from supervisor.config import DEFAULT_PORT, ConfigError, Settings, describe, parse_size, resolve
 from supervisor.reports import EvictReport, ModelStatus
 
+
 def daemon_url(args: argparse.Namespace) -> str:
     if args.url:
         return args.url.rstrip("/")
@@ -39,11 +40,11 @@ def daemon_url(args: argparse.Namespace) -> str:
 
 def client_settings(args: argparse.Namespace) -> Settings:
     """Where a running daemon's files are: the same resolution as `serve`, but never fatal."""
-    overrides = {"state_dir": Path(args.state_dir) if getattr(args, "state_dir", None) else None}
+    state_dir = Path(args.state_dir) if getattr(args, "state_dir", None) else None
     try:
-        return resolve(getattr(args, "config", None), overrides)[0]
+        return resolve(getattr(args, "config", None), {"state_dir": state_dir})[0]
     except ConfigError:
-        return Settings(**{k: v for k, v in overrides.items() if v is not None})
+        return Settings(state_dir=state_dir) if state_dir is not None else Settings()
 
 
 @contextlib.contextmanager
@@ -193,7 +194,8 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
-    argv = [sys.executable, "-m", "worker.mlx_engine.make_model", args.dir, "--preset", args.preset, "--seed", str(args.seed)]
+    argv = [sys.executable, "-m", "worker.mlx_engine.make_model", args.dir, "--preset", args.preset,
+            "--seed", str(args.seed)]
     return subprocess.run(argv).returncode
 
 

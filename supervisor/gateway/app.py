@@ -28,8 +28,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from protocol.messages import Finished
 from supervisor import __version__, errors
-from supervisor.gateway.body import decode_json
 from supervisor.config import Settings
+from supervisor.gateway.body import decode_json
 from supervisor.gateway.call import Call
 from supervisor.gateway.guard import WebGuard
 from supervisor.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -167,6 +167,7 @@ class Gateway:
 
     async def _sse(self, call: Call, shaper: Shaper) -> AsyncIterator[bytes]:
         item, is_first = call.first, True
+        assert item is not None, "a call is streamed only after its first event"
         try:
             while True:
                 if isinstance(item, Finished):
@@ -186,6 +187,7 @@ class Gateway:
     async def _whole(self, request: Request, call: Call, shaper: Shaper) -> Response:
         async def collect() -> Response:
             parts, item = [], call.first
+            assert item is not None, "a call is collected only after its first event"
             while not isinstance(item, Finished):
                 parts.append(item[0])
                 item = await call.next()

@@ -96,7 +96,7 @@ class WebGuard:
         if origins := headers.getlist("origin"):
             origin = parse_origin(origins[0]) if len(origins) == 1 else None
             scheme = {"ws": "http", "wss": "https"}.get(scope["scheme"], scope["scheme"])
-            own = (scheme, target[0], target[1] if target[1] is not None else DEFAULT_PORTS.get(scheme))
+            own = (scheme, target[0], target[1] if target[1] is not None else DEFAULT_PORTS.get(scheme or ""))
             if origin is None or (origin != own and origin not in self.origins):
                 raise errors.OriginNotAllowed(
                     f"requests from the web origin {', '.join(origins)[:100]!r} are not allowed: add it to "

@@ -161,9 +161,8 @@ def parse_chat(body: Any) -> Parsed:
         clean.append({"role": m["role"], "content": _content(m, i)})
     max_tokens = _integer(body, "max_completion_tokens", None, 1, MAX_TOKENS_LIMIT)
     if max_tokens is None:
-        max_tokens = _integer(body, "max_tokens", 0, 1, MAX_TOKENS_LIMIT)
-    rid = new_id("chatcmpl")
-    submit = Submit(rid=rid, max_tokens=max_tokens, messages=clean, stop=stop, **_sampling(body))
+        max_tokens = _integer(body, "max_tokens", 0, 1, MAX_TOKENS_LIMIT) or 0  # 0: up to the context
+    submit = Submit(rid=new_id("chatcmpl"), max_tokens=max_tokens, messages=clean, stop=stop, **_sampling(body))
     return Parsed(model, submit, stream, include_usage)
 
 
@@ -182,7 +181,7 @@ def parse_completion(body: Any) -> Parsed:
                              param="prompt")
     if not prompt:
         raise InvalidRequest("'prompt' must not be empty", param="prompt")
-    max_tokens = _integer(body, "max_tokens", 16, 1, MAX_TOKENS_LIMIT)
+    max_tokens = _integer(body, "max_tokens", 16, 1, MAX_TOKENS_LIMIT) or 16
     submit = Submit(rid=new_id("cmpl"), max_tokens=max_tokens, prompt=prompt, stop=stop, **_sampling(body))
     return Parsed(model, submit, stream, include_usage)
 
