@@ -59,6 +59,9 @@ MAX_IDLE_WAIT_S = 0.25  # idle, the inbox is waited on this long at most (so sig
 
 
 class WorkerLoop:
+    """One model's serving loop. Its effects are parameters: the channel, the engine, the shutdown,
+    the faults, the clock and the memory probe (the defaults are the real ones)."""
+
     def __init__(self, channel: Channel, engine: EngineApi, model_id: str, shutdown: Shutdown, *,
                  heartbeat_s: float = 1.0, faults: Faults = NO_FAULTS,
                  clock: Callable[[], float] = time.monotonic,
