@@ -3,10 +3,9 @@
 Started by the supervisor by exec, one process per model. With `--spare` instead of a model,
 the worker pays its imports (about a second: transformers, mlx-lm), reports Standby and waits;
 a Load message then gives it the model's arguments, parsed exactly as if they had been on its
-command line, and it goes on as that model's worker. Signal handlers only flip flags;
-the lifeline thread watches stdin (a pipe from the supervisor) and flips `parent_gone` on EOF,
-so the worker exits by itself when its supervisor dies, even by SIGKILL, on any OS. If the
-loop does not get out in time after that, the lifeline ends the process hard.
+command line, and it goes on as that model's worker. The exit, whoever asks for it (SIGTERM,
+the lifeline on stdin, an Evict), is worker/shutdown.py's; the faults `--fault` injects for
+tests are worker/faults.py's.
 DUMP_STACKS_SIGNAL (SIGUSR1) makes faulthandler write every thread's Python stack to stderr,
 which the supervisor keeps in this worker's log: it asks for them before it kills a hung worker.
 """
@@ -18,25 +17,16 @@ import faulthandler
 import importlib
 import logging
 import os
-import signal
 import sys
-import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from protocol.messages import DUMP_STACKS_SIGNAL, EXIT_CRASHED, EXIT_LOAD_FAILED, EXIT_OK, EXIT_PARENT_GONE
+from protocol.messages import DUMP_STACKS_SIGNAL, EXIT_CRASHED, EXIT_LOAD_FAILED, EXIT_OK
+from worker.faults import FAULTS, Faults
+from worker.shutdown import Shutdown, install_signal_handlers, leave, watch_lifeline
 
-PARENT_GONE_GRACE_S = 5.0
-FAULTS = {
-    "ignore-sigterm": "ignore SIGTERM",
-    "hang-on-evict": "never finish the exit sequence",
-    "slow-steps": "sleep 0.4 s in every engine step (a slow but live worker)",
-    "foreign-protocol": "announce itself in another protocol version",
-    "ssd-enospc": "the SSD cache's disk is full",
-    "ssd-stall": "the SSD writer stops halfway through a block (to be killed mid-write)",
-    "ssd-slow": "the SSD writer is slow",
-    "crash-in-loop": "raise an unexpected exception in the loop while a request runs",
-    "step-raises": "the engine's step raises (as MLX or mlx-lm may), leaving its generator unusable",
-}
+if TYPE_CHECKING:
+    import zmq
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -60,28 +50,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cache-block-tokens", type=int, default=64)
     p.add_argument("--cache-close-s", type=float, default=3.0, help="how long closing waits for SSD writes")
     p.add_argument("--fault", action="append", default=[], choices=sorted(FAULTS),
-                   help="testing only: misbehave on purpose (repeatable)")
+                   help="testing only: misbehave on purpose (repeatable): "
+                   + "; ".join(f"{name}: {what}" for name, what in sorted(FAULTS.items())))
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     if not args.spare and (args.model_path is None or args.model_id is None):
         p.error("--model-path and --model-id are required (or --spare)")
     return args
-
-
-def watch_lifeline(flags) -> None:
-    def run() -> None:
-        try:  # the raw fd, not sys.stdin: a buffered reader's lock would block interpreter exit
-            while os.read(0, 4096):
-                pass
-        except OSError:
-            pass
-        flags.parent_gone.set()
-        timer = threading.Timer(PARENT_GONE_GRACE_S, os._exit, args=(EXIT_PARENT_GONE,))
-        timer.daemon = True
-        timer.name = "lifeline-grace"
-        timer.start()
-
-    threading.Thread(target=run, name="lifeline", daemon=True).start()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,13 +71,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import zmq
 
-    from worker.loop import Flags
-
-    flags = Flags()
-    signal.signal(signal.SIGTERM, lambda *_: flags.sigterm.set())
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor owns Ctrl-C and orders our exit
+    shutdown = Shutdown()
+    install_signal_handlers(shutdown)
     if args.lifeline:
-        watch_lifeline(flags)
+        watch_lifeline(shutdown)
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -113,14 +85,14 @@ def main(argv: list[str] | None = None) -> int:
     code = EXIT_CRASHED  # until serving returns a code of its own
     try:
         if args.spare:
-            model_args = stand_by(sock, flags, log)
+            model_args = stand_by(sock, shutdown, log)
             if model_args is None:
                 code = EXIT_OK
                 return code
             args = parse_args([a for a in argv if a != "--spare"] + model_args)
-        if "ignore-sigterm" in args.fault:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        code = serve_model(args, sock, flags, log)
+        faults = Faults(args.fault)
+        faults.apply_to_signals()
+        code = serve_model(args, sock, shutdown, faults, log)
     except Exception:
         log.exception("[crash] model=%s: unexpected error; exiting with code %d", args.model_id, EXIT_CRASHED)
     finally:
@@ -131,16 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def leave(code: int) -> None:
-    """Exit without interpreter and GPU teardown: the orderly part is done (Bye sent, caches closed),
-    and process exit is the hard unload. Tearing down MLX's CUDA context alone took 1.3-1.5 s."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def stand_by(sock, flags, log: logging.Logger) -> list[str] | None:
+def stand_by(sock: zmq.Socket, shutdown: Shutdown, log: logging.Logger) -> list[str] | None:
     """As a spare: import everything, report Standby, and wait for a Load (None: told to go)."""
     import zmq
 
@@ -152,7 +115,7 @@ def stand_by(sock, flags, log: logging.Logger) -> list[str] | None:
     log.info("[spare] on standby")
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
-    while not (flags.sigterm.is_set() or flags.parent_gone.is_set()):
+    while not shutdown.signalled():
         if not poller.poll(250):
             continue
         try:
@@ -167,11 +130,14 @@ def stand_by(sock, flags, log: logging.Logger) -> list[str] | None:
     return None
 
 
-def serve_model(args: argparse.Namespace, sock, flags, log: logging.Logger) -> int:
+def serve_model(args: argparse.Namespace, sock: zmq.Socket, shutdown: Shutdown, faults: Faults,
+                log: logging.Logger) -> int:
+    """Load the model, announce it, run the loop until the exit; the exit code (a crash raises)."""
     import zmq
 
     from protocol.codec import encode
     from protocol.messages import Progress
+    from worker.channel import ZmqChannel
     from worker.loop import WorkerLoop
 
     try:
@@ -182,7 +148,7 @@ def serve_model(args: argparse.Namespace, sock, flags, log: logging.Logger) -> i
             sock.send(encode(Progress(stage, round(fraction, 3))), zmq.NOBLOCK)
 
         cache = CacheOptions(args.hot_cache_bytes, args.ssd_cache_root, args.ssd_cache_bytes,
-                             args.cache_block_tokens, args.cache_close_s, tuple(args.fault))
+                             args.cache_block_tokens, args.cache_close_s, faults)
         engine = Engine(args.model_path, max_batch_size=args.max_batch_size,
                         prefill_step_size=args.prefill_step_size, report=report, cache=cache,
                         model_id=args.model_id, step_target_s=args.step_target_s)
@@ -190,13 +156,9 @@ def serve_model(args: argparse.Namespace, sock, flags, log: logging.Logger) -> i
         log.error("[load] model=%s path=%s failed: %s", args.model_id, args.model_path, exc)
         return EXIT_LOAD_FAILED
     log.info("[load] model=%s ready in %.2fs", args.model_id, engine.load_s)
-    loop = WorkerLoop(sock, engine, args.model_id, flags, heartbeat_s=args.heartbeat_s, faults=set(args.fault))
+    loop = WorkerLoop(ZmqChannel(sock), engine, args.model_id, shutdown, heartbeat_s=args.heartbeat_s, faults=faults)
     loop.announce()
-    try:
-        return loop.run()
-    except Exception as exc:
-        loop.fail_in_flight(exc)  # the clients hear of it now, while the socket still works
-        raise
+    return loop.run()
 
 
 if __name__ == "__main__":

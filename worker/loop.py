@@ -1,37 +1,39 @@
-"""The worker's loop: ZeroMQ in, engine steps, ZeroMQ out, all on the main thread.
+"""The worker's loop: frames in, engine steps, frames out, all on the main thread.
 
-One thread owns the socket and the engine, so nothing here needs a lock. While requests are
-in flight the loop polls the socket without waiting and steps the engine; idle, it waits on
-the socket up to one heartbeat interval. Heartbeats come from this loop, so a heartbeat
-proves the generation loop turns, not merely that a socket is open.
+One thread owns the channel and the engine, so nothing here needs a lock. Each turn asks the
+shutdown first (`while self._handle_shutdown()`, worker/shutdown.py: it acts on signals and
+evicts, aborts what is due, and says when the exit can run), then steps the engine if anything
+is in flight, sends a heartbeat when one is due and reads the inbox: without waiting while
+requests are in flight or an exit is under way, else up to one idle interval. Heartbeats come
+from this loop, so a heartbeat proves the generation loop turns, not merely that a socket is open.
 
 Each step is sized by the engine to a time target (worker/step_cost.py), so the loop turns
 several times a second even while a long prompt is prefilled. A step predicted to take a
 sizeable part of a heartbeat interval is announced first (StepStarted, with its prediction), so
 the supervisor can tell a slow step from a stuck one; decode steps, short, are never announced.
 
-Signals and the lifeline only flip flags (see worker/__main__.py); the loop acts on them.
+Messages are handled by a table from kind to `_on_<kind>`. The loop knows the engine only as
+worker/engine_api.py's EngineApi and the link only as worker/channel.py's Channel, and imports
+no MLX: tests/unit/test_worker_loop.py drives it with fakes. Invariants: every Submit is
+answered (admitted, or Failed with a code); a step that raises fails its batch and ends the
+worker; any other unexpected exception fails every request in flight (worker_crashed) while the
+channel still works, then ends the worker.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
-from dataclasses import dataclass, field
-
-import msgpack
-import zmq
+from collections.abc import Callable
+from typing import Any
 
 from protocol.codec import ProtocolError, VersionMismatch, decode, encode
 from protocol.messages import (
-    EXIT_OK,
-    EXIT_PARENT_GONE,
+    CACHE_TIERS,
     INTERNAL_ERROR,
     MODEL_EVICTED,
     WORKER_CRASHED,
-    CACHE_TIERS,
     Abort,
     CacheCleared,
     ClearCache,
@@ -44,85 +46,87 @@ from protocol.messages import (
     Submit,
     Tokens,
 )
-from worker.mlx_engine.engine import Engine, RequestRejected, process_memory_bytes
+from worker.channel import Channel
+from worker.engine_api import EngineApi, RequestRejected
+from worker.faults import NO_FAULTS, Faults
+from worker.memory import process_memory_bytes
 from worker.shutdown import Shutdown
 
 log = logging.getLogger(__name__)
 
 ANNOUNCE_FRACTION = 0.5  # a step predicted to take more than this part of a heartbeat interval is announced
-
-
-@dataclass
-class Flags:
-    """Set from signal handlers and the lifeline thread; read by the loop."""
-
-    sigterm: threading.Event = field(default_factory=threading.Event)
-    parent_gone: threading.Event = field(default_factory=threading.Event)
+MAX_IDLE_WAIT_S = 0.25  # idle, the inbox is waited on this long at most (so signals are seen soon)
 
 
 class WorkerLoop:
-    def __init__(self, sock: zmq.Socket, engine: Engine, model_id: str, flags: Flags,
-                 heartbeat_s: float = 1.0, faults: set[str] = frozenset()) -> None:
-        self.sock = sock
+    """One model's serving loop. Its effects are parameters: the channel, the engine, the shutdown,
+    the faults, the clock and the memory probe (the defaults are the real ones)."""
+
+    def __init__(self, channel: Channel, engine: EngineApi, model_id: str, shutdown: Shutdown, *,
+                 heartbeat_s: float = 1.0, faults: Faults = NO_FAULTS,
+                 clock: Callable[[], float] = time.monotonic,
+                 memory: Callable[[], int] = process_memory_bytes) -> None:
+        self.channel = channel
         self.engine = engine
         self.model_id = model_id
-        self.flags = flags
+        self.shutdown = shutdown
         self.heartbeat_s = heartbeat_s
-        self.shutdown: Shutdown | None = None
+        self.faults = faults
+        self.clock = clock
+        self.memory = memory
+        self._idle_ms = int(min(heartbeat_s, MAX_IDLE_WAIT_S) * 1000)
         self._next_heartbeat = 0.0
-        self._faults = faults
+        self._handlers: dict[str, Callable[[Any], None]] = {
+            Submit.KIND: self._on_submit,
+            Abort.KIND: self._on_abort,
+            ClearCache.KIND: self._on_clear_cache,
+            Evict.KIND: self._on_evict,
+        }
 
     def send(self, msg: Message) -> None:
-        try:
-            self.sock.send(encode(msg), zmq.NOBLOCK)
-        except zmq.Again:
+        if not self.channel.send(encode(msg)):
             log.error("[send] supervisor not reading; dropped kind=%s", msg.KIND)
 
     def announce(self) -> None:
+        """Ready (and the caches' first stats): the model is loaded and the loop about to run."""
         e = self.engine
         ready = Ready(self.model_id, os.getpid(), e.context_length, e.vocab_size, e.weights_bytes,
-                      process_memory_bytes(), e.load_s)
-        if "foreign-protocol" in self._faults:  # testing: a worker from another release
-            body = msgpack.unpackb(encode(ready))
-            self.sock.send(msgpack.packb({**body, "v": body["v"] + 1}))
+                      self.memory(), e.load_s)
+        foreign = self.faults.foreign_ready_frame(encode(ready))
+        if foreign is not None:
+            self.channel.send(foreign)
             return
         self.send(ready)
         self._send_cache_stats()
 
-    def _send_cache_stats(self) -> None:
-        if self.engine.caches is not None:
-            self.send(self.engine.caches.stats())
-
     def run(self) -> int:
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        idle_ms = int(min(self.heartbeat_s, 0.25) * 1000)
-        while True:
-            self._check_flags()
-            busy = len(self.engine) > 0
-            if poller.poll(0 if busy else idle_ms):
-                self._read_inbox()
-            if self.shutdown is not None and len(self.engine) and self.shutdown.must_abort():
-                for f in self.shutdown.abort_all(self.engine.fail_all):
-                    self.send(f)
-            if len(self.engine):
+        """Serve until the shutdown lets the exit run, run it, return the exit code."""
+        try:
+            while self._handle_shutdown():
                 self._step()
-            self._maybe_heartbeat()
-            if self.shutdown is not None and not len(self.engine):
-                return self._exit()
+                self._maybe_heartbeat()
+                self._read_inbox()
+            self.faults.before_exit()
+            return self.shutdown.finish(self.engine, self.send, self.model_id)
+        except Exception as exc:
+            self.fail_in_flight(exc)  # the clients hear of it now, while the channel still works
+            raise
 
-    def _check_flags(self) -> None:
-        if self.flags.parent_gone.is_set() and (self.shutdown is None or self.shutdown.reason != "parent_gone"):
-            self.shutdown = Shutdown.request("parent_gone", "now", 0)
-        elif self.flags.sigterm.is_set() and self.shutdown is None:
-            self.shutdown = Shutdown.request("sigterm", "now", 0)
+    def fail_in_flight(self, exc: BaseException) -> None:
+        """An unexpected error ends the worker: tell every request's client, best effort."""
+        for rid in self.engine.rids:
+            self.send(Failed(rid, WORKER_CRASHED, f"the worker crashed: {type(exc).__name__}: {exc}"))
+
+    def _handle_shutdown(self) -> bool:
+        return self.shutdown.keep_running(self.engine, self.send)
+
+    # --- the inbox -----------------------------------------------------------------------
 
     def _read_inbox(self) -> None:
-        while True:
-            try:
-                frame = self.sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        idle = not len(self.engine) and self.shutdown.admitting
+        if not self.channel.wait(self._idle_ms if idle else 0):
+            return
+        while (frame := self.channel.recv()) is not None:
             try:
                 msg = decode(frame)
             except VersionMismatch as exc:
@@ -131,23 +135,26 @@ class WorkerLoop:
             except ProtocolError as exc:
                 log.warning("[protocol] dropped a malformed message: %s", exc)
                 continue
-            self._on_message(msg)
+            handler = self._handlers.get(msg.KIND)
+            if handler is None:
+                log.warning("[protocol] unexpected message kind=%s", msg.KIND)
+                continue
+            handler(msg)
 
-    def _on_message(self, msg: Message) -> None:
-        if isinstance(msg, Submit):
-            self._on_submit(msg)
-        elif isinstance(msg, Abort):
-            self.engine.abort(msg.rid)
-        elif isinstance(msg, ClearCache):
-            self._on_clear_cache(msg)
-        elif isinstance(msg, Evict):
-            if self.shutdown is None:
-                log.info("[evict] model=%s mode=%s deadline_s=%.1f", self.model_id, msg.mode, msg.deadline_s)
-                self.shutdown = Shutdown.request("evict", msg.mode, msg.deadline_s)
-            elif msg.mode == "now":
-                self.shutdown.mode = "now"  # a second, harder evict tightens the first
-        else:
-            log.warning("[protocol] unexpected message kind=%s", msg.KIND)
+    def _on_submit(self, msg: Submit) -> None:
+        if not self.shutdown.admitting:
+            self.send(Failed(msg.rid, MODEL_EVICTED, "the model is being evicted"))
+            return
+        try:
+            self.engine.submit(msg)
+        except RequestRejected as exc:
+            self.send(Failed(msg.rid, exc.code, str(exc)))
+        except Exception as exc:
+            log.exception("[submit] rid=%s failed", msg.rid)
+            self.send(Failed(msg.rid, INTERNAL_ERROR, f"the worker could not start the request: {exc}"))
+
+    def _on_abort(self, msg: Abort) -> None:
+        self.engine.abort(msg.rid)
 
     def _on_clear_cache(self, msg: ClearCache) -> None:
         entries = reclaimed = 0
@@ -162,68 +169,46 @@ class WorkerLoop:
         self.send(CacheCleared(msg.rid, msg.which, entries, reclaimed))
         self._send_cache_stats()
 
-    def _on_submit(self, msg: Submit) -> None:
-        if self.shutdown is not None:
-            self.send(Failed(msg.rid, MODEL_EVICTED, "the model is being evicted"))
-            return
-        try:
-            self.engine.submit(msg)
-        except RequestRejected as exc:
-            self.send(Failed(msg.rid, exc.code, str(exc)))
-        except Exception as exc:
-            log.exception("[submit] rid=%s failed", msg.rid)
-            self.send(Failed(msg.rid, INTERNAL_ERROR, f"the worker could not start the request: {exc}"))
+    def _on_evict(self, msg: Evict) -> None:
+        if self.shutdown.admitting:
+            log.info("[evict] model=%s mode=%s deadline_s=%.1f", self.model_id, msg.mode, msg.deadline_s)
+        self.shutdown.on_evict(msg.mode, msg.deadline_s)
+
+    # --- the engine and the heartbeat ----------------------------------------------------
 
     def _step(self) -> None:
-        if "slow-steps" in self._faults:
-            time.sleep(0.4)
-        if "crash-in-loop" in self._faults:  # testing: an exception no handler here expects
-            raise RuntimeError("fault: crash-in-loop")
+        if not len(self.engine):
+            return
+        self.faults.before_step()  # testing: crash-in-loop raises here, outside the step's own handling
         try:
             plan = self.engine.plan_step()
             if plan.predicted_s > ANNOUNCE_FRACTION * self.heartbeat_s:
                 self.send(StepStarted(round(plan.predicted_s, 4), plan.prefill_tokens, plan.decoding))
             chunks, finished = self.engine.step()
-            if "step-raises" in self._faults:  # testing: MLX or mlx-lm failing inside a step
-                raise RuntimeError("fault: step-raises")
+            self.faults.after_step()
         except Exception as exc:
             # mlx-lm leaves a BatchGenerator that raised mid-step unusable: fail the batch, then end the
             # process (a crash the supervisor sees) rather than fail every later request while looking healthy
-            for f in self.engine.fail_all(INTERNAL_ERROR, f"generation failed: {exc}"):
-                self.send(f)
+            for failed in self.engine.fail_all(INTERNAL_ERROR, f"generation failed: {exc}"):
+                self.send(failed)
             raise
         if chunks:
             self.send(Tokens(chunks))
-        for f in finished:
-            self.send(f)
-        if self.shutdown is not None and finished:
-            self.shutdown.note_drained(len(finished))
+        for done in finished:
+            self.send(done)
+        self.shutdown.note_finished(len(finished))
 
     def _maybe_heartbeat(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         if now < self._next_heartbeat:
             return
         self._next_heartbeat = now + self.heartbeat_s
         e = self.engine
         self.send(Heartbeat(active=len(e), waiting=e.waiting(), batch_size=e.batch_size(),
                             max_batch_size=e.peak_batch_size, generated_tokens=e.generated_tokens,
-                            memory_bytes=process_memory_bytes()))
+                            memory_bytes=self.memory()))
         self._send_cache_stats()
 
-    def _exit(self) -> int:
-        assert self.shutdown is not None
-        if "hang-on-evict" in self._faults:  # testing the supervisor's kill ladder: a worker stuck in its exit
-            log.warning("[fault] hanging instead of exiting")
-            threading.Event().wait()
-        bye = self.shutdown.finish(close_caches=self.engine.close_caches, settle=self.engine.settle)
-        log.info("[evict] model=%s phase=bye reason=%s aborted=%d drained=%d phases=%s", self.model_id,
-                 bye.reason, bye.aborted, bye.drained, {k: round(v, 4) for k, v in bye.phases.items()})
-        if bye.reason == "parent_gone":
-            return EXIT_PARENT_GONE
-        self.send(bye)
-        return EXIT_OK
-
-    def fail_in_flight(self, exc: BaseException) -> None:
-        """An unexpected error ends the worker: tell every request's client, best effort."""
-        for rid in self.engine.rids:
-            self.send(Failed(rid, WORKER_CRASHED, f"the worker crashed: {type(exc).__name__}: {exc}"))
+    def _send_cache_stats(self) -> None:
+        if self.engine.caches is not None:
+            self.send(self.engine.caches.stats())

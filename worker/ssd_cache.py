@@ -24,25 +24,22 @@ Thread rules: `_lock` guards the index, queue, epoch and `enabled`; file I/O hap
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from protocol.cachedir import BLOCK_SUFFIX, TEMP_SUFFIX
+from worker.faults import Faults
 from worker.ssd_format import BadBlock, BlockData, read_block, read_header, write_block
 
 log = logging.getLogger(__name__)
 
 DEFAULT_QUEUE_BYTES = 256 * 2**20
-# Testing faults (`--fault`): ssd-enospc fails every write as a full disk does; ssd-stall stops the
-# writer forever halfway through the block of depth STALL_DEPTH; ssd-slow takes SLOW_WRITE_S a block.
-STALL_DEPTH = 4
-SLOW_WRITE_S = 0.25
 
 
 @dataclass(slots=True)
@@ -54,13 +51,13 @@ class _Job:
 
 class SsdCache:
     def __init__(self, directory: Path, fingerprint: str, cap_bytes: int, model_id: str = "",
-                 queue_bytes: int = DEFAULT_QUEUE_BYTES, faults: tuple[str, ...] = ()) -> None:
+                 queue_bytes: int = DEFAULT_QUEUE_BYTES, faults: Iterable[str] = ()) -> None:
         self.dir = directory
         self.fingerprint = fingerprint
         self.cap = cap_bytes
         self.model_id = model_id
         self.queue_bytes = queue_bytes
-        self.faults = faults
+        self.faults = Faults(faults)  # testing only (worker/faults.py): a full disk, a slow or a stalled writer
         self.enabled = False
         self.error: str | None = None
         self.nbytes = 0
@@ -268,16 +265,9 @@ class SsdCache:
         self._evict_to_cap()
 
     def _write_file(self, tmp: Path, block: BlockData) -> int:
-        if "ssd-enospc" in self.faults:
-            raise OSError(errno.ENOSPC, "No space left on device (injected fault ssd-enospc)")
-        if "ssd-slow" in self.faults:
-            time.sleep(SLOW_WRITE_S)
+        self.faults.before_ssd_write()
         with open(tmp, "wb") as f:
-            if "ssd-stall" in self.faults and block.depth == STALL_DEPTH:
-                f.write(b"\0" * (block.nbytes // 2))
-                f.flush()
-                log.warning("[fault] ssd=writer stalls halfway file=%s", tmp.name)
-                threading.Event().wait()
+            self.faults.during_ssd_write(f, block.nbytes, block.depth, tmp.name)
             size = write_block(f, block, self.fingerprint)
             f.flush()
             os.fsync(f.fileno())

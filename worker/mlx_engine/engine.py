@@ -2,7 +2,8 @@
 
 The only code that touches MLX at generation time. It runs on the worker's main thread
 (MLX aborts at exit when generation ran on other threads) and knows nothing of sockets: the
-loop in worker/server.py feeds it Submit/Abort messages and ships what step() returns.
+loop in worker/loop.py feeds it Submit/Abort messages and ships what step() returns. It
+implements worker/engine_api.py's EngineApi, all the loop knows of it.
 
 Invariants: every admitted request ends in exactly one Finished or Failed; a request that is
 aborted or finished is removed from the BatchGenerator at once, so it costs no more compute.
@@ -29,7 +30,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
-import psutil
 from mlx.utils import tree_flatten
 from mlx_lm import load
 from mlx_lm.generate import BatchGenerator, StopSequences
@@ -42,17 +42,13 @@ from protocol.messages import (
     Finished,
     Submit,
 )
+from worker.engine_api import RequestRejected
+from worker.memory import process_memory_bytes
 from worker.mlx_engine.prompt_cache import CacheOptions, PromptCaches
 from worker.step_cost import PrefillSeq, StepCostModel, StepPlan, StepWork
 from worker.textstream import TextStream
 
 log = logging.getLogger(__name__)
-
-
-class RequestRejected(Exception):
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass(slots=True)
@@ -65,10 +61,6 @@ class Request:
     cached_tokens: int = 0
     prefill_left: int = 0  # prompt tokens still to prefill (the last one is decoded, not prefilled)
     position: int = 0  # prompt tokens in its cache so far
-
-
-def process_memory_bytes() -> int:
-    return psutil.Process().memory_info().rss
 
 
 def special_token_ids(tokenizer) -> frozenset[int]:

@@ -27,6 +27,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from protocol.cachedir import model_fingerprint
 from protocol.messages import CacheStats
+from worker.faults import NO_FAULTS, Faults
 from worker.hot_cache import HotCache
 from worker.mlx_engine.kv_blocks import Block, chain_keys, cut_blocks, is_plain_kv, join_blocks, parent_of
 from worker.ssd_cache import SsdCache
@@ -43,7 +44,7 @@ class CacheOptions:
     ssd_bytes: int = 8 * 2**30
     block_tokens: int = 64
     close_s: float = 3.0  # how long close() waits for the SSD writer to finish its queue
-    faults: tuple[str, ...] = ()
+    faults: Faults = NO_FAULTS  # testing only (worker/faults.py): the SSD writer's faults
 
 
 def _dtype_name(a: mx.array) -> str:

@@ -1,0 +1,93 @@
+"""What the worker loop needs of an engine, without MLX: the interface and the rejection it raises.
+
+The loop (worker/loop.py) drives an engine only through `EngineApi`, so it runs against the MLX
+engine (worker/mlx_engine/engine.py) in a worker and against a fake in tests/unit/test_worker_loop.py.
+This module imports nothing that imports MLX, and neither does anything the loop imports.
+
+What an engine promises the loop:
+- every request `submit` admits ends in exactly one Finished (from `step`) or Failed (from
+  `fail_all`), unless the loop withdraws it with `abort` (the client is gone: nothing is sent);
+- `submit` raises RequestRejected for a request the engine refuses (its code goes to the client
+  in Failed); any other exception from it is the engine's own failure;
+- `plan_step` sizes the next step and says what it predicts; `step` then runs it. A step that
+  raises leaves the engine unusable: the loop fails the batch and ends the worker;
+- `fail_all` and `abort` remove requests at once, so `len(engine)` counts only live ones;
+- `close_caches` and `settle` run once, at the end, after the last request has left.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from protocol.messages import CacheStats, Failed, Finished, Submit
+from worker.step_cost import StepPlan
+
+
+class RequestRejected(Exception):
+    """The engine refuses a request (too long for the context, a template that rejects it, ...):
+    the client gets Failed(code, message); the worker goes on."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class PromptCacheApi(Protocol):
+    """The engine's prompt caches, as the loop reports and clears them."""
+
+    def stats(self) -> CacheStats: ...
+
+    def clear(self, which: str) -> tuple[int, int]:
+        """Drop every entry of one tier (`which` in CACHE_TIERS); (entries, bytes) given back."""
+        ...
+
+
+class EngineApi(Protocol):
+    """One model and the batch it generates for; everything on the loop's thread."""
+
+    context_length: int
+    vocab_size: int
+    weights_bytes: int
+    load_s: float  # seconds its load took
+    generated_tokens: int  # completion tokens produced since the start
+    peak_batch_size: int  # the most sequences one step has produced tokens for
+
+    @property
+    def caches(self) -> PromptCacheApi | None: ...
+
+    @property
+    def rids(self) -> list[str]:
+        """The requests in flight (admitted, not yet finished, failed or aborted)."""
+        ...
+
+    def __len__(self) -> int: ...
+
+    def batch_size(self) -> int:
+        """Sequences in the generation batch now."""
+        ...
+
+    def waiting(self) -> int:
+        """Requests in flight that are not yet in the generation batch."""
+        ...
+
+    def submit(self, msg: Submit) -> None: ...
+
+    def abort(self, rid: str) -> bool:
+        """Withdraw one request at once; False when it is not in flight."""
+        ...
+
+    def plan_step(self) -> StepPlan: ...
+
+    def step(self) -> tuple[list[list], list[Finished]]:
+        """Run the planned step: text chunks [[rid, text, n_tokens], ...] and the requests that finished."""
+        ...
+
+    def fail_all(self, code: str, message: str) -> list[Failed]:
+        """Remove every request in flight; the Failed each of their clients is owed."""
+        ...
+
+    def close_caches(self) -> None: ...
+
+    def settle(self) -> int:
+        """Release what the engine holds; the process footprint left, in bytes."""
+        ...

@@ -1,0 +1,105 @@
+"""Test-only fault injection: every way a worker can be told to misbehave on purpose, in one place.
+
+Integration tests start workers with `worker_args = ["--fault", NAME, ...]`; the argument parser
+offers exactly the names in FAULTS (with their descriptions as help), and `Faults` is the set a
+worker was given. Production code never tests a fault name itself: it calls one of the hooks
+below at the point where that fault strikes, and a hook does nothing unless its fault was
+injected. Invariants: with no fault given (`NO_FAULTS`) every hook is a no-op that costs a set
+lookup; an unknown name is refused when the set is built, so a typo cannot disable a test.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import signal
+import threading
+import time
+from collections.abc import Iterable
+from typing import BinaryIO
+
+import msgpack
+
+log = logging.getLogger(__name__)
+
+FAULTS: dict[str, str] = {
+    "ignore-sigterm": "ignore SIGTERM",
+    "hang-on-evict": "never finish the exit sequence",
+    "slow-steps": "sleep 0.4 s in every engine step (a slow but live worker)",
+    "foreign-protocol": "announce itself in another protocol version",
+    "ssd-enospc": "the SSD cache's disk is full",
+    "ssd-stall": "the SSD writer stops halfway through a block (to be killed mid-write)",
+    "ssd-slow": "the SSD writer is slow",
+    "crash-in-loop": "raise an unexpected exception in the loop while a request runs",
+    "step-raises": "the engine's step raises (as MLX or mlx-lm may), leaving its generator unusable",
+}
+
+SLOW_STEP_S = 0.4  # slow-steps: added to every engine step
+SLOW_WRITE_S = 0.25  # ssd-slow: added to every block the SSD writer writes
+STALL_DEPTH = 4  # ssd-stall: the writer stops forever halfway through the block at this depth of its chain
+
+
+class Faults(frozenset[str]):
+    """The faults injected into this worker (a set of FAULTS names) and the hooks where they strike."""
+
+    def __new__(cls, names: Iterable[str] = ()) -> Faults:
+        chosen = frozenset(names)
+        unknown = chosen - FAULTS.keys()
+        if unknown:
+            raise ValueError(f"unknown faults {sorted(unknown)}; known: {sorted(FAULTS)}")
+        return super().__new__(cls, chosen)
+
+    # --- process start ------------------------------------------------------------------
+
+    def apply_to_signals(self) -> None:
+        """ignore-sigterm: a worker deaf to SIGTERM (the supervisor's kill ladder must go on to SIGKILL)."""
+        if "ignore-sigterm" in self:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    def foreign_ready_frame(self, frame: bytes) -> bytes | None:
+        """foreign-protocol: the Ready frame as a worker of the next protocol version would send it
+        (and nothing after it); None when the fault is not injected."""
+        if "foreign-protocol" not in self:
+            return None
+        body = msgpack.unpackb(frame)
+        return bytes(msgpack.packb({**body, "v": body["v"] + 1}))
+
+    # --- the loop -----------------------------------------------------------------------
+
+    def before_step(self) -> None:
+        """slow-steps: a slow but live step. crash-in-loop: an exception no handler in the loop expects."""
+        if "slow-steps" in self:
+            time.sleep(SLOW_STEP_S)
+        if "crash-in-loop" in self:
+            raise RuntimeError("fault: crash-in-loop")
+
+    def after_step(self) -> None:
+        """step-raises: the engine's step failing as MLX or mlx-lm may (inside the step's error handling)."""
+        if "step-raises" in self:
+            raise RuntimeError("fault: step-raises")
+
+    def before_exit(self) -> None:
+        """hang-on-evict: stuck in the exit sequence forever (the supervisor's kill ladder must end it)."""
+        if "hang-on-evict" in self:
+            log.warning("[fault] hanging instead of exiting")
+            threading.Event().wait()
+
+    # --- the SSD writer thread ----------------------------------------------------------
+
+    def before_ssd_write(self) -> None:
+        """ssd-enospc: every write fails as on a full disk. ssd-slow: every block takes SLOW_WRITE_S."""
+        if "ssd-enospc" in self:
+            raise OSError(errno.ENOSPC, "No space left on device (injected fault ssd-enospc)")
+        if "ssd-slow" in self:
+            time.sleep(SLOW_WRITE_S)
+
+    def during_ssd_write(self, f: BinaryIO, nbytes: int, depth: int, name: str) -> None:
+        """ssd-stall: half of the block at STALL_DEPTH written, then the writer stops forever."""
+        if "ssd-stall" in self and depth == STALL_DEPTH:
+            f.write(b"\0" * (nbytes // 2))
+            f.flush()
+            log.warning("[fault] ssd=writer stalls halfway file=%s", name)
+            threading.Event().wait()
+
+
+NO_FAULTS = Faults()
