@@ -107,7 +107,7 @@ def stand_by(sock: zmq.Socket, shutdown: Shutdown, log: logging.Logger) -> list[
     """As a spare: import everything, report Standby, and wait for a Load (None: told to go)."""
     import zmq
 
-    importlib.import_module("worker.mlx_engine.engine")  # the point of a spare: pay the imports before a model is asked for
+    importlib.import_module("worker.mlx_engine.engine")  # a spare's point: pay the imports before a model is asked for
     from protocol.codec import ProtocolError, decode, encode
     from protocol.messages import Evict, Load, Standby
 

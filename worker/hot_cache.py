@@ -38,10 +38,10 @@ class HotCache:
     def enabled(self) -> bool:
         return self.budget > 0
 
-    def get(self, key: bytes) -> "Block | None":
+    def get(self, key: bytes) -> Block | None:
         return self._blocks.get(key)
 
-    def prefix(self, keys: list[bytes]) -> "list[Block]":
+    def prefix(self, keys: list[bytes]) -> list[Block]:
         """The cached blocks of the longest prefix of `keys`, touched as used."""
         found = []
         for key in keys:
@@ -61,7 +61,7 @@ class HotCache:
         """How many blocks of `block_bytes` the whole budget holds."""
         return self.budget // block_bytes if block_bytes > 0 else 0
 
-    def put(self, blocks: "list[Block]") -> None:
+    def put(self, blocks: list[Block]) -> None:
         """Add a chain's blocks (root side first), then evict the least recent down to the budget."""
         if not self.enabled:
             return

@@ -59,8 +59,13 @@ class BlockData:
         return self.keys.nbytes + self.values.nbytes
 
 
+def _bytes_of(a: np.ndarray) -> memoryview:
+    """The array's bytes in C order, without a copy when it is contiguous already."""
+    return np.ascontiguousarray(a).data.cast("B")
+
+
 def _header(block: BlockData, fingerprint: str) -> bytes:
-    crc = zlib.crc32(block.values, zlib.crc32(block.keys))
+    crc = zlib.crc32(_bytes_of(block.values), zlib.crc32(_bytes_of(block.keys)))
     return json.dumps({
         "fingerprint": fingerprint, "key": block.key.hex(), "parent": block.parent.hex(), "depth": block.depth,
         "tokens": list(block.tokens), "dtype": block.dtype, "k_shape": list(block.keys.shape),
@@ -73,8 +78,8 @@ def write_block(f: BinaryIO, block: BlockData, fingerprint: str) -> int:
     header = _header(block, fingerprint)
     f.write(_PREFIX.pack(MAGIC, FORMAT_VERSION, len(header)))
     f.write(header)
-    f.write(memoryview(np.ascontiguousarray(block.keys)).cast("B"))
-    f.write(memoryview(np.ascontiguousarray(block.values)).cast("B"))
+    f.write(_bytes_of(block.keys))
+    f.write(_bytes_of(block.values))
     return _PREFIX.size + len(header) + block.nbytes
 
 

@@ -28,12 +28,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm import load
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.sample_utils import make_sampler
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from protocol.messages import (
     CONTEXT_LENGTH_EXCEEDED,
@@ -77,8 +80,8 @@ def special_token_ids(tokenizer) -> frozenset[int]:
 def load_with_progress(model_path: Path, report: Callable[[str, float], None]) -> tuple:
     """mlx_lm.load, lazily, then the weights brought into memory in slices, reporting the fraction done."""
     report("reading", 0.0)
-    model, tokenizer = load(str(model_path), lazy=True)
-    leaves = [v for _, v in tree_flatten(model.parameters())]
+    model, tokenizer = cast(tuple[nn.Module, TokenizerWrapper], load(str(model_path), lazy=True))
+    leaves = [cast(mx.array, kv[1]) for kv in tree_flatten(model.parameters())]
     total = sum(v.nbytes for v in leaves) or 1
     done, reported = 0, 0.0
     for leaf in leaves:
@@ -189,7 +192,7 @@ class Engine:
         (uid,) = self.gen.insert(
             [tokens[cached:]],
             max_tokens=[max_tokens],
-            caches=[prefix],
+            caches=[prefix] if prefix is not None else None,
             all_tokens=[tokens[:cached]],
             samplers=[self._sampler(msg)],
             stop_sequences=[self._stop_none if msg.ignore_eos else self._stop_eos],

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import cast
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
@@ -76,8 +77,8 @@ def cut_blocks(cache: list[KVCache], tokens: list[int], keys: list[bytes], wante
     blocks = []
     for i in wanted:
         s, e = i * block_tokens, (i + 1) * block_tokens
-        k = mx.stack([c.keys[0, :, s:e, :] for c in cache])
-        v = mx.stack([c.values[0, :, s:e, :] for c in cache])
+        k = mx.stack([cast(mx.array, c.keys)[0, :, s:e, :] for c in cache])  # filled: the sequence ran
+        v = mx.stack([cast(mx.array, c.values)[0, :, s:e, :] for c in cache])
         blocks.append(Block(keys[i], parent_of(keys, i, block_tokens), i, tuple(tokens[s:e]), k, v))
     if blocks:
         mx.eval([a for b in blocks for a in (b.keys, b.values)])

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
@@ -30,8 +31,8 @@ from protocol.messages import CacheStats
 from worker.faults import NO_FAULTS, Faults
 from worker.hot_cache import HotCache
 from worker.mlx_engine.kv_blocks import Block, chain_keys, cut_blocks, is_plain_kv, join_blocks, parent_of
-from worker.ssd_cache import SsdCache
 from worker.shutdown import run_best_effort
+from worker.ssd_cache import SsdCache
 from worker.ssd_format import BlockData
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ def _from_numpy(a: np.ndarray, dtype: str) -> mx.array:
 
 
 class PromptCaches:
-    def __init__(self, model: object, model_path: Path, options: CacheOptions, model_id: str = "") -> None:
+    def __init__(self, model: nn.Module, model_path: Path, options: CacheOptions, model_id: str = "") -> None:
         self.model_id = model_id
         self.block = options.block_tokens
         self.close_s = options.close_s
