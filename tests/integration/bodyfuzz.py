@@ -32,7 +32,8 @@ ODD_VALUES: list[Any] = [
     "", " ", "x" * 20_000, "\x00\x01\x1f\x7f", "\u202eevil", "😀" * 8, "\ud800", "a\udfffb", "\ufeff", "\uffff",
     "NaN", "tiny", "../../etc/passwd", "<|bos|>", [], {}, [1, "a", None], {"a": {"b": []}}, [[[[[[[[]]]]]]]],
     {"type": "text", "text": 1}, [{"type": "text", "text": "\ud800"}], ["x"] * 5,
-    Raw("9" * 5000), Raw("-" + "1" * 400), Raw("1e999"), Raw("NaN"), Raw("-Infinity"), Raw("[" * 100_000 + "]" * 100_000),
+    Raw("9" * 5000), Raw("-" + "1" * 400), Raw("1e999"), Raw("NaN"), Raw("-Infinity"),
+    Raw("[" * 100_000 + "]" * 100_000),
     Raw('{"a":' * 120 + "1" + "}" * 120), Raw('"\\ud800\\udc00"'), Raw('"\\u0000"'),
 ]
 
@@ -116,7 +117,8 @@ def _mutate_tree(rng: random.Random, body: Any) -> Any:
     if op == 0 or not places:  # a new field
         target = rng.choice([body] + [_parent(body, p)[p[-1]] for p in places])
         if isinstance(target, dict):
-            target[rng.choice(["model", "x", "messages", "stream", "\ud800", "", "n", "tools"])] = rng.choice(ODD_VALUES)
+            value = rng.choice(ODD_VALUES)  # drawn before the key, as the seeded cases always were
+            target[rng.choice(["model", "x", "messages", "stream", "\ud800", "", "n", "tools"])] = value
         return body
     place = rng.choice(places)
     parent, key = _parent(body, place), place[-1]

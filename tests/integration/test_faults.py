@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -75,8 +76,8 @@ worker_args = ["--fault", "slow-steps"]
             req = asyncio.create_task(http.post(d.v1 + "/completions",
                                                 json={"model": "slow", "prompt": "x", "max_tokens": 50}))
             async def in_flight() -> None:
-                while not (await http.get(d.url + "/api/status")).json()["models"][0]["in_flight"]:
-                    await asyncio.sleep(0.01)
+                while not (await http.get(d.url + "/api/status")).json()["models"][0]["in_flight"]:  # noqa: ASYNC110
+                    await asyncio.sleep(0.01)  # polling the daemon's API: no event to wait on
 
             await asyncio.wait_for(in_flight(), 30)  # polled with a deadline
             os.kill(pid, signal.SIGKILL)
@@ -330,7 +331,7 @@ worker_args = ["--fault", "ignore-sigterm", "--fault", "hang-on-evict"]
     pid = load(d, "stuck")
     d.proc.send_signal(signal.SIGINT)
     wait_for(lambda: "[shutdown]" in (d.state_dir / "daemon.log").read_text(), 10, what="the shutdown to start")
-    with pytest.raises(Exception):
+    with pytest.raises(subprocess.TimeoutExpired):
         d.proc.wait(1.0)  # stuck on the worker, as designed
     d.proc.send_signal(signal.SIGINT)
     assert d.proc.wait(15) == 0

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from protocol.codec import ProtocolError, encode
 from protocol.messages import Evict, Submit
-from supervisor.gateway.body import MAX_DEPTH, decode_json
 from supervisor.errors import InvalidRequest
+from supervisor.gateway.body import MAX_DEPTH, decode_json
 
 
 @pytest.mark.parametrize("raw, says, param", [

@@ -8,11 +8,27 @@ import msgpack
 import pytest
 
 from protocol.codec import MAX_MESSAGE_BYTES, ProtocolError, VersionMismatch, decode, encode
-from tests.unit.golden import GOLDEN_SHA256
 from protocol.messages import (
-    ALL_MESSAGES, PROTOCOL_VERSION, Abort, Bye, CacheCleared, CacheStats, ClearCache, Evict, Failed, Finished,
-    Heartbeat, Load, Progress, Ready, Standby, StepStarted, Submit, Tokens,
+    ALL_MESSAGES,
+    PROTOCOL_VERSION,
+    Abort,
+    Bye,
+    CacheCleared,
+    CacheStats,
+    ClearCache,
+    Evict,
+    Failed,
+    Finished,
+    Heartbeat,
+    Load,
+    Progress,
+    Ready,
+    Standby,
+    StepStarted,
+    Submit,
+    Tokens,
 )
+from tests.unit.golden import GOLDEN_SHA256
 
 SAMPLES = [
     Submit(rid="r1", max_tokens=16, messages=[{"role": "user", "content": "hi"}], temperature=0.0, stop=["\n"]),

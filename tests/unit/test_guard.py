@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from supervisor.gateway.app import build_app
 from supervisor.config import ConfigError, Settings, load_file
+from supervisor.gateway.app import build_app
 from supervisor.gateway.guard import WebGuard, host_name, is_loopback, parse_origin, split_host
 
 

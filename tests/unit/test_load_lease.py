@@ -12,8 +12,8 @@ import asyncio
 import json
 from types import SimpleNamespace
 
-from supervisor.gateway.app import build_app
 from supervisor.config import Settings
+from supervisor.gateway.app import build_app
 
 
 class StubLease:

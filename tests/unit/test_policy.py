@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from supervisor.policy import (
-    STEP_OVERRUN, Admission, WorkerView, admit, hang_reason, pressure_level, pressure_victim, ttl_expired,
+    STEP_OVERRUN,
+    Admission,
+    WorkerView,
+    admit,
+    hang_reason,
+    pressure_level,
+    pressure_victim,
+    ttl_expired,
 )
 
 MiB = 2**20

@@ -19,11 +19,24 @@ from typing import Any, TypeVar, cast
 
 import pytest
 
-from protocol.messages import (
-    ALL_MESSAGES, EXIT_LOAD_FAILED, Abort, Bye, CacheCleared, ClearCache, Evict, Finished, Heartbeat, Load, Message,
-    Ready, Standby, Submit, Tokens,
-)
 from protocol.codec import encode
+from protocol.messages import (
+    ALL_MESSAGES,
+    EXIT_LOAD_FAILED,
+    Abort,
+    Bye,
+    CacheCleared,
+    ClearCache,
+    Evict,
+    Finished,
+    Heartbeat,
+    Load,
+    Message,
+    Ready,
+    Standby,
+    Submit,
+    Tokens,
+)
 from supervisor import errors
 from supervisor.config import Settings
 from supervisor.effects import Handler, Refusal
@@ -591,7 +604,8 @@ async def test_a_load_goes_to_the_spare_on_standby_and_a_new_spare_follows(tmp_p
     worker = w.worker("m")
     assert worker.process is spare.process and worker.identity == spare.identity
     loads = w.transport.to(worker, Load)
-    assert len(loads) == 1 and "--model-id" in loads[0].args and loads[0].args[loads[0].args.index("--model-id") + 1] == "m"
+    args = loads[0].args
+    assert len(loads) == 1 and "--model-id" in args and args[args.index("--model-id") + 1] == "m"
     assert w.router.spare is not None and w.router.spare is not spare and len(w.processes) == 2
     w.ready("m")
     (await now(acquiring)).release()

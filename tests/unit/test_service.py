@@ -21,8 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.cli import service
-from supervisor.cli import main
+from supervisor.cli import main, service
 from supervisor.config import Settings
 
 UID = os.getuid()
