@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import psutil
 from mlx.utils import tree_flatten
 from mlx_lm import load
@@ -89,7 +90,7 @@ def load_with_progress(model_path: Path, report: Callable[[str, float], None]) -
     return model, tokenizer
 
 
-def time_one_token(model) -> float:
+def time_one_token(model: nn.Module) -> float:
     """Seconds of one token's forward pass: the step cost model's seed, more than a prefilled token costs."""
     t0 = time.perf_counter()
     mx.eval(model(mx.array([[0]])))
@@ -115,7 +116,7 @@ class Engine:
             stop_tokens=[[t] for t in eos],
             completion_batch_size=max_batch_size,
             prefill_batch_size=prefill_batch_size,
-            prefill_step_size=prefill_step_size,  # the most a step takes; the cost model sets each step's
+            prefill_step_size=prefill_step_size,  # a cap: plan_step() sets each step's chunk below it
         )
         self.max_batch_size = max_batch_size
         self.prefill_batch_size = prefill_batch_size

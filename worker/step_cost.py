@@ -18,7 +18,9 @@ Invariants: pure and MLX-free (unit-tested with synthetic machines); the chunk i
 [min_chunk, max_chunk]; before a measurement the per-token cost is the seed (one token's forward
 pass at load, more than a token of a prefill costs), so the first chunk is conservatively small;
 a chunk never grows past GROWTH times the largest one measured, so one bad fit costs a few
-slow steps, not one huge one. Coefficients are non-negative least squares over recent steps,
+slow steps, not one huge one; a chunk that does not finish the prompts is rounded down to 2^k or
+3 * 2^(k-1) tokens, so steps come in few shapes (MLX may compile kernels for each new shape).
+Coefficients are non-negative least squares over recent steps,
 older ones forgotten geometrically (a machine's speed changes with its load).
 """
 
@@ -99,6 +101,14 @@ class NonNegativeFit:
                 + t1 * t1 * self.s11 + 2 * t1 * t2 * self.s12 + t2 * t2 * self.s22)
 
 
+def bucket(n: int) -> int:
+    """`n` rounded down to 2^k or 3 * 2^(k-1): at most two chunk sizes per octave."""
+    if n < 4:
+        return n
+    power = 1 << (n.bit_length() - 1)
+    return power + power // 2 if n >= power + power // 2 else power
+
+
 def _features(work: StepWork, chunk: int) -> tuple[int, float, int]:
     """(padded prefill tokens, attention work, chunk actually taken) of `work` prefilled `chunk` at a time."""
     if not work.prefill:
@@ -158,7 +168,8 @@ class StepCostModel:
         cap = self.max_chunk
         if self.largest_measured:
             cap = min(cap, max(self.min_chunk, int(GROWTH * self.largest_measured)))
-        cap = min(cap, max(self.min_chunk, max(s.left for s in work.prefill)))
+        longest = max(s.left for s in work.prefill)
+        cap = min(cap, max(self.min_chunk, longest))
         budget = self.prefill_budget_s(work.decoding)
         lo, hi = self.min_chunk, cap
         while lo < hi:  # the prediction grows with the chunk: bisect for the largest that fits
@@ -168,6 +179,8 @@ class StepCostModel:
                 lo = mid
             else:
                 hi = mid - 1
+        if lo < longest and lo < self.max_chunk:
+            lo = max(self.min_chunk, bucket(lo))
         return self.predict(work, lo)
 
     # --- learning ----------------------------------------------------------------------

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from worker.step_cost import GROWTH, NonNegativeFit, PrefillSeq, StepCostModel, StepWork
+from worker.step_cost import GROWTH, NonNegativeFit, PrefillSeq, StepCostModel, StepWork, bucket
 
 
 class Machine:
@@ -54,8 +54,16 @@ def test_fit_recovers_known_coefficients_and_keeps_them_non_negative() -> None:
 def test_first_chunk_is_small_before_any_measurement() -> None:
     model = StepCostModel(target_s=0.25, max_chunk=2048, seed_token_s=0.005)
     plan = model.plan(StepWork(0, (PrefillSeq(10_000, 0),)))
-    assert plan.chunk == 50  # 0.25 s at the seed's (pessimistic) 5 ms per token
-    assert plan.predicted_s == pytest.approx(0.25)
+    assert plan.chunk == 48  # 0.25 s at the seed's (pessimistic) 5 ms per token: 50, in a bucket
+    assert plan.predicted_s == pytest.approx(0.24)
+
+
+def test_chunks_come_in_few_sizes() -> None:
+    assert [bucket(n) for n in (1, 3, 4, 5, 6, 7, 8, 11, 12, 50, 2047, 2048, 2479, 3071, 3072)] == \
+        [1, 3, 4, 4, 6, 6, 8, 8, 12, 48, 1536, 2048, 2048, 2048, 3072]
+    model = StepCostModel(target_s=0.25, max_chunk=500, seed_token_s=1e-6)
+    assert model.plan(StepWork(0, (PrefillSeq(100_000, 0),))).chunk == 500  # the cap is kept as it is
+    assert model.plan(StepWork(0, (PrefillSeq(450, 0),))).chunk == 450  # the whole rest in one step
 
 
 def test_steps_settle_on_the_target_on_a_slow_cpu() -> None:
@@ -84,7 +92,7 @@ def test_growth_is_bounded_by_the_largest_measured_chunk() -> None:
     model = StepCostModel(target_s=0.25, max_chunk=100_000, seed_token_s=0.01)
     steps = prefill_prompt(model, fast, prompt=50_000)
     chunks = [c for c, _ in steps]
-    assert chunks[0] == 25
+    assert chunks[0] == 24  # 25 in a bucket
     for before, after in zip(chunks, chunks[1:]):
         assert after <= max(model.min_chunk, GROWTH * before) or after == chunks[-1]
 
@@ -102,8 +110,8 @@ def test_sequences_prefilled_together_share_the_budget() -> None:
     model = StepCostModel(target_s=0.25, max_chunk=4096, seed_token_s=0.001)
     one = model.plan(StepWork(0, (PrefillSeq(10_000, 0),)))
     four = model.plan(StepWork(0, tuple(PrefillSeq(10_000, 0) for _ in range(4))))
-    assert one.chunk == 250 and four.chunk == 62
-    assert four.prefill_tokens == 4 * 62
+    assert one.chunk == 192 and four.chunk == 48  # 250 and 62, in buckets
+    assert four.prefill_tokens == 4 * 48
 
 
 def test_decoding_takes_its_part_of_the_step_and_never_starves() -> None:
@@ -112,11 +120,11 @@ def test_decoding_takes_its_part_of_the_step_and_never_starves() -> None:
         model.observe(model.plan(StepWork(8)), 0.05)
     assert model.decode_s(8) == pytest.approx(0.05, rel=0.01)
     plan = model.plan(StepWork(8, (PrefillSeq(10_000, 0),)))
-    assert plan.chunk == 200 and plan.predicted_s == pytest.approx(0.25, rel=0.01)  # 0.20 s left for prefill
+    assert plan.chunk == 192 and plan.predicted_s == pytest.approx(0.242, rel=0.01)  # 0.20 s left for prefill
     busy = StepCostModel(target_s=0.25, max_chunk=4096, seed_token_s=0.001)
     for _ in range(5):  # decoding alone takes longer than the target: prefill gets as much as decoding
         busy.observe(busy.plan(StepWork(32)), 0.8)
-    assert busy.plan(StepWork(32, (PrefillSeq(10_000, 0),))).chunk in (799, 800)  # 0.8 s at 1 ms a token
+    assert busy.plan(StepWork(32, (PrefillSeq(10_000, 0),))).chunk == 768  # 0.8 s at 1 ms a token, in a bucket
 
 
 def test_decode_cost_is_learned_apart_from_prefill() -> None:
