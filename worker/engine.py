@@ -123,6 +123,7 @@ class Engine:
         self.cost = StepCostModel(step_target_s, prefill_step_size, time_one_token(self.model))
         self._prefilling: dict[str, Request] = {}  # requests with prompt left to prefill, in arrival order
         self._plan: StepPlan | None = None
+        self._in_flight = 0  # sequences of the last step's decode: launched, and what the next step waits for
         self._samplers: dict[tuple, object] = {}
         self._by_uid: dict[int, Request] = {}
         self._by_rid: dict[str, Request] = {}
@@ -227,13 +228,13 @@ class Engine:
         """What the next step holds: the generator prefills the oldest prompts, prefill_batch_size at a time."""
         decoding = len(self._by_rid) - len(self._prefilling)
         if not self._prefilling or decoding >= self.max_batch_size:
-            return StepWork(decoding)
+            return StepWork(decoding, in_flight=self._in_flight)
         prefill = []
         for req in self._prefilling.values():
             prefill.append(PrefillSeq(req.prefill_left, req.position))
             if len(prefill) == self.prefill_batch_size:
                 break
-        return StepWork(decoding, tuple(prefill))
+        return StepWork(decoding, tuple(prefill), self._in_flight)
 
     def plan_step(self) -> StepPlan:
         """Size the next step's prefill chunk to the step target; the plan says what it holds and its predicted time."""
@@ -257,6 +258,7 @@ class Engine:
         t0 = time.perf_counter()
         progress, responses = self.gen.next()
         self.cost.observe(plan, time.perf_counter() - t0)
+        self._in_flight = plan.decoding  # their decode is computing; the next step waits for it
         for p in progress:
             self._on_prefill_progress(p.uid, *p.progress)
         self.peak_batch_size = max(self.peak_batch_size, len(responses))
