@@ -10,12 +10,14 @@ For each HTTP side (mlxsup, one daemon per step target asked for; mlx_lm.server)
             `itl_tail_tokens` more tokens, the client disconnects them (both servers abort then).
 Reported per side: ITL p50 / p95 / max for both runs, the long prompt's tokens and TTFT, and the
 tokens the streams received during the window. Sides alternate order every round; every side gets
-the same prompts, new ones each round and run (no prompt-cache reuse). Imports no MLX.
+the same prompts, new ones each round and run, and mlxsup a fresh state directory (no prompt-cache
+reuse: its SSD tier would otherwise keep the long prompt of an earlier run). Imports no MLX.
 """
 
 from __future__ import annotations
 
 import asyncio
+import shutil
 import time
 
 from bench import client as cl
@@ -128,9 +130,10 @@ async def run(bench) -> dict:
     for target in p.itl_step_targets:
         name = "mlxsup" if target is None else f"mlxsup step_target_s={target}"
         state = bench.work / f"state-itl-{target or 'default'}"
+        shutil.rmtree(state, ignore_errors=True)  # no prompt cache (SSD tier) left by an earlier run
+        state.mkdir(parents=True)
         args: list[str] = []
         if target is not None:
-            state.mkdir(parents=True, exist_ok=True)
             (state / "itl.toml").write_text(f"[server]\nstep_target_s = {target}\n")
             args = ["--config", str(state / "itl.toml")]
         sides.append(Side(name, Mlxsup(bench.work / "models", state, args=args), bench.model_id, {"ignore_eos": True}))
