@@ -30,7 +30,7 @@ def chat_body(model: str, messages: list, max_tokens: int, extra: dict | None = 
     return body
 
 
-def _new_record() -> dict:
+def new_record() -> dict:
     return {"start": None, "times": [], "mono_ns": [], "rid": None, "usage": None, "error": None, "events": 0,
             "chars": 0, "done": False}
 
@@ -41,9 +41,11 @@ async def _connect(url: str, timeout: float = 10.0):
 
 
 async def stream_chat(url: str, body: dict, timeout_s: float, first_token: asyncio.Event | None = None,
-                      conn=None) -> dict:
-    """POST a streaming chat completion; return its timeline. Never raises for HTTP/stream errors."""
-    rec = _new_record()
+                      conn=None, rec: dict | None = None) -> dict:
+    """POST a streaming chat completion; return its timeline. Never raises for HTTP/stream errors.
+
+    `rec` (from new_record()) lets the caller watch the timeline while it grows."""
+    rec = new_record() if rec is None else rec
     writer = None
     try:
         if conn is None:
@@ -60,16 +62,22 @@ async def stream_chat(url: str, body: dict, timeout_s: float, first_token: async
     return rec
 
 
-async def run_concurrent(url: str, bodies: list[dict], timeout_s: float) -> list[dict]:
-    """Open one connection per request (sequentially, off the clock), then send all requests at once."""
+async def open_connections(url: str, n: int) -> list:
+    """n connections, opened one by one (off the clock); all closed again if one fails."""
     conns = []
     try:
-        for _ in bodies:
+        for _ in range(n):
             conns.append(await _connect(url))
     except Exception:
         for _, w in conns:
             w.close()
         raise
+    return conns
+
+
+async def run_concurrent(url: str, bodies: list[dict], timeout_s: float) -> list[dict]:
+    """Open one connection per request (sequentially, off the clock), then send all requests at once."""
+    conns = await open_connections(url, len(bodies))
     return list(await asyncio.gather(*(stream_chat(url, b, timeout_s, conn=c) for b, c in zip(bodies, conns))))
 
 

@@ -27,6 +27,15 @@ class Params:
     profile_rounds: int = 2
     run_cache_bench: bool = True  # run bench/cache_bench.py (else include its committed results)
     cache_tokens: int = 2048
+    # prefill_itl (issue 10): itl_streams decode; one long prompt arrives; their ITL during its prefill
+    itl_streams: int = 8
+    itl_baseline_tokens: int = 128  # per stream, in the run without the long prompt
+    itl_long_prompt_words: int = 6000  # ~6k tokens on the 1b preset's tokenizer (a word a token)
+    itl_lead_tokens: int = 16  # every stream has this many tokens before the long prompt is sent
+    itl_tail_tokens: int = 16  # ... and this many after its first token; then the client disconnects them
+    itl_stream_max_tokens: int = 2048  # a ceiling only: the streams are cut after the tail
+    itl_rounds: int = 3
+    itl_step_targets: list = field(default_factory=lambda: [None, 0.05])  # mlxsup daemons (None: its default)
     run_timeout_s: float = 300.0
     deadline_s: float = 540.0  # stop starting new work after this; results are still written
     seed: int = 0
@@ -49,11 +58,15 @@ PROFILES: dict[str, Params] = {
                   warmup_tokens={1: 2}, prompt_words=4, cold_rounds=3, idle_evict_rounds=3,
                   busy_evict_rounds=2, burst_probe=False, overhead_concurrency=[1], overhead_tokens=32, overhead_rounds=2,
                   profile_concurrency=[1, 8], profile_rounds=1, run_cache_bench=False,
+                  itl_baseline_tokens=12, itl_long_prompt_words=120, itl_lead_tokens=2, itl_tail_tokens=2,
+                  itl_stream_max_tokens=1000, itl_rounds=1, itl_step_targets=[None],
                   run_timeout_s=400, deadline_s=840),
     # A functional check of the whole suite in about a minute (tiny preset; numbers mean nothing).
     "smoke": Params(profile="smoke", preset="tiny", tokens={1: 16, 8: 16, 32: 8}, rounds={1: 2, 8: 2, 32: 1},
                     warmup_tokens={1: 2, 8: 2, 32: 2}, prompt_words=6, cold_rounds=2, idle_evict_rounds=2,
                     busy_evict_rounds=1, overhead_concurrency=[1], overhead_tokens=16, overhead_rounds=1,
                     profile_concurrency=[1, 8], profile_rounds=1, run_cache_bench=False,
+                    itl_baseline_tokens=16, itl_long_prompt_words=1500, itl_lead_tokens=4, itl_tail_tokens=4,
+                    itl_rounds=1, itl_step_targets=[None],
                     run_timeout_s=120, deadline_s=300),
 }

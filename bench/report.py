@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from bench.prefill_itl import markdown as prefill_itl_markdown
+
 SIDE_ORDER = ("inproc", "mlxsup", "mlx_lm.server", "inproc_batch")
 SIDE_LABEL = {"inproc": "in-process mlx-lm (ceiling)", "mlxsup": "mlxsup (HTTP gateway)",
               "mlx_lm.server": "mlx_lm.server", "inproc_batch": "in-process BatchGenerator b=1 (diag.)"}
@@ -60,13 +62,14 @@ def markdown(res: dict) -> str:
     L.append("- sides alternate order every round (A B C, then C B A); greedy sampling everywhere; "
              "ratios are medians of per-round ratios of back-to-back runs\n")
 
-    L.append("## Targets\n")
-    L.append("| target | goal | measured | met |")
-    L.append("| --- | --- | --- | --- |")
-    for t in res.get("targets", []):
-        met = {True: "**met**", False: "**not met**", None: "n/a"}[t["met"]]
-        L.append(f"| {t['target']} | {t['goal']} | {t['measured']} | {met} |")
-    L.append("")
+    if any(t["met"] is not None for t in res.get("targets", [])):  # a run of other sections only has none
+        L.append("## Targets\n")
+        L.append("| target | goal | measured | met |")
+        L.append("| --- | --- | --- | --- |")
+        for t in res.get("targets", []):
+            met = {True: "**met**", False: "**not met**", None: "n/a"}[t["met"]]
+            L.append(f"| {t['target']} | {t['goal']} | {t['measured']} | {met} |")
+        L.append("")
 
     tp = res.get("throughput", {})
     if tp.get("summary"):
@@ -200,14 +203,18 @@ def markdown(res: dict) -> str:
                      "; ".join(f"{k} {v}" for k, v in en["itl_p50_ms_median"].items()))
         L.append("")
 
-    L.append("## 4. Cache\n")
-    cache = res.get("cache", {})
-    if cache.get("markdown"):
-        L.append(cache["markdown"])
-    else:
-        L.append(f"**Slot (pending):** {cache.get('note') or cache.get('status') or 'not run'}. "
-                 "bench/cache_bench.py plugs in here when it lands (see bench/run.py, section_cache).")
-    L.append("")
+    if "cache" in meta.get("sections", ["cache"]):
+        L.append("## 4. Cache\n")
+        cache = res.get("cache", {})
+        if cache.get("markdown"):
+            L.append(cache["markdown"])
+        else:
+            L.append(f"**Slot (pending):** {cache.get('note') or cache.get('status') or 'not run'}. "
+                     "bench/cache_bench.py plugs in here when it lands (see bench/run.py, section_cache).")
+        L.append("")
+    itl = res.get("prefill_itl", {})
+    if itl.get("summary") or itl.get("error"):
+        L += prefill_itl_markdown(itl)
     cleanup = res.get("cleanup", {})
     L.append("## Processes\n")
     L.append(f"Every process started was stopped and checked gone: **{'yes' if meta.get('all_processes_gone') else 'NO'}** "

@@ -111,18 +111,19 @@ class Mlxsup(Managed):
 
     name = "mlxsup"
 
-    def __init__(self, model_root: Path, state_dir: Path, env: dict | None = None) -> None:
+    def __init__(self, model_root: Path, state_dir: Path, env: dict | None = None, args: list[str] | None = None) -> None:
         super().__init__(state_dir / "daemon.log")
         self.model_root = model_root
         self.state_dir = state_dir
         self.env = env
+        self.args = args or []  # more `mlxsup serve` arguments, e.g. ["--config", PATH]
         self.url = ""
 
     async def start(self, timeout: float = 120.0) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         (self.state_dir / "daemon.json").unlink(missing_ok=True)
         self._spawn([sys.executable, "-m", "supervisor", "serve", "--model-dir", str(self.model_root), "--port", "0",
-                     "--host", "127.0.0.1", "--state-dir", str(self.state_dir)], env=self.env)
+                     "--host", "127.0.0.1", "--state-dir", str(self.state_dir), *self.args], env=self.env)
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:

@@ -147,8 +147,9 @@ class WorkerProcess:
     async def dump_stacks(self, timeout_s: float) -> bool:
         """Ask the worker for every thread's Python stack, in its log; True once the dump arrived.
 
-        Bounded by `timeout_s`: a worker that cannot answer (stuck in C without the signal
-        reaching Python's handler, or gone) costs that long at most.
+        faulthandler writes from the signal handler itself, so a loop stuck in C (an MLX eval) or
+        holding the GIL still answers; one that cannot (in uninterruptible sleep, or gone) costs
+        `timeout_s` at most.
         """
         if self.proc is None or self.returncode is not None:
             return False

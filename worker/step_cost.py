@@ -1,25 +1,30 @@
 """How long an engine step will take, and how many prompt tokens fit in one: steps bounded by time.
 
 One BatchGenerator step decodes one token of every decoding sequence, then prefills up to
-`chunk` prompt tokens of each sequence of its prompt batch (right-padded to the longest). Its
-time is modelled, and fitted to what this model measures on this machine, as
+`chunk` prompt tokens of each sequence of its prompt batch (right-padded to the longest). The
+decode is pipelined: a step launches its own decode and returns the tokens of the one launched
+by the step before (`in_flight` sequences), so its wall time is that decode and its prefill
+(measured on this CPU: a prefilling step costs one decode, not two, and the decode-only step
+after it still waits for one). Step time is modelled, and fitted to what this model measures, as
 
-    step(n, b, c, p) = decode(n) + prefill(b, c, p)
-    decode(n)        = d0 + d1 * n                            (0 when nothing decodes)
+    step             = decode(in_flight) + prefill(b, c, p)
+    decode(n)        = d0 + d1 * n                         (0 when nothing decodes)
     prefill(b, c, p) = a * b * c + k * sum_i c * (p_i + c / 2)
 
 a: seconds per token of the position-independent work (the weights); k: seconds per token per
 token of context attended to (attention grows with the prompt's position p_i, the tokens already
 in sequence i's cache). The planner picks the largest chunk whose prediction fits the prefill's
-share of the step target: what decoding leaves of the target, and never less than decoding's
-own time, so neither the streams already decoding nor a long prompt starve the other.
+share of the step target: what the decode leaves of the target, and never less than a decode's
+time, so neither the streams already decoding nor a long prompt starve the other.
 
 Invariants: pure and MLX-free (unit-tested with synthetic machines); the chunk is always within
 [min_chunk, max_chunk]; before a measurement the per-token cost is the seed (one token's forward
 pass at load, more than a token of a prefill costs), so the first chunk is conservatively small;
 a chunk never grows past GROWTH times the largest one measured, so one bad fit costs a few
-slow steps, not one huge one. Coefficients are non-negative least squares over recent steps,
-older ones forgotten geometrically (a machine's speed changes with its load).
+slow steps, not one huge one; a chunk that does not finish the prompts is rounded down to 2^k or
+3 * 2^(k-1) tokens, so steps come in few shapes (MLX may compile kernels for each new shape).
+Coefficients are non-negative least squares over recent steps, older ones forgotten
+geometrically (a machine's speed changes with its load).
 """
 
 from __future__ import annotations
@@ -42,10 +47,12 @@ class PrefillSeq:
 
 @dataclass(frozen=True, slots=True)
 class StepWork:
-    """What the next step holds: sequences decoding one token each, and those it prefills."""
+    """What the next step holds: sequences it decodes (their tokens come a step later), those it
+    prefills, and the sequences of the decode launched by the step before, which it waits for."""
 
     decoding: int
     prefill: tuple[PrefillSeq, ...] = ()
+    in_flight: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +61,7 @@ class StepPlan:
 
     chunk: int
     decoding: int
+    in_flight: int
     prefill_tokens: int  # padded: sequences x chunk actually taken
     attention: float  # sum_i c * (p_i + c / 2), in _SCALE_CONTEXT units
     predicted_s: float
@@ -99,6 +107,14 @@ class NonNegativeFit:
                 + t1 * t1 * self.s11 + 2 * t1 * t2 * self.s12 + t2 * t2 * self.s22)
 
 
+def bucket(n: int) -> int:
+    """`n` rounded down to 2^k or 3 * 2^(k-1): at most two chunk sizes per octave."""
+    if n < 4:
+        return n
+    power = 1 << (n.bit_length() - 1)
+    return power + power // 2 if n >= power + power // 2 else power
+
+
 def _features(work: StepWork, chunk: int) -> tuple[int, float, int]:
     """(padded prefill tokens, attention work, chunk actually taken) of `work` prefilled `chunk` at a time."""
     if not work.prefill:
@@ -141,15 +157,14 @@ class StepCostModel:
 
     def predict(self, work: StepWork, chunk: int) -> StepPlan:
         tokens, attention, taken = _features(work, chunk)
-        seconds = self.decode_s(work.decoding) + self.prefill_s(tokens, attention)
-        return StepPlan(taken, work.decoding, tokens, attention, seconds)
+        seconds = self.decode_s(work.in_flight) + self.prefill_s(tokens, attention)
+        return StepPlan(taken, work.decoding, work.in_flight, tokens, attention, seconds)
 
     # --- planning ----------------------------------------------------------------------
 
-    def prefill_budget_s(self, decoding: int) -> float:
-        """The prefill's share of a step: what decoding leaves of the target, and at least decoding's own time."""
-        decode = self.decode_s(decoding)
-        return max(self.target_s - decode, decode)
+    def prefill_budget_s(self, work: StepWork) -> float:
+        """The prefill's share of a step: what the decode leaves of the target, and at least a decode's time."""
+        return max(self.target_s - self.decode_s(work.in_flight), self.decode_s(max(work.in_flight, work.decoding)))
 
     def plan(self, work: StepWork) -> StepPlan:
         """The largest chunk in [min_chunk, max_chunk] whose prefill fits its budget (min_chunk if none does)."""
@@ -158,8 +173,9 @@ class StepCostModel:
         cap = self.max_chunk
         if self.largest_measured:
             cap = min(cap, max(self.min_chunk, int(GROWTH * self.largest_measured)))
-        cap = min(cap, max(self.min_chunk, max(s.left for s in work.prefill)))
-        budget = self.prefill_budget_s(work.decoding)
+        longest = max(s.left for s in work.prefill)
+        cap = min(cap, max(self.min_chunk, longest))
+        budget = self.prefill_budget_s(work)
         lo, hi = self.min_chunk, cap
         while lo < hi:  # the prediction grows with the chunk: bisect for the largest that fits
             mid = (lo + hi + 1) // 2
@@ -168,6 +184,8 @@ class StepCostModel:
                 lo = mid
             else:
                 hi = mid - 1
+        if lo < longest and lo < self.max_chunk:
+            lo = max(self.min_chunk, bucket(lo))
         return self.predict(work, lo)
 
     # --- learning ----------------------------------------------------------------------
@@ -175,10 +193,10 @@ class StepCostModel:
     def observe(self, plan: StepPlan, elapsed_s: float) -> None:
         """Fold one step's measured wall time into the fits."""
         if plan.prefill_tokens <= 0:
-            if plan.decoding > 0:
-                self.decode_fit.add(1.0, float(plan.decoding), elapsed_s)
+            if plan.in_flight > 0:  # it waited for the decode launched before it, and only for that
+                self.decode_fit.add(1.0, float(plan.in_flight), elapsed_s)
             return
         fitted = self.decode_fit.coef() is not None  # an unfitted decode counts as prefill: the safe side
-        prefill = max(0.0, elapsed_s - (self.decode_s(plan.decoding) if fitted else 0.0))
+        prefill = max(0.0, elapsed_s - (self.decode_s(plan.in_flight) if fitted else 0.0))
         self.prefill_fit.add(float(plan.prefill_tokens), plan.attention, prefill)
         self.largest_measured = max(self.largest_measured, plan.chunk)

@@ -6,30 +6,42 @@ import random
 
 import pytest
 
-from worker.step_cost import GROWTH, NonNegativeFit, PrefillSeq, StepCostModel, StepWork
+from worker.step_cost import GROWTH, NonNegativeFit, PrefillSeq, StepCostModel, StepWork, bucket
 
 
 class Machine:
-    """A synthetic machine with known costs: what a real step's wall time would be (seconds)."""
+    """A synthetic machine with known costs: what a real step's wall time would be (seconds), pipelining
+    included: a step waits for the decode the step before launched, and runs its prefill."""
 
     def __init__(self, a: float, k: float, d0: float = 0.0, d1: float = 0.0, noise: float = 0.0, seed: int = 0) -> None:
         self.a, self.k, self.d0, self.d1, self.noise = a, k, d0, d1, noise
         self.rng = random.Random(seed)
 
+    def decode_s(self, n: int) -> float:
+        return self.d0 + self.d1 * n if n else 0.0
+
     def step_s(self, work: StepWork, chunk: int) -> float:
-        t = self.d0 + self.d1 * work.decoding if work.decoding else 0.0
+        t = self.decode_s(work.in_flight)
         if work.prefill:
             c = min(chunk, max(s.left for s in work.prefill))
             t += self.a * c * len(work.prefill) + self.k * sum(c * (s.position + c / 2) for s in work.prefill)
         return t * (1 + self.rng.uniform(-self.noise, self.noise))
 
 
+def decode_steps(model: StepCostModel, machine: Machine, n: int, steps: int) -> None:
+    """Decode-only steps of n sequences, each waiting for the previous one's decode."""
+    for _ in range(steps):
+        work = StepWork(n, in_flight=n)
+        model.observe(model.plan(work), machine.step_s(work, 0))
+
+
 def prefill_prompt(model: StepCostModel, machine: Machine, prompt: int, decoding: int = 0,
                    position: int = 0) -> list[tuple[int, float]]:
-    """Prefill one prompt step by step as the engine does; return (chunk, measured seconds) per step."""
+    """Prefill one prompt step by step as the engine does, `decoding` streams decoding all along;
+    return (chunk, measured seconds) per step."""
     steps, left = [], prompt
     while left > 0:
-        work = StepWork(decoding, (PrefillSeq(left, position + prompt - left),))
+        work = StepWork(decoding, (PrefillSeq(left, position + prompt - left),), decoding)
         plan = model.plan(work)
         elapsed = machine.step_s(work, plan.chunk)
         model.observe(plan, elapsed)
@@ -54,8 +66,16 @@ def test_fit_recovers_known_coefficients_and_keeps_them_non_negative() -> None:
 def test_first_chunk_is_small_before_any_measurement() -> None:
     model = StepCostModel(target_s=0.25, max_chunk=2048, seed_token_s=0.005)
     plan = model.plan(StepWork(0, (PrefillSeq(10_000, 0),)))
-    assert plan.chunk == 50  # 0.25 s at the seed's (pessimistic) 5 ms per token
-    assert plan.predicted_s == pytest.approx(0.25)
+    assert plan.chunk == 48  # 0.25 s at the seed's (pessimistic) 5 ms per token: 50, in a bucket
+    assert plan.predicted_s == pytest.approx(0.24)
+
+
+def test_chunks_come_in_few_sizes() -> None:
+    assert [bucket(n) for n in (1, 3, 4, 5, 6, 7, 8, 11, 12, 50, 2047, 2048, 2479, 3071, 3072)] == \
+        [1, 3, 4, 4, 6, 6, 8, 8, 12, 48, 1536, 2048, 2048, 2048, 3072]
+    model = StepCostModel(target_s=0.25, max_chunk=500, seed_token_s=1e-6)
+    assert model.plan(StepWork(0, (PrefillSeq(100_000, 0),))).chunk == 500  # the cap is kept as it is
+    assert model.plan(StepWork(0, (PrefillSeq(450, 0),))).chunk == 450  # the whole rest in one step
 
 
 def test_steps_settle_on_the_target_on_a_slow_cpu() -> None:
@@ -84,7 +104,7 @@ def test_growth_is_bounded_by_the_largest_measured_chunk() -> None:
     model = StepCostModel(target_s=0.25, max_chunk=100_000, seed_token_s=0.01)
     steps = prefill_prompt(model, fast, prompt=50_000)
     chunks = [c for c, _ in steps]
-    assert chunks[0] == 25
+    assert chunks[0] == 24  # 25 in a bucket
     for before, after in zip(chunks, chunks[1:]):
         assert after <= max(model.min_chunk, GROWTH * before) or after == chunks[-1]
 
@@ -102,36 +122,47 @@ def test_sequences_prefilled_together_share_the_budget() -> None:
     model = StepCostModel(target_s=0.25, max_chunk=4096, seed_token_s=0.001)
     one = model.plan(StepWork(0, (PrefillSeq(10_000, 0),)))
     four = model.plan(StepWork(0, tuple(PrefillSeq(10_000, 0) for _ in range(4))))
-    assert one.chunk == 250 and four.chunk == 62
-    assert four.prefill_tokens == 4 * 62
+    assert one.chunk == 192 and four.chunk == 48  # 250 and 62, in buckets
+    assert four.prefill_tokens == 4 * 48
 
 
 def test_decoding_takes_its_part_of_the_step_and_never_starves() -> None:
     model = StepCostModel(target_s=0.25, max_chunk=4096, seed_token_s=0.001)
-    for _ in range(5):  # decode-only steps: 8 sequences, 0.05 s
-        model.observe(model.plan(StepWork(8)), 0.05)
+    decode_steps(model, Machine(a=0, k=0, d1=0.05 / 8), 8, 5)  # 8 sequences, 0.05 s a decode
     assert model.decode_s(8) == pytest.approx(0.05, rel=0.01)
-    plan = model.plan(StepWork(8, (PrefillSeq(10_000, 0),)))
-    assert plan.chunk == 200 and plan.predicted_s == pytest.approx(0.25, rel=0.01)  # 0.20 s left for prefill
+    plan = model.plan(StepWork(8, (PrefillSeq(10_000, 0),), in_flight=8))
+    assert plan.chunk == 192 and plan.predicted_s == pytest.approx(0.242, rel=0.01)  # 0.20 s left for prefill
+    assert model.plan(StepWork(8, (PrefillSeq(10_000, 0),), in_flight=0)).chunk == 192  # 0.25 s: 250, bucketed
     busy = StepCostModel(target_s=0.25, max_chunk=4096, seed_token_s=0.001)
-    for _ in range(5):  # decoding alone takes longer than the target: prefill gets as much as decoding
-        busy.observe(busy.plan(StepWork(32)), 0.8)
-    assert busy.plan(StepWork(32, (PrefillSeq(10_000, 0),))).chunk in (799, 800)  # 0.8 s at 1 ms a token
+    decode_steps(busy, Machine(a=0, k=0, d1=0.1), 8, 5)  # decoding alone takes longer than the target
+    assert busy.plan(StepWork(8, (PrefillSeq(10_000, 0),), 8)).chunk == 768  # as much as a decode: 0.8 s, bucketed
+
+
+def test_the_decode_a_step_waits_for_is_not_taken_for_prefill() -> None:
+    """A prefilling step also waits for the decode launched before it (2 s here): a fit that took it for
+    prefill would think a token costs more than twice what it does, and crawl at small chunks."""
+    cpu = Machine(a=0.1, k=0.0, d1=0.25)
+    model = StepCostModel(target_s=0.25, max_chunk=2048, seed_token_s=0.12)
+    decode_steps(model, cpu, 8, 6)
+    steps = prefill_prompt(model, cpu, prompt=400, decoding=8)
+    assert model.prefill_s(1, 0.0) == pytest.approx(0.1, rel=0.01)
+    assert [c for c, _ in steps[1:4]] == [16, 16, 16]  # a decode's 2 s buys 20 tokens: 16 in a bucket
 
 
 def test_decode_cost_is_learned_apart_from_prefill() -> None:
     cpu = Machine(a=0.01, k=0.0, d0=0.002, d1=0.02)
     model = StepCostModel(target_s=0.5, max_chunk=4096, seed_token_s=0.05)
     for n in (1, 2, 4, 8, 4, 8):
-        model.observe(model.plan(StepWork(n)), cpu.step_s(StepWork(n), 0))
+        decode_steps(model, cpu, n, 1)
     steps = prefill_prompt(model, cpu, prompt=2000, decoding=8)
     assert model.decode_s(8) == pytest.approx(0.162, rel=0.01)
     assert max(t for _, t in steps[3:]) < 0.5 * 1.2
     assert min(c for c, _ in steps[3:-1]) >= 30  # (0.5 - 0.162) / 0.01 per token
+    assert StepCostModel(0.25, 64, 0.01).plan(StepWork(4, in_flight=0)).predicted_s == 0.0  # nothing to wait for
 
 
 def test_decode_only_step_predictions_need_no_prefill() -> None:
     model = StepCostModel(target_s=0.25, max_chunk=2048, seed_token_s=0.1)
-    plan = model.plan(StepWork(3))
+    plan = model.plan(StepWork(3, in_flight=3))  # it waits for the decode launched by the step before
     assert plan.prefill_tokens == 0 and plan.predicted_s == pytest.approx(0.3)
     assert model.plan(StepWork(0)).predicted_s == 0.0

@@ -136,7 +136,9 @@ class FakeEngine:
         return self.left.pop(rid, None) is not None
 
     def plan_step(self) -> StepPlan:
-        return StepPlan(0, len(self.left), 0, 0.0, self.predictions.popleft() if self.predictions else 0.01)
+        predicted = self.predictions.popleft() if self.predictions else 0.01
+        return StepPlan(chunk=0, decoding=len(self.left), in_flight=len(self.left), prefill_tokens=0, attention=0.0,
+                        predicted_s=predicted)
 
     def step(self) -> tuple[list[list], list[Finished]]:
         self.steps += 1

@@ -95,7 +95,7 @@ def load_with_progress(model_path: Path, report: Callable[[str, float], None]) -
     return model, tokenizer
 
 
-def time_one_token(model) -> float:
+def time_one_token(model: nn.Module) -> float:
     """Seconds of one token's forward pass: the step cost model's seed, more than a prefilled token costs."""
     t0 = time.perf_counter()
     mx.eval(model(mx.array([[0]])))
@@ -122,13 +122,14 @@ class Engine:
             stop_tokens=[[t] for t in eos],
             completion_batch_size=max_batch_size,
             prefill_batch_size=prefill_batch_size,
-            prefill_step_size=prefill_step_size,  # the most a step takes; the cost model sets each step's
+            prefill_step_size=prefill_step_size,  # a cap: plan_step() sets each step's chunk below it
         )
         self.max_batch_size = max_batch_size
         self.prefill_batch_size = prefill_batch_size
         self.cost = StepCostModel(step_target_s, prefill_step_size, time_one_token(self.model))
         self._prefilling: dict[str, Request] = {}  # requests with prompt left to prefill, in arrival order
         self._plan: StepPlan | None = None
+        self._in_flight = 0  # sequences of the last step's decode: launched, and what the next step waits for
         self._samplers: dict[tuple, object] = {}
         self._by_uid: dict[int, Request] = {}
         self._by_rid: dict[str, Request] = {}
@@ -236,13 +237,13 @@ class Engine:
         """What the next step holds: the generator prefills the oldest prompts, prefill_batch_size at a time."""
         decoding = len(self._by_rid) - len(self._prefilling)
         if not self._prefilling or decoding >= self.max_batch_size:
-            return StepWork(decoding)
+            return StepWork(decoding, in_flight=self._in_flight)
         prefill = []
         for req in self._prefilling.values():
             prefill.append(PrefillSeq(req.prefill_left, req.position))
             if len(prefill) == self.prefill_batch_size:
                 break
-        return StepWork(decoding, tuple(prefill))
+        return StepWork(decoding, tuple(prefill), self._in_flight)
 
     def plan_step(self) -> StepPlan:
         """Size the next step's prefill chunk to the step target; the plan says what it holds and its predicted time."""
@@ -266,6 +267,7 @@ class Engine:
         t0 = time.perf_counter()
         progress, responses = self.gen.next()
         self.cost.observe(plan, time.perf_counter() - t0)
+        self._in_flight = plan.decoding  # their decode is computing; the next step waits for it
         for p in progress:
             self._on_prefill_progress(p.uid, *p.progress)
         self.peak_batch_size = max(self.peak_batch_size, len(responses))
