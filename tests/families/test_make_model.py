@@ -129,6 +129,20 @@ def test_control_tokens_are_special_and_format_text_is_not(family_models: Path, 
     assert (len(think) == 1) == ("<think>" in spec.text)  # one added token, or plain text in BPE pieces
 
 
+@pytest.mark.parametrize("arch", list(CACHES))
+def test_the_loaded_tokenizer_encodes_as_tokenizer_json_says(family_models: Path, arch: str) -> None:
+    """transformers picks its own tokenizer class for some model types (qwen3_5): it must still encode
+    as the trained BPE in tokenizer.json does, and decode back to the text."""
+    from tokenizers import Tokenizer
+
+    _, tok = loaded(family_models, arch)
+    text = "Héllo wörld 12345 it's  DONE!!\n\n  日本語 😀 def f(x):\n\treturn x+1 <think>a</think>"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert ids == Tokenizer.from_file(str(family_models / arch / "tokenizer.json")).encode(
+        text, add_special_tokens=False).ids
+    assert tok.decode(ids) == text
+
+
 def test_qwen3_template_tools_tool_call_tool_result_and_thinking_switch(family_models: Path) -> None:
     _, tok = loaded(family_models, "qwen3")
     conversation = tool_conversation('{"city": "Paris"}')  # OpenAI's wire format: arguments as a JSON string
