@@ -49,7 +49,7 @@ def served(request: pytest.FixtureRequest, families_daemon: Daemon, family_model
     httpx.post(f"{families_daemon.url}/api/models/{name}/evict", json={"mode": "now"}, timeout=60)
 
 
-def reference(model, tok, messages: list[dict]) -> tuple[str, int, str]:
+def reference(model: object, tok: object, messages: list[dict]) -> tuple[str, int, str]:
     """mlx_lm's greedy chat completion: (its text less special tokens, generated tokens, finish reason)."""
     prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
     responses = list(stream_generate(model, tok, prompt, max_tokens=MAX_TOKENS))
@@ -60,7 +60,7 @@ def reference(model, tok, messages: list[dict]) -> tuple[str, int, str]:
     return text, len(responses) - (finish == "stop"), finish
 
 
-def as_served(completion) -> tuple[str, int, str]:
+def as_served(completion: object) -> tuple[str, int, str]:
     return completion.choices[0].message.content, completion.usage.completion_tokens, completion.choices[0].finish_reason
 
 

@@ -36,7 +36,7 @@ PRESETS: dict[str, dict] = {
     # Qwen3.5's head shapes (256-wide gated attention heads, 128-wide linear heads): ~1.0B parameters.
     "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
                linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
-               linear_value_head_dim=128, intermediate_size=6144, vocab=8192, dtype="bfloat16", **_LINEAR),
+               linear_value_head_dim=128, intermediate_size=6912, vocab=8192, dtype="bfloat16", **_LINEAR),
 }
 
 

@@ -16,8 +16,12 @@ import json
 import random
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from worker.mlx_engine.make_model.family import Family, TokenSpec
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 
 def synthetic_corpus(seed: int, n_lines: int = 6000) -> list[str]:
@@ -41,7 +45,7 @@ def synthetic_corpus(seed: int, n_lines: int = 6000) -> list[str]:
 
 
 def train_tokenizer(vocab: int, seed: int, special_tokens: tuple[str, ...] | list[str] = (),
-                    split_regex: str | None = None):
+                    split_regex: str | None = None) -> Tokenizer:
     """A byte-level BPE of about `vocab` tokens (special tokens included), trained on the synthetic corpus.
 
     `split_regex`: the family's own pre-tokenizer split (then NFC-normalised), instead of byte-level's."""
@@ -67,7 +71,7 @@ def train_tokenizer(vocab: int, seed: int, special_tokens: tuple[str, ...] | lis
     return tok
 
 
-def build_tokenizer(spec: TokenSpec, vocab: int, seed: int):
+def build_tokenizer(spec: TokenSpec, vocab: int, seed: int) -> Tokenizer:
     """The trained BPE with the family's control tokens (special) and text tokens (not special)."""
     from tokenizers import AddedToken, processors
 
@@ -81,12 +85,12 @@ def build_tokenizer(spec: TokenSpec, vocab: int, seed: int):
     return tok
 
 
-def token_ids(tok, spec: TokenSpec) -> dict[str, int]:
+def token_ids(tok: Tokenizer, spec: TokenSpec) -> dict[str, int]:
     """Every added token's id, by name."""
     return {name: tok.token_to_id(name) for name in (*spec.control, *spec.text)}
 
 
-def write_tokenizer(out: Path, tok, family: Family, context_length: int) -> None:
+def write_tokenizer(out: Path, tok: Tokenizer, family: Family, context_length: int) -> None:
     """tokenizer.json, tokenizer_config.json (with the chat template, or chat_template.jinja beside it)
     and special_tokens_map.json."""
     spec = family.tokens

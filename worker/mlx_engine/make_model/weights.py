@@ -17,8 +17,12 @@ from __future__ import annotations
 import contextlib
 import io
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from worker.mlx_engine.make_model.family import GROUP_SIZE
+
+if TYPE_CHECKING:
+    import mlx.nn as nn
 
 
 def tied_embeddings(config: dict) -> bool:
@@ -27,7 +31,7 @@ def tied_embeddings(config: dict) -> bool:
     return bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", True)))
 
 
-def build_model(config: dict, seed: int):
+def build_model(config: dict, seed: int) -> nn.Module:
     """The model class and arguments `mlx_lm.load` would use for this config, randomly initialised (lazily)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -47,13 +51,13 @@ def build_model(config: dict, seed: int):
     return model
 
 
-def count_parameters(model) -> int:
+def count_parameters(model: nn.Module) -> int:
     from mlx.utils import tree_flatten
 
     return sum(v.size for _, v in tree_flatten(model.parameters()))
 
 
-def cast(model, dtype_name: str) -> None:
+def cast(model: nn.Module, dtype_name: str) -> None:
     """mlx-lm's converter's cast: floating parameters to `dtype`, except where the model's cast_predicate says no."""
     import mlx.core as mx
     from mlx.utils import tree_map_with_path
@@ -67,7 +71,7 @@ def cast(model, dtype_name: str) -> None:
     model.update(tree_map_with_path(set_dtype, model.parameters()))
 
 
-def quantize(model, config: dict, bits: int) -> tuple[object, dict, float]:
+def quantize(model: nn.Module, config: dict, bits: int) -> tuple[nn.Module, dict, float]:
     """mlx-lm's quantize_model (affine, group size 64, the model's quant_predicate); returns bits per weight too."""
     from mlx_lm.utils import compute_bits_per_weight, quantize_model
 
