@@ -76,7 +76,7 @@ class Daemon:
                 break
             except (OSError, ValueError, KeyError):
                 if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"the daemon did not start; see {state / 'daemon.log'}")
+                    raise SystemExit(f"the daemon did not start; see {state / 'daemon.log'}") from None
                 time.sleep(0.1)
         self.http = httpx.Client(base_url=self.url, timeout=3600)
 

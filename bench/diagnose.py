@@ -206,7 +206,7 @@ def part_engine(model_dir: str, tokens: int, rounds: int) -> dict:
         "C_engine_model_plain_batchgen": lambda m, i: plain(eng.model, eng.tokenizer, m),
         "D_engine_plus_zmq_msgpack": lambda m, i: engine(m, True, f"d{i}"),
     }
-    for name, fn in variants.items():  # warm-up
+    for fn in variants.values():  # warm-up
         fn(prompts("ew", 1, 24, 0)[0], 999)
     out: dict = {k: [] for k in variants}
     for r in range(rounds):

@@ -25,6 +25,9 @@ from supervisor.cli.service import add_service_parser
 from supervisor.config import DEFAULT_PORT, ConfigError, Settings, describe, parse_size, resolve
 from supervisor.reports import EvictReport, ModelStatus
 
+# `mlxsup make-model --arch`: the families worker/mlx_engine/make_model writes (the supervisor never imports the worker)
+MODEL_ARCHES = ["llama", "qwen3", "qwen3_moe", "gemma3", "gpt_oss", "qwen3_5"]
+
 
 def daemon_url(args: argparse.Namespace) -> str:
     if args.url:
@@ -194,8 +197,10 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
-    argv = [sys.executable, "-m", "worker.mlx_engine.make_model", args.dir, "--preset", args.preset,
-            "--seed", str(args.seed)]
+    argv = [sys.executable, "-m", "worker.mlx_engine.make_model", args.dir, "--arch", args.arch,
+            "--preset", args.preset, "--seed", str(args.seed)]
+    if args.quantize:
+        argv += ["--quantize", str(args.quantize)]
     return subprocess.run(argv).returncode
 
 
@@ -301,7 +306,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("make-model", help="write a random-weight model (for tests, the demo, benchmarks)")
     m.add_argument("dir")
-    m.add_argument("--preset", default="tiny", choices=["tiny", "small", "1b"])
+    m.add_argument("--arch", default="llama", choices=MODEL_ARCHES,
+                   help="architecture family (mlx-lm's model classes, real config fields, tokens and chat template)")
+    m.add_argument("--preset", default="tiny", choices=["tiny", "small", "1b"],
+                   help="tiny: a few MB, for tests; small: ~100M parameters; 1b: ~1B parameters in bf16")
+    m.add_argument("--quantize", type=int, default=None, choices=[4, 8],
+                   help="bits per weight, affine, group size 64, as mlx-lm converts")
     m.add_argument("--seed", type=int, default=0)
     m.set_defaults(func=cmd_make_model)
 

@@ -1,0 +1,98 @@
+"""Random weights for a config.json, built by mlx-lm's own model class and written the way mlx-lm writes them.
+
+The path is mlx-lm's converter's, minus the download: the model class `mlx_lm.load` would pick
+for this config is built (its initialisers give the random weights), cast to the preset's dtype
+under the model's `cast_predicate` (Qwen3.5 keeps `A_log` in float32), quantized if asked by
+`mlx_lm.utils.quantize_model` (affine, group size 64, the model's own `quant_predicate`: gpt-oss
+keeps its router at 8 bits), and saved by `save_model` / `save_config` (model.safetensors, its
+index, the `quantization` entry in config.json).
+
+Invariant: the weights are already in the layout `mlx_lm.load` expects: before anything is
+written, the model's `sanitize()` is run on them and must hand every array back unchanged under
+the same name (else loading would re-map them), and a tied checkpoint carries no `lm_head`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import typing
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from worker.mlx_engine.make_model.family import GROUP_SIZE
+
+if TYPE_CHECKING:
+    import mlx.nn as nn
+
+
+def tied_embeddings(config: dict) -> bool:
+    """Hugging Face's default for `tie_word_embeddings` is true; Qwen3.5 keeps it under text_config."""
+    text = config.get("text_config") or {}
+    return bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", True)))
+
+
+def build_model(config: dict, seed: int) -> nn.Module:
+    """The model class and arguments `mlx_lm.load` would use for this config, randomly initialised (lazily)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    mx.random.seed(seed)
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    weights = dict(tree_flatten(model.parameters()))
+    if tied_embeddings(config):
+        weights.pop("lm_head.weight", None)  # gemma3's class builds one and drops it when the checkpoint has none
+    sanitized = model.sanitize(dict(weights)) if hasattr(model, "sanitize") else weights
+    remapped = sorted(set(weights) ^ set(sanitized)) + [k for k in weights if k in sanitized and sanitized[k] is not weights[k]]
+    if remapped:
+        raise RuntimeError(f"mlx-lm's sanitize() would re-map these weights on load: {remapped[:5]}")
+    model.load_weights(list(sanitized.items()), strict=True)
+    return model
+
+
+def count_parameters(model: nn.Module) -> int:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    return sum(typing.cast(mx.array, kv[1]).size for kv in tree_flatten(model.parameters()))
+
+
+def cast(model: nn.Module, dtype_name: str) -> None:
+    """mlx-lm's converter's cast: floating parameters to `dtype`, except where the model's cast_predicate says no."""
+    import mlx.core as mx
+    from mlx.utils import tree_map_with_path
+
+    dtype = getattr(mx, dtype_name)
+    keep = getattr(model, "cast_predicate", lambda _path: True)
+
+    def set_dtype(path: str, value: mx.array) -> mx.array:
+        return value.astype(dtype) if keep(path) and mx.issubdtype(value.dtype, mx.floating) else value
+
+    model.update(tree_map_with_path(set_dtype, model.parameters()))
+
+
+def quantize(model: nn.Module, config: dict, bits: int) -> tuple[nn.Module, dict, float]:
+    """mlx-lm's quantize_model (affine, group size 64, the model's quant_predicate); returns bits per weight too."""
+    from mlx_lm.utils import compute_bits_per_weight, quantize_model
+
+    with contextlib.redirect_stdout(io.StringIO()):  # it prints an [INFO] line; the caller reports instead
+        model, config = quantize_model(model, config, GROUP_SIZE, bits, mode="affine")
+    return model, config, compute_bits_per_weight(model)
+
+
+def write_weights(out: Path, config: dict, dtype_name: str, seed: int, bits: int | None) -> dict:
+    """Build, cast, quantize (if `bits`), save weights and config.json; what was written, in numbers."""
+    from mlx_lm.utils import save_config, save_model
+
+    model = build_model(config, seed)
+    parameters = count_parameters(model)
+    cast(model, dtype_name)
+    bits_per_weight = None
+    if bits:
+        model, config, bits_per_weight = quantize(model, config, bits)
+    save_model(out, model, donate_model=True)
+    save_config(config, out / "config.json")
+    return {"parameters": parameters, "bits_per_weight": bits_per_weight,
+            "weights_bytes": sum(p.stat().st_size for p in out.glob("*.safetensors"))}
