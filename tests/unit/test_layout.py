@@ -8,6 +8,8 @@ a cycle that only type checkers see is still two modules that cannot be understo
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -123,3 +125,12 @@ def test_the_lifecycle_core_imports_neither_the_gateway_nor_the_cli() -> None:
     for module in core:
         upward = sorted(t for t in graph[module] if t.startswith(("supervisor.gateway", "supervisor.cli")))
         assert not upward, f"{module} imports {upward}"
+
+
+def test_the_worker_loop_imports_no_mlx_at_run_time() -> None:
+    """The static check above, proven in a fresh interpreter: the loop and its parts load no MLX."""
+    code = ("import sys, worker.loop, worker.shutdown, worker.faults, worker.channel, worker.engine_api, "
+            "worker.memory\nbad = [m for m in sys.modules if m == 'mlx' or m.startswith(('mlx.', 'mlx_lm'))]\n"
+            "assert not bad, bad")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr

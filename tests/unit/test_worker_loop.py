@@ -8,8 +8,6 @@ engine step or idle wait. tests/integration/ proves the same against real proces
 from __future__ import annotations
 
 import logging
-import subprocess
-import sys
 
 import msgpack
 import pytest
@@ -43,14 +41,6 @@ from worker.engine_api import RequestRejected
 from worker.faults import FAULTS, Faults
 
 # --- the seam -----------------------------------------------------------------------------
-
-
-def test_the_loop_imports_no_mlx() -> None:
-    code = ("import sys, worker.loop, worker.shutdown, worker.faults, worker.channel, worker.engine_api, "
-            "worker.memory\nbad = [m for m in sys.modules if m == 'mlx' or m.startswith(('mlx.', 'mlx_lm'))]\n"
-            "assert not bad, bad")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
 
 
 # --- the eviction sequence, phase by phase --------------------------------------------------
