@@ -9,13 +9,26 @@ after it still waits for one). Step time is modelled, and fitted to what this mo
 
     step             = decode(in_flight) + prefill(b, c, p)
     decode(n)        = d0 + d1 * n                         (0 when nothing decodes)
-    prefill(b, c, p) = a * b * c + k * sum_i c * (p_i + c / 2)
+    prefill(b, c, p) = p0 + a * b * c + k * sum_i c * (p_i + c / 2)
 
-a: seconds per token of the position-independent work (the weights); k: seconds per token per
-token of context attended to (attention grows with the prompt's position p_i, the tokens already
-in sequence i's cache). The planner picks the largest chunk whose prediction fits the prefill's
-share of the step target: what the decode leaves of the target, and never less than a decode's
-time, so neither the streams already decoding nor a long prompt starve the other.
+p0: seconds a prefilling step costs whatever its chunk (on a GPU ~45 ms: an eval and a cache clear
+per chunk, kernel launches); a: seconds per token of the position-independent work (the weights);
+k: seconds per token per token of context attended to (attention grows with the prompt's position
+p_i, the tokens already in sequence i's cache). The planner picks the largest chunk whose
+prediction fits the prefill's share of the step target: what the decode leaves of the target, never
+less than a decode's time, so neither the streams already decoding nor a long prompt starve the
+other, and never less than twice p0. That last floor is for a target the fixed cost alone nearly
+fills: fitting the target would take chunks of a few tokens, each paying p0 (a 6000-token prompt in
+1500 steps of 4 tokens at 0.05 s); with the floor at least half of a prefilling step computes prompt
+tokens, so a prompt goes in at least half the machine's prefill rate, and the steps overrun the
+target by at most p0 (its whole cost: it cannot be split).
+
+p0 and a can only be told apart by steps of different sizes. Until the fit has seen sizes that differ
+(MIN_SPREAD), p0 is held at 0: all the cost is per token, the pessimistic reading, so chunks never
+outgrow the target on that account (and a CPU, with no fixed cost to speak of, plans as before). A
+fit with one size can stay stuck on it (a 4-token step of 45 ms reads as 11 ms a token, so 4 tokens
+are all that fit again): after EXPLORE_AFTER steps of one size the planner takes another one, half
+of it (shorter, so never over the target), or twice it when it is min_chunk already.
 
 Invariants: pure and MLX-free (unit-tested with synthetic machines); the chunk is always within
 [min_chunk, max_chunk]; before a measurement the per-token cost is the seed (one token's forward
@@ -24,16 +37,21 @@ a chunk never grows past GROWTH times the largest one measured, so one bad fit c
 slow steps, not one huge one; a chunk that does not finish the prompts is rounded down to 2^k or
 3 * 2^(k-1) tokens, so steps come in few shapes (MLX may compile kernels for each new shape).
 Coefficients are non-negative least squares over recent steps, older ones forgotten
-geometrically (a machine's speed changes with its load).
+geometrically (a machine's speed changes with its load); p0 is fitted only while the sizes measured
+differ enough to tell it from a (else 0), and a chunk the fit cannot change is probed once every
+EXPLORE_AFTER-or-more steps, within the target.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import combinations
 
 MIN_CHUNK = 4  # a floor against degenerate steps; a model this slow per token may exceed the target
 GROWTH = 4.0  # a chunk is at most this many times the largest chunk measured so far
 FORGETTING = 0.9  # weight of an observation one step older
+EXPLORE_AFTER = 4  # prefilling steps of one size in a row, the fit unable to split their cost, before another size
+MIN_SPREAD = 1e-3  # how much the sizes measured must differ (1 - cos^2 of tokens vs 1) to fit a fixed cost
 _SCALE_CONTEXT = 1024.0  # the attention feature in units of 1k tokens, so both features are O(tokens)
 
 
@@ -68,43 +86,76 @@ class StepPlan:
 
 
 class NonNegativeFit:
-    """y ~ t1 * x1 + t2 * x2 with t1, t2 >= 0: least squares over observations weighted by forgetting**age."""
+    """y ~ sum_j t_j * x_j with every t_j >= 0: least squares over observations weighted by forgetting**age.
 
-    def __init__(self, forgetting: float = FORGETTING) -> None:
+    It keeps the weighted Gram matrix and solves the normal equations on each subset of the features
+    (n is 2 or 3 here, so enumerating them is cheap): the full solution if it is non-negative, else the
+    non-negative subset solution of least residual, which is the constrained optimum."""
+
+    def __init__(self, features: int = 2, forgetting: float = FORGETTING) -> None:
+        self.features = features
         self.forgetting = forgetting
-        self.s11 = self.s12 = self.s22 = self.b1 = self.b2 = self.syy = 0.0
+        self.gram = [[0.0] * features for _ in range(features)]  # sum w * x_i * x_j
+        self.moment = [0.0] * features  # sum w * x_j * y
+        self.syy = 0.0
         self.n = 0
 
-    def add(self, x1: float, x2: float, y: float) -> None:
+    def add(self, *observation: float) -> None:
+        """One observation: its `features` values, then y."""
+        *x, y = observation
         f = self.forgetting
-        self.s11 = f * self.s11 + x1 * x1
-        self.s12 = f * self.s12 + x1 * x2
-        self.s22 = f * self.s22 + x2 * x2
-        self.b1 = f * self.b1 + x1 * y
-        self.b2 = f * self.b2 + x2 * y
+        for i in range(self.features):
+            for j in range(self.features):
+                self.gram[i][j] = f * self.gram[i][j] + x[i] * x[j]
+            self.moment[i] = f * self.moment[i] + x[i] * y
         self.syy = f * self.syy + y * y
         self.n += 1
 
-    def coef(self) -> tuple[float, float] | None:
-        """The fitted (t1, t2), or None before any informative observation."""
-        if self.s11 <= 0 and self.s22 <= 0:
+    def coef(self, use: tuple[int, ...] | None = None) -> tuple[float, ...] | None:
+        """The fitted coefficients, or None before any informative observation; features not in `use`
+        (all by default) are held at 0."""
+        use = tuple(range(self.features)) if use is None else use
+        trace = sum(self.gram[j][j] for j in use)
+        if trace <= 0:
             return None
-        ridge = 1e-9 * (self.s11 + self.s22)  # keeps a rank-one history (one shape seen so far) solvable
-        s11, s22 = self.s11 + ridge, self.s22 + ridge
-        det = s11 * s22 - self.s12 * self.s12
-        if det > 0:
-            t1 = (self.b1 * s22 - self.b2 * self.s12) / det
-            t2 = (s11 * self.b2 - self.s12 * self.b1) / det
-            if t1 >= 0 and t2 >= 0:
-                return t1, t2
-        one = (max(0.0, self.b1 / s11), 0.0)  # the best fit on either feature alone
-        two = (0.0, max(0.0, self.b2 / s22))
-        return min((one, two), key=self._residual)
+        ridge = 1e-9 * trace  # keeps a rank-one history (one shape seen so far) solvable
+        full = self._solve(use, ridge)
+        if full is not None and min(full) >= 0:
+            return full
+        candidates = [t for size in range(len(use) - 1, 0, -1) for subset in combinations(use, size)
+                      if (t := self._solve(subset, ridge)) is not None and min(t) >= 0]
+        return min(candidates, key=self._residual, default=(0.0,) * self.features)
 
-    def _residual(self, t: tuple[float, float]) -> float:
-        t1, t2 = t
-        return (self.syy - 2 * (t1 * self.b1 + t2 * self.b2)
-                + t1 * t1 * self.s11 + 2 * t1 * t2 * self.s12 + t2 * t2 * self.s22)
+    def spread(self, i: int, j: int) -> float:
+        """1 - cos^2 of the angle between features i and j over the observations: 0 when one is
+        proportional to the other in every observation (the fit cannot tell them apart), up to 1."""
+        norm = self.gram[i][i] * self.gram[j][j]
+        return 1.0 - self.gram[i][j] ** 2 / norm if norm > 0 else 0.0
+
+    def _solve(self, subset: tuple[int, ...], ridge: float) -> tuple[float, ...] | None:
+        """The least-squares coefficients with only `subset`'s features free (Gaussian elimination)."""
+        rows = [[self.gram[i][j] + (ridge if i == j else 0.0) for j in subset] + [self.moment[i]] for i in subset]
+        m = len(subset)
+        for col in range(m):
+            pivot = max(range(col, m), key=lambda r: abs(rows[r][col]))
+            if rows[pivot][col] == 0:
+                return None
+            rows[col], rows[pivot] = rows[pivot], rows[col]
+            for r in range(col + 1, m):
+                factor = rows[r][col] / rows[col][col]
+                rows[r] = [a - factor * b for a, b in zip(rows[r], rows[col])]
+        solved = [0.0] * m
+        for r in range(m - 1, -1, -1):
+            solved[r] = (rows[r][m] - sum(rows[r][c] * solved[c] for c in range(r + 1, m))) / rows[r][r]
+        t = [0.0] * self.features
+        for j, value in zip(subset, solved):
+            t[j] = value
+        return tuple(t)
+
+    def _residual(self, t: tuple[float, ...]) -> float:
+        """The weighted sum of squared residuals of coefficients t."""
+        fitted = sum(t[i] * t[j] * self.gram[i][j] for i in range(self.features) for j in range(self.features))
+        return self.syy - 2 * sum(t[j] * self.moment[j] for j in range(self.features)) + fitted
 
 
 def bucket(n: int) -> int:
@@ -133,9 +184,11 @@ class StepCostModel:
         self.max_chunk = max(1, max_chunk)
         self.min_chunk = max(1, min(min_chunk, self.max_chunk))
         self.seed_token_s = max(seed_token_s, 1e-6)
-        self.decode_fit = NonNegativeFit()  # decode(n) = d0 * 1 + d1 * n
-        self.prefill_fit = NonNegativeFit()  # prefill = a * tokens + k * attention
+        self.decode_fit = NonNegativeFit(2)  # decode(n) = d0 * 1 + d1 * n
+        self.prefill_fit = NonNegativeFit(3)  # prefill = p0 * 1 + a * tokens + k * attention
         self.largest_measured = 0
+        self.last_measured = 0  # the chunk of the last prefilling step measured,
+        self.repeats = 0  # and how many prefilling steps in a row measured it
 
     # --- predictions -------------------------------------------------------------------
 
@@ -147,13 +200,22 @@ class StepCostModel:
             return self.seed_token_s * decoding  # one forward pass per sequence: what the seed measured
         return coef[0] + coef[1] * decoding
 
+    def intercept_known(self) -> bool:
+        """Whether the steps measured differ enough in size to tell a step's fixed cost from its per-token cost."""
+        return self.prefill_fit.spread(0, 1) >= MIN_SPREAD
+
+    def prefill_coef(self) -> tuple[float, float, float] | None:
+        """(p0, a, k) fitted; p0 held at 0 (all the cost per token: the pessimistic reading) while unknown."""
+        coef = self.prefill_fit.coef(None if self.intercept_known() else (1, 2))
+        return None if coef is None else (coef[0], coef[1], coef[2])
+
     def prefill_s(self, tokens: int, attention: float) -> float:
         if tokens <= 0:
             return 0.0
-        coef = self.prefill_fit.coef()
+        coef = self.prefill_coef()
         if coef is None:
             return self.seed_token_s * tokens
-        return coef[0] * tokens + coef[1] * attention
+        return coef[0] + coef[1] * tokens + coef[2] * attention
 
     def predict(self, work: StepWork, chunk: int) -> StepPlan:
         tokens, attention, taken = _features(work, chunk)
@@ -163,8 +225,12 @@ class StepCostModel:
     # --- planning ----------------------------------------------------------------------
 
     def prefill_budget_s(self, work: StepWork) -> float:
-        """The prefill's share of a step: what the decode leaves of the target, and at least a decode's time."""
-        return max(self.target_s - self.decode_s(work.in_flight), self.decode_s(max(work.in_flight, work.decoding)))
+        """The prefill's share of a step: what the decode leaves of the target, at least a decode's time, and
+        at least twice the prefill's fixed cost (so at least half of it computes prompt tokens)."""
+        coef = self.prefill_coef()
+        fixed = coef[0] if coef is not None else 0.0
+        return max(self.target_s - self.decode_s(work.in_flight), self.decode_s(max(work.in_flight, work.decoding)),
+                   2 * fixed)
 
     def plan(self, work: StepWork) -> StepPlan:
         """The largest chunk in [min_chunk, max_chunk] whose prefill fits its budget (min_chunk if none does)."""
@@ -186,7 +252,15 @@ class StepCostModel:
                 hi = mid - 1
         if lo < longest and lo < self.max_chunk:
             lo = max(self.min_chunk, bucket(lo))
+        if lo < cap and lo == self.last_measured and self.repeats >= EXPLORE_AFTER and not self.intercept_known():
+            lo = self._explore(lo, cap)
         return self.predict(work, lo)
+
+    def _explore(self, chunk: int, cap: int) -> int:
+        """Another size than the one chunk the fit has seen, so it can tell fixed from per-token cost:
+        half of it (never over the target), or twice it when it is already min_chunk."""
+        smaller = max(self.min_chunk, bucket(chunk // 2))
+        return smaller if smaller < chunk else min(cap, 2 * chunk)
 
     # --- learning ----------------------------------------------------------------------
 
@@ -198,5 +272,7 @@ class StepCostModel:
             return
         fitted = self.decode_fit.coef() is not None  # an unfitted decode counts as prefill: the safe side
         prefill = max(0.0, elapsed_s - (self.decode_s(plan.in_flight) if fitted else 0.0))
-        self.prefill_fit.add(float(plan.prefill_tokens), plan.attention, prefill)
+        self.prefill_fit.add(1.0, float(plan.prefill_tokens), plan.attention, prefill)
         self.largest_measured = max(self.largest_measured, plan.chunk)
+        self.repeats = self.repeats + 1 if plan.chunk == self.last_measured else 1
+        self.last_measured = plan.chunk

@@ -11,10 +11,12 @@ from worker.step_cost import GROWTH, NonNegativeFit, PrefillSeq, StepCostModel, 
 
 class Machine:
     """A synthetic machine with known costs: what a real step's wall time would be (seconds), pipelining
-    included: a step waits for the decode the step before launched, and runs its prefill."""
+    included: a step waits for the decode the step before launched, and runs its prefill (p0 fixed per
+    prefilling step, as on a GPU, plus its per-token costs)."""
 
-    def __init__(self, a: float, k: float, d0: float = 0.0, d1: float = 0.0, noise: float = 0.0, seed: int = 0) -> None:
-        self.a, self.k, self.d0, self.d1, self.noise = a, k, d0, d1, noise
+    def __init__(self, a: float, k: float, d0: float = 0.0, d1: float = 0.0, noise: float = 0.0, seed: int = 0,
+                 p0: float = 0.0) -> None:
+        self.a, self.k, self.d0, self.d1, self.noise, self.p0 = a, k, d0, d1, noise, p0
         self.rng = random.Random(seed)
 
     def decode_s(self, n: int) -> float:
@@ -24,7 +26,7 @@ class Machine:
         t = self.decode_s(work.in_flight)
         if work.prefill:
             c = min(chunk, max(s.left for s in work.prefill))
-            t += self.a * c * len(work.prefill) + self.k * sum(c * (s.position + c / 2) for s in work.prefill)
+            t += self.p0 + self.a * c * len(work.prefill) + self.k * sum(c * (s.position + c / 2) for s in work.prefill)
         return t * (1 + self.rng.uniform(-self.noise, self.noise))
 
 
@@ -157,7 +159,8 @@ def test_decode_cost_is_learned_apart_from_prefill() -> None:
     steps = prefill_prompt(model, cpu, prompt=2000, decoding=8)
     assert model.decode_s(8) == pytest.approx(0.162, rel=0.01)
     assert max(t for _, t in steps[3:]) < 0.5 * 1.2
-    assert min(c for c, _ in steps[3:-1]) >= 30  # (0.5 - 0.162) / 0.01 per token
+    chunks = sorted(c for c, _ in steps[3:-1])  # all (0.5 - 0.162) / 0.01 per token, but for one half-size
+    assert chunks[0] >= 16 and chunks[1] >= 30  # step that probes for a fixed cost (and finds none)
     assert StepCostModel(0.25, 64, 0.01).plan(StepWork(4, in_flight=0)).predicted_s == 0.0  # nothing to wait for
 
 
@@ -166,3 +169,45 @@ def test_decode_only_step_predictions_need_no_prefill() -> None:
     plan = model.plan(StepWork(3, in_flight=3))  # it waits for the decode launched by the step before
     assert plan.prefill_tokens == 0 and plan.predicted_s == pytest.approx(0.3)
     assert model.plan(StepWork(0)).predicted_s == 0.0
+
+
+def gpu_like() -> Machine:
+    """The 1b model on an H200 (bench prefill_itl): every prefilling step costs ~45 ms whatever its chunk,
+    a prompt token ~10 us; 8 streams decode in 4 ms."""
+    return Machine(a=1e-5, k=1e-9, d1=0.004 / 8, p0=0.045)
+
+
+def test_a_fixed_cost_per_step_does_not_shrink_chunks_to_nothing() -> None:
+    """A 4-token step that took 45 ms is not 11 ms a token: with a 0.05 s target, a fit without a fixed
+    cost prefilled a 6000-token prompt in 1500 steps of 4 tokens (71 s on the H200)."""
+    gpu = gpu_like()
+    model = StepCostModel(target_s=0.05, max_chunk=2048, seed_token_s=0.03)
+    decode_steps(model, gpu, 8, 5)
+    steps = prefill_prompt(model, gpu, prompt=6000, decoding=8)
+    assert len(steps) <= 20
+    p0, a, _ = model.prefill_coef()
+    assert p0 == pytest.approx(0.045, rel=0.05) and a == pytest.approx(1e-5, rel=0.1)
+    assert max(c for c, _ in steps) == 2048  # a step's prompt work at least its fixed cost: 4500, capped
+    assert max(t for _, t in steps) < 2 * 0.045 + 0.004 + 0.01  # and no more than that
+
+
+def test_a_fixed_cost_is_learned_while_chunks_grow() -> None:
+    """With the default 0.25 s target the chunks grow as fast as GROWTH lets them, and then each step's
+    prediction is what it measures: the planner knows a small step costs its fixed 45 ms too."""
+    gpu = gpu_like()
+    model = StepCostModel(target_s=0.25, max_chunk=2048, seed_token_s=0.03)
+    decode_steps(model, gpu, 8, 5)
+    left, steps = 6000, []
+    while left > 0:
+        work = StepWork(8, (PrefillSeq(left, 6000 - left),), 8)
+        plan = model.plan(work)
+        elapsed = gpu.step_s(work, plan.chunk)
+        model.observe(plan, elapsed)
+        steps.append((plan.chunk, plan.predicted_s, elapsed))
+        left -= plan.chunk
+    assert [c for c, _, _ in steps[:5]] == [8, 32, 128, 512, 2048]
+    assert len(steps) <= 8
+    for _, predicted, measured in steps[3:]:
+        assert predicted == pytest.approx(measured, rel=0.05)
+    small = StepWork(8, (PrefillSeq(8, 0),), 8)
+    assert model.plan(small).predicted_s == pytest.approx(gpu.step_s(small, 8), rel=0.05)
