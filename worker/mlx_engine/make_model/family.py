@@ -66,6 +66,13 @@ class Family:
     tools: bool = True  # the chat template renders a tool list, tool calls and tool results
 
 
+def shape_fields(dims: Mapping) -> dict:
+    """The transformer's shape under the config names most families share (Qwen3, Qwen3.5, Gemma 3)."""
+    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "intermediate_size")
+    return {k: dims[k] for k in keys}
+
+
 def dtype_of(dims: Mapping) -> str:
     return str(dims.get("dtype", "float32"))
 

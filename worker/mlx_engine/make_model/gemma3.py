@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from worker.mlx_engine.make_model.family import Family, TokenIds, TokenSpec, dtype_of, ids_of
+from worker.mlx_engine.make_model.family import Family, TokenIds, TokenSpec, dtype_of, ids_of, shape_fields
 
 TOKENS = TokenSpec(
     control=("<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
@@ -80,12 +80,7 @@ def configure(dims: Mapping, ids: TokenIds, vocab_size: int) -> dict:
     return {
         "model_type": "gemma3_text",
         "architectures": ["Gemma3ForCausalLM"],
-        "hidden_size": dims["hidden_size"],
-        "num_hidden_layers": dims["num_hidden_layers"],
-        "num_attention_heads": dims["num_attention_heads"],
-        "num_key_value_heads": dims["num_key_value_heads"],
-        "head_dim": dims["head_dim"],
-        "intermediate_size": dims["intermediate_size"],
+        **shape_fields(dims),
         "hidden_activation": "gelu_pytorch_tanh",
         "query_pre_attn_scalar": dims["head_dim"],
         "sliding_window": dims["sliding_window"],

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from worker.mlx_engine.make_model.chatml import QWEN3_TEMPLATE, QWEN_CONTROL_TOKENS, QWEN_TEXT_TOKENS
-from worker.mlx_engine.make_model.family import QWEN2_SPLIT, Family, TokenIds, TokenSpec, dtype_of, ids_of
+from worker.mlx_engine.make_model.family import QWEN2_SPLIT, Family, TokenIds, TokenSpec, dtype_of, ids_of, shape_fields
 
 TOKENS = TokenSpec(
     control=QWEN_CONTROL_TOKENS, text=QWEN_TEXT_TOKENS,
@@ -46,12 +46,7 @@ MOE_PRESETS: dict[str, dict] = {
 
 def _common(dims: Mapping, ids: TokenIds, vocab_size: int) -> dict:
     return {
-        "hidden_size": dims["hidden_size"],
-        "num_hidden_layers": dims["num_hidden_layers"],
-        "num_attention_heads": dims["num_attention_heads"],
-        "num_key_value_heads": dims["num_key_value_heads"],
-        "head_dim": dims["head_dim"],
-        "intermediate_size": dims["intermediate_size"],
+        **shape_fields(dims),
         "hidden_act": "silu",
         "vocab_size": vocab_size,
         "max_position_embeddings": dims["max_position_embeddings"],

@@ -16,7 +16,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from worker.mlx_engine.make_model.chatml import QWEN3_5_TEMPLATE, QWEN_CONTROL_TOKENS, QWEN_TEXT_TOKENS
-from worker.mlx_engine.make_model.family import QWEN3_5_SPLIT, Family, TokenIds, TokenSpec, dtype_of, ids_of
+from worker.mlx_engine.make_model.family import (
+    QWEN3_5_SPLIT,
+    Family,
+    TokenIds,
+    TokenSpec,
+    dtype_of,
+    ids_of,
+    shape_fields,
+)
 
 TOKENS = TokenSpec(
     control=QWEN_CONTROL_TOKENS, text=QWEN_TEXT_TOKENS,
@@ -54,12 +62,7 @@ def mrope_section(head_dim: int, partial_rotary_factor: float) -> list[int]:
 def configure(dims: Mapping, ids: TokenIds, vocab_size: int) -> dict:
     text_config = {
         "model_type": "qwen3_5_text",
-        "hidden_size": dims["hidden_size"],
-        "num_hidden_layers": dims["num_hidden_layers"],
-        "num_attention_heads": dims["num_attention_heads"],
-        "num_key_value_heads": dims["num_key_value_heads"],
-        "head_dim": dims["head_dim"],
-        "intermediate_size": dims["intermediate_size"],
+        **shape_fields(dims),
         "hidden_act": "silu",
         "attention_bias": False,
         "attn_output_gate": True,
