@@ -98,3 +98,15 @@ def test_long_prompt_again_reuses_its_cached_prefix(families_daemon: Daemon, ser
     assert as_served(first) == as_served(again) == expected  # past the sliding windows, cached or not
     assert first.usage.prompt_tokens > 128  # two cache blocks, four times the tiny sliding windows
     assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_the_context_length_comes_from_the_model_s_own_config(families_daemon: Daemon, served: tuple,
+                                                              family_models: Path) -> None:
+    """Qwen3.5 keeps its text model's fields under `text_config`: its context is not the 4096 fallback."""
+    import json
+
+    name, _, _ = served
+    config = json.loads((family_models / name / "config.json").read_text())
+    expected = {**config, **(config.get("text_config") or {})}["max_position_embeddings"]
+    httpx.post(f"{families_daemon.url}/api/models/{name}/load", timeout=120).raise_for_status()
+    assert families_daemon.model(name)["context_length"] == expected

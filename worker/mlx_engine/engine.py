@@ -109,8 +109,9 @@ class Engine:
         t0 = time.perf_counter()
         self.model, self.tokenizer = load_with_progress(model_path, report)
         config = json.loads((model_path / "config.json").read_text())
-        self.context_length = int(config.get("max_position_embeddings") or 4096)
-        self.vocab_size = int(config.get("vocab_size") or 0)
+        text_config = {**config, **(config.get("text_config") or {})}  # Qwen3.5 and other multimodal layouts
+        self.context_length = int(text_config.get("max_position_embeddings") or 4096)
+        self.vocab_size = int(text_config.get("vocab_size") or 0)
         self.weights_bytes = sum(p.stat().st_size for p in model_path.glob("*.safetensors"))
         eos = sorted(self.tokenizer.eos_token_ids)
         self._special = special_token_ids(self.tokenizer)
