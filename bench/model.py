@@ -37,11 +37,12 @@ def make_never_eos_view(src: Path, dst: Path) -> dict:
 
     dst.mkdir(parents=True, exist_ok=True)
     cfg = json.loads((src / "config.json").read_text())
+    text = {**cfg, **(cfg.get("text_config") or {})}  # Qwen3.5 nests its text model's fields
     tok = Tokenizer.from_file(str(src / "tokenizer.json"))
     if tok.token_to_id(NEVER_EOS) is None:
         tok.add_special_tokens([NEVER_EOS])
     eos_id = tok.token_to_id(NEVER_EOS)
-    if eos_id < {**cfg, **(cfg.get("text_config") or {})}["vocab_size"]:
+    if eos_id < text["vocab_size"]:
         raise RuntimeError(f"the tokenizer has {tok.get_vocab_size()} tokens, more than the model's "
                            f"{cfg['vocab_size']} logits: cannot make an unreachable EOS this way")
     tok.save(str(dst / "tokenizer.json"))
@@ -62,7 +63,6 @@ def make_never_eos_view(src: Path, dst: Path) -> dict:
             link.unlink()
         os.symlink(f.resolve(), link)
     weights = sum(f.stat().st_size for f in src.glob("*.safetensors"))
-    text = {**cfg, **(cfg.get("text_config") or {})}  # Qwen3.5 nests its text model's fields
     return {"source": str(src), "path": str(dst), "eos_token_id": eos_id, "original_eos_token_id": original_eos,
             "vocab_size": text["vocab_size"], "weights_bytes": weights, "dtype": text.get("torch_dtype"),
             "hidden_size": text["hidden_size"], "layers": text["num_hidden_layers"]}

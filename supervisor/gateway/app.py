@@ -35,6 +35,7 @@ from supervisor.gateway.guard import WebGuard
 from supervisor.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from supervisor.gateway.openai_api import Parsed, Shaper, parse_chat, parse_completion
 from supervisor.router import Router
+from supervisor.units import is_number
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,12 @@ MAX_EVICT_TIMEOUT_S = 86400  # a drain deadline past a day is a mistake, and pas
 
 def error_response(exc: errors.MlxsupError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def client_gone(receive: Receive) -> None:
+    """Returns once the client has disconnected (the request body, if any, is already read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 class SSEResponse(Response):
@@ -79,11 +86,8 @@ class SSEResponse(Response):
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-        async def disconnected() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-
-        tasks = [asyncio.create_task(stream(), name="sse-send"), asyncio.create_task(disconnected(), name="sse-recv")]
+        tasks = [asyncio.create_task(stream(), name="sse-send"),
+                 asyncio.create_task(client_gone(receive), name="sse-recv")]
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -194,12 +198,8 @@ class Gateway:
             parts.append(item.text)
             return JSONResponse(shaper.whole("".join(parts), item))
 
-        async def disconnected() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-
         work = asyncio.create_task(collect(), name="collect")
-        gone = asyncio.create_task(disconnected(), name="watch-disconnect")
+        gone = asyncio.create_task(client_gone(request.receive), name="watch-disconnect")
         try:
             await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -276,8 +276,7 @@ class Gateway:
         if mode not in ("drain", "now"):
             raise errors.InvalidRequest("'mode' must be 'drain' or 'now'", param="mode")
         timeout = body.get("timeout")
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                    or not 0 <= timeout <= MAX_EVICT_TIMEOUT_S):
+        if timeout is not None and (not is_number(timeout) or not 0 <= timeout <= MAX_EVICT_TIMEOUT_S):
             raise errors.InvalidRequest(f"'timeout' must be a number of seconds from 0 to {MAX_EVICT_TIMEOUT_S}",
                                         param="timeout")
         report = await self.router.evict(request.path_params["model"], mode, timeout)

@@ -14,6 +14,7 @@ from typing import Any
 
 from protocol.messages import Finished, Submit
 from supervisor.errors import InvalidRequest
+from supervisor.units import is_number
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP = 4
@@ -43,7 +44,7 @@ def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float
     value = body.get(key)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not is_number(value):
         raise InvalidRequest(f"'{key}' must be a number", param=key)
     if not lo <= value <= hi:
         raise InvalidRequest(f"'{key}' must be between {lo} and {hi}, got {value}", param=key)
@@ -54,7 +55,7 @@ def _integer(body: dict, key: str, default: int | None, lo: int, hi: int) -> int
     value = body.get(key)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_number(value, integer=True):
         raise InvalidRequest(f"'{key}' must be an integer", param=key)
     if not lo <= value <= hi:
         raise InvalidRequest(f"'{key}' must be between {lo} and {hi}, got {value}", param=key)
@@ -87,7 +88,7 @@ def _common(body: Any, allowed: set[str]) -> tuple[str, bool, bool, list[str]]:
     for key in ("presence_penalty", "frequency_penalty"):
         if _number(body, key, 0.0, -2.0, 2.0) != 0.0:
             raise InvalidRequest(f"'{key}' is not supported", param=key)
-    if body.get("seed") is not None and (isinstance(body["seed"], bool) or not isinstance(body["seed"], int)):
+    if body.get("seed") is not None and not is_number(body["seed"], integer=True):
         raise InvalidRequest("'seed' must be an integer", param="seed")
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise InvalidRequest("'user' must be a string", param="user")
