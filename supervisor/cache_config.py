@@ -7,6 +7,8 @@
     ssd_dir = "/fast/disk/mlxsup-cache"   # default: <state_dir>/cache
     ssd_cap = "8GiB"             # per model: least recently used blocks go beyond it
     block_tokens = 64
+    kv_bits = 8                  # store cached K/V quantized (4 or 8); absent: as computed
+    snapshot_every = 4096        # sliding-window / recurrent models: also snapshot every N prompt tokens
 
     [models.assistant]
     path = "..."
@@ -32,6 +34,8 @@ class CacheConfig:
     ssd_dir: Path | None = None
     ssd_cap: int | None = None
     block_tokens: int | None = None
+    kv_bits: int | None = None  # 0: as computed (the default)
+    snapshot_every: int | None = None
 
     def over(self, base: CacheConfig) -> CacheConfig:
         """This config with its unset keys taken from `base`."""
@@ -52,13 +56,16 @@ class CacheConfig:
     def worker_args(self, state_dir: Path) -> list[str]:
         """The worker's command-line arguments for this (fully resolved) config."""
         args = ["--hot-cache-bytes", str(self.hot_budget if self.hot_on else 0),
-                "--cache-block-tokens", str(self.block_tokens)]
+                "--cache-block-tokens", str(self.block_tokens), "--cache-snapshot-every", str(self.snapshot_every)]
+        if self.kv_bits:
+            args += ["--cache-kv-bits", str(self.kv_bits)]
         if self.ssd_on:
             args += ["--ssd-cache-root", str(self.ssd_root(state_dir)), "--ssd-cache-bytes", str(self.ssd_cap)]
         return args
 
 
-DEFAULTS = CacheConfig(enabled=True, hot_budget=2**30, ssd=True, ssd_dir=None, ssd_cap=8 * 2**30, block_tokens=64)
+DEFAULTS = CacheConfig(enabled=True, hot_budget=2**30, ssd=True, ssd_dir=None, ssd_cap=8 * 2**30, block_tokens=64,
+                       kv_bits=0, snapshot_every=4096)
 
 
 def parse_cache(table: object, where: str, base: Path) -> CacheConfig:
@@ -86,6 +93,12 @@ def parse_cache(table: object, where: str, base: Path) -> CacheConfig:
         elif key == "block_tokens":
             if not is_number(value, integer=True) or not 1 <= value <= 4096:
                 raise ValueError(f"{name}: must be an integer from 1 to 4096")
+        elif key == "kv_bits":
+            if not is_number(value, integer=True) or value not in (0, 4, 8):
+                raise ValueError(f"{name}: must be 4 or 8 (or 0: not quantized)")
+        elif key == "snapshot_every":
+            if not is_number(value, integer=True) or value < 0:
+                raise ValueError(f"{name}: must be a number of tokens, 0 or more")
         else:
             raise ValueError(f"{name}: unknown key")
         values[key] = value

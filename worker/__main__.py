@@ -49,6 +49,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ssd-cache-bytes", type=int, default=8 * 2**30, help="SSD cache size cap")
     p.add_argument("--cache-block-tokens", type=int, default=64)
     p.add_argument("--cache-close-s", type=float, default=3.0, help="how long closing waits for SSD writes")
+    p.add_argument("--cache-kv-bits", type=int, choices=(4, 8), default=None,
+                   help="store cached K/V quantized to this many bits (absent: as computed)")
+    p.add_argument("--cache-snapshot-every", type=int, default=4096,
+                   help="with sliding-window or recurrent layers, also snapshot every N prompt tokens (0: end only)")
     p.add_argument("--fault", action="append", default=[], choices=sorted(FAULTS),
                    help="testing only: misbehave on purpose (repeatable): "
                    + "; ".join(f"{name}: {what}" for name, what in sorted(FAULTS.items())))
@@ -148,7 +152,8 @@ def serve_model(args: argparse.Namespace, sock: zmq.Socket, shutdown: Shutdown, 
             sock.send(encode(Progress(stage, round(fraction, 3))), zmq.NOBLOCK)
 
         cache = CacheOptions(args.hot_cache_bytes, args.ssd_cache_root, args.ssd_cache_bytes,
-                             args.cache_block_tokens, args.cache_close_s, faults)
+                             args.cache_block_tokens, args.cache_close_s, faults, args.cache_kv_bits,
+                             args.cache_snapshot_every)
         engine = Engine(args.model_path, max_batch_size=args.max_batch_size,
                         prefill_step_size=args.prefill_step_size, report=report, cache=cache,
                         model_id=args.model_id, step_target_s=args.step_target_s)

@@ -62,13 +62,18 @@ class HotCache:
         return self.budget // block_bytes if block_bytes > 0 else 0
 
     def put(self, blocks: list[Block]) -> None:
-        """Add a chain's blocks (root side first), then evict the least recent down to the budget."""
+        """Add a chain's blocks (root side first), then evict the least recent down to the budget.
+
+        A block held without a snapshot is replaced by the same block with one."""
         if not self.enabled:
             return
         for block in blocks:
-            if block.key not in self._blocks and block.nbytes <= self.budget:
+            old = self._blocks.get(block.key)
+            if old is not None and (old.snapshot is not None or block.snapshot is None):
+                continue  # held already; a block is replaced only to gain the snapshot it lacked
+            if block.nbytes <= self.budget:
+                self.nbytes += block.nbytes - (old.nbytes if old is not None else 0)
                 self._blocks[block.key] = block
-                self.nbytes += block.nbytes
         self.touch([b.key for b in blocks])
         while self.nbytes > self.budget and self._blocks:
             _, old = self._blocks.popitem(last=False)

@@ -14,6 +14,10 @@ when it is full, the tail of a chain is dropped (its head, the useful part, goes
 size cap is kept by evicting the least recently used files; chains are touched deepest block
 first so heads outlive tails, as in the hot cache.
 
+Blocks of models with snapshot layers may carry a snapshot (worker/mlx_engine/layer_state.py);
+the index knows which do, so a lookup reads only the one snapshot it uses, and a block first
+written without a snapshot is written again when one comes for it.
+
 Failure: an unwritable directory or a failed write (full disk) turns the SSD cache off with
 a warning; serving goes on with the hot cache. `clear` bumps an epoch so that a write already
 under way is discarded rather than indexed. `close` lets the writer finish the queue, joins
@@ -51,9 +55,10 @@ class _Job:
 
 class SsdCache:
     def __init__(self, directory: Path, fingerprint: str, cap_bytes: int, model_id: str = "",
-                 queue_bytes: int = DEFAULT_QUEUE_BYTES, faults: Iterable[str] = ()) -> None:
+                 queue_bytes: int = DEFAULT_QUEUE_BYTES, faults: Iterable[str] = (), layout: str = "") -> None:
         self.dir = directory
         self.fingerprint = fingerprint
+        self.layout = layout  # the model's cache layout id: files written under another are dropped
         self.cap = cap_bytes
         self.model_id = model_id
         self.queue_bytes = queue_bytes
@@ -63,11 +68,13 @@ class SsdCache:
         self.nbytes = 0
         self.dropped_blocks = 0
         self._index: OrderedDict[bytes, int] = OrderedDict()
+        self._snapshots: set[bytes] = set()  # indexed keys whose file carries a snapshot
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._jobs: deque[_Job] = deque()
         self._queued_bytes = 0
         self._pending: set[bytes] = set()
+        self._pending_snapshots: set[bytes] = set()
         self._epoch = 0
         self._closing = False
         self._abandon = False
@@ -95,9 +102,22 @@ class SsdCache:
         with self._lock:
             return len(self._index)
 
-    def has(self, key: bytes) -> bool:
+    def has(self, key: bytes, snapshot: bool = False) -> bool:
+        """Whether the block is on disk or on its way there (with a snapshot, when `snapshot`)."""
         with self._lock:
+            if snapshot:
+                return key in self._snapshots or key in self._pending_snapshots
             return key in self._index or key in self._pending
+
+    def present(self, keys: list[bytes]) -> list[bool]:
+        """For the longest prefix of `keys` on disk: whether each of its blocks carries a snapshot."""
+        found = []
+        with self._lock:
+            for key in keys:
+                if key not in self._index:
+                    break
+                found.append(key in self._snapshots)
+        return found
 
     def path(self, key: bytes) -> Path:
         return self.dir / f"{key.hex()}{BLOCK_SUFFIX}"
@@ -117,6 +137,7 @@ class SsdCache:
         for job in self._jobs:
             self._queued_bytes -= job.nbytes
             self._pending.difference_update(b.key for b in job.blocks)
+            self._pending_snapshots.difference_update(b.key for b in job.blocks)
         self._jobs.clear()
 
     # --- start-up ----------------------------------------------------------------------
@@ -124,7 +145,7 @@ class SsdCache:
     def _rebuild(self) -> None:
         """Index the directory's complete blocks, oldest first; remove everything else."""
         t0 = time.monotonic()
-        found: list[tuple[int, bytes, int]] = []
+        found: list[tuple[int, bytes, int, bool]] = []
         removed = 0
         for entry in os.scandir(self.dir):
             name = entry.name
@@ -135,16 +156,18 @@ class SsdCache:
                 continue
             try:
                 key = bytes.fromhex(name[: -len(BLOCK_SUFFIX)])
-                read_header(Path(entry.path), self.fingerprint, key)
+                header = read_header(Path(entry.path), self.fingerprint, key, self.layout)
                 st = entry.stat()
             except (ValueError, OSError) as exc:  # BadBlock is a ValueError
                 log.info("[cache] model=%s ssd=rebuild removed=%s reason=%r", self.model_id, name, str(exc))
                 removed += self._remove(Path(entry.path))
                 continue
-            found.append((st.st_mtime_ns, key, st.st_size))
-        for _, key, size in sorted(found, key=lambda f: f[0]):
+            found.append((st.st_mtime_ns, key, st.st_size, header["snapshot"] is not None))
+        for _, key, size, snapshot in sorted(found, key=lambda f: f[0]):
             self._index[key] = size
             self.nbytes += size
+            if snapshot:
+                self._snapshots.add(key)
         self._evict_to_cap()
         log.info("[cache] model=%s ssd=rebuild dir=%s entries=%d bytes=%d removed=%d s=%.3f", self.model_id,
                  self.dir, len(self._index), self.nbytes, removed, time.monotonic() - t0)
@@ -159,15 +182,18 @@ class SsdCache:
 
     # --- reads (main thread) -----------------------------------------------------------
 
-    def load_chain(self, keys: list[bytes], tokens: list[tuple[int, ...]]) -> list[BlockData]:
-        """The blocks of the longest prefix of `keys` on disk, verified, touched as used."""
+    def load_chain(self, keys: list[bytes], tokens: list[tuple[int, ...]],
+                   snapshot_at: int | None = None) -> list[BlockData]:
+        """The blocks of the longest prefix of `keys` on disk, verified, touched as used; only the
+        block at index `snapshot_at` (if any) comes with its snapshot."""
         found: list[BlockData] = []
-        for key, toks in zip(keys, tokens):
+        for i, (key, toks) in enumerate(zip(keys, tokens)):
             with self._lock:
                 if not self.enabled or key not in self._index:
                     break
             try:
-                found.append(read_block(self.path(key), self.fingerprint, key, toks))
+                found.append(read_block(self.path(key), self.fingerprint, key, toks, self.layout,
+                                        snapshot=i == snapshot_at))
             except (OSError, BadBlock) as exc:
                 log.warning("[cache] model=%s ssd=read dropped=%s reason=%r", self.model_id, key.hex(), str(exc))
                 self._forget(key, unlink=not isinstance(exc, FileNotFoundError))
@@ -178,6 +204,7 @@ class SsdCache:
     def _forget(self, key: bytes, unlink: bool) -> None:
         with self._lock:
             size = self._index.pop(key, None)
+            self._snapshots.discard(key)
             if size is not None:
                 self.nbytes -= size
         if unlink:
@@ -205,7 +232,9 @@ class SsdCache:
                 return 0
             taken, nbytes = [], 0
             for b in blocks:
-                if b.key in self._index or b.key in self._pending:
+                known = b.key in self._index or b.key in self._pending
+                upgrade = b.snapshot is not None and not (b.key in self._snapshots or b.key in self._pending_snapshots)
+                if known and not upgrade:
                     continue
                 if self._queued_bytes + nbytes + b.nbytes > self.queue_bytes or b.nbytes > self.cap:
                     self.dropped_blocks += 1
@@ -216,6 +245,7 @@ class SsdCache:
                 self._jobs.append(_Job(self._epoch, taken, nbytes))
                 self._queued_bytes += nbytes
                 self._pending.update(b.key for b in taken)
+                self._pending_snapshots.update(b.key for b in taken if b.snapshot is not None)
                 self._wake.notify()
             return len(taken)
 
@@ -238,6 +268,7 @@ class SsdCache:
                 with self._lock:
                     self._queued_bytes -= job.nbytes
                     self._pending.difference_update(b.key for b in job.blocks)
+                    self._pending_snapshots.difference_update(b.key for b in job.blocks)
 
     def _write_job(self, job: _Job) -> None:
         written: list[bytes] = []
@@ -255,8 +286,10 @@ class SsdCache:
             with self._lock:
                 keep = self.enabled and job.epoch == self._epoch
                 if keep:
+                    self.nbytes += size - self._index.get(block.key, 0)  # a block written again: its snapshot came
                     self._index[block.key] = size
-                    self.nbytes += size
+                    if block.snapshot is not None:
+                        self._snapshots.add(block.key)
             if not keep:  # cleared (or turned off) while this block was being written
                 self._remove(final)
                 return
@@ -268,7 +301,7 @@ class SsdCache:
         self.faults.before_ssd_write()
         with open(tmp, "wb") as f:
             self.faults.during_ssd_write(f, block.nbytes, block.depth, tmp.name)
-            size = write_block(f, block, self.fingerprint)
+            size = write_block(f, block, self.fingerprint, self.layout)
             f.flush()
             os.fsync(f.fileno())
         return size
@@ -278,6 +311,7 @@ class SsdCache:
         with self._lock:
             while self.nbytes > self.cap and self._index:
                 key, size = self._index.popitem(last=False)
+                self._snapshots.discard(key)
                 self.nbytes -= size
                 victims.append(key)
         for key in victims:
@@ -292,6 +326,7 @@ class SsdCache:
             self._drop_queue()
             keys = list(self._index)
             self._index.clear()
+            self._snapshots.clear()
             self.nbytes = 0
         entries = reclaimed = 0
         for key in keys:

@@ -1,19 +1,24 @@
-"""The SSD cache's file format: one KV block per file, versioned, tied to one model fingerprint.
+"""The SSD cache's file format: one block per file, versioned, tied to one model fingerprint and cache layout.
 
     offset 0   8 bytes   magic b"MLXSUPKV"
     offset 8   u32 LE    FORMAT_VERSION
     offset 12  u32 LE    header length H
-    offset 16  H bytes   header, UTF-8 JSON: fingerprint, key, parent, depth, tokens, dtype,
-                         k_shape, v_shape, payload_bytes, crc32
-    16 + H     payload   the keys' bytes then the values' bytes, C order, nothing else
+    offset 16  H bytes   header, UTF-8 JSON: fingerprint, layout, key, parent, depth, tokens,
+                         arrays [{name, dtype, shape, crc32}], snapshot (its JSON meta or null),
+                         payload_bytes
+    16 + H     payload   each array's bytes in the header's order, C order, nothing else
 
-A block is exactly `block_tokens` tokens, so the payload is only the used part of the KV
-buffers. bfloat16 travels as its raw 16-bit pattern (numpy has no bfloat16). No pickle: the
-header is JSON and the payload raw bytes.
+An array named "kv:..." is the block's K/V (or their quantized parts); one named "snap:..." is
+part of the snapshot of the layers that cannot be cut into blocks (worker/mlx_engine/layer_state.py).
+A block is exactly `block_tokens` tokens, so the payload is only the used part of the buffers.
+bfloat16 travels as its raw 16-bit pattern (numpy has no bfloat16). No pickle: the header is JSON
+and the payload raw bytes. Version 1 (keys and values only) files are dropped at rebuild, as is a
+file written under another `layout` (another cache class list or `kv_bits`).
 
-`read_header` checks what is cheap to check at start-up (magic, version, fingerprint, key and
-the file's size against the header: a partial file fails it); `read_block` also checks the
-payload's CRC-32 before anything is used. Both raise BadBlock on anything wrong.
+`read_header` checks what is cheap to check at start-up (magic, version, fingerprint, layout, key
+and the file's size against the header: a partial file fails it); `read_block` also checks each
+array's CRC-32 before it is used, and can leave a snapshot it does not need unread. Both raise
+BadBlock on anything wrong.
 
 Pure numpy and the standard library: the writer thread uses this, and it must not touch MLX.
 """
@@ -23,19 +28,21 @@ from __future__ import annotations
 import json
 import struct
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
 
 MAGIC = b"MLXSUPKV"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: keys and values only; 2: named arrays, snapshots, the cache layout
 _PREFIX = struct.Struct("<8sII")
 MAX_HEADER_BYTES = 1 << 20
+SNAPSHOT_PREFIX = "snap:"
 
-# The dtypes a block may hold: name -> the numpy dtype its bytes are stored as.
-STORED_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+# The dtypes a stored array may have: name -> the numpy dtype its bytes are kept as.
+STORED_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "uint32": np.uint32,
+                 "int32": np.int32, "int64": np.int64, "uint8": np.uint8, "bool": np.bool_}
 
 
 class BadBlock(ValueError):
@@ -50,13 +57,13 @@ class BlockData:
     parent: bytes
     depth: int
     tokens: tuple[int, ...]
-    dtype: str
-    keys: np.ndarray
-    values: np.ndarray
+    arrays: dict[str, np.ndarray]  # "kv:k", "kv:v" (or quantized parts), "snap:<path>" for a snapshot
+    dtypes: dict[str, str]  # each array's MLX dtype name (bfloat16 is stored as uint16)
+    snapshot: dict | None = field(default=None)  # the snapshot's meta (JSON); None: no snapshot
 
     @property
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
+        return sum(a.nbytes for a in self.arrays.values())
 
 
 def _bytes_of(a: np.ndarray) -> memoryview:
@@ -64,22 +71,23 @@ def _bytes_of(a: np.ndarray) -> memoryview:
     return np.ascontiguousarray(a).data.cast("B")
 
 
-def _header(block: BlockData, fingerprint: str) -> bytes:
-    crc = zlib.crc32(_bytes_of(block.values), zlib.crc32(_bytes_of(block.keys)))
+def _header(block: BlockData, fingerprint: str, layout: str) -> bytes:
+    arrays = [{"name": name, "dtype": block.dtypes[name], "shape": list(a.shape), "crc32": zlib.crc32(_bytes_of(a))}
+              for name, a in block.arrays.items()]
     return json.dumps({
-        "fingerprint": fingerprint, "key": block.key.hex(), "parent": block.parent.hex(), "depth": block.depth,
-        "tokens": list(block.tokens), "dtype": block.dtype, "k_shape": list(block.keys.shape),
-        "v_shape": list(block.values.shape), "payload_bytes": block.nbytes, "crc32": crc,
+        "fingerprint": fingerprint, "layout": layout, "key": block.key.hex(), "parent": block.parent.hex(),
+        "depth": block.depth, "tokens": list(block.tokens), "arrays": arrays, "snapshot": block.snapshot,
+        "payload_bytes": block.nbytes,
     }, separators=(",", ":")).encode()
 
 
-def write_block(f: BinaryIO, block: BlockData, fingerprint: str) -> int:
+def write_block(f: BinaryIO, block: BlockData, fingerprint: str, layout: str = "") -> int:
     """Write `block` to an open file; return the bytes written."""
-    header = _header(block, fingerprint)
+    header = _header(block, fingerprint, layout)
     f.write(_PREFIX.pack(MAGIC, FORMAT_VERSION, len(header)))
     f.write(header)
-    f.write(_bytes_of(block.keys))
-    f.write(_bytes_of(block.values))
+    for a in block.arrays.values():
+        f.write(_bytes_of(a))
     return _PREFIX.size + len(header) + block.nbytes
 
 
@@ -104,7 +112,11 @@ def _parse_prefix(f: BinaryIO) -> dict:
     return header
 
 
-def read_header(path: Path, fingerprint: str, key: bytes) -> dict:
+def _array_bytes(entry: dict) -> int:
+    return int(np.prod(entry["shape"], dtype=np.int64)) * np.dtype(STORED_DTYPES[entry["dtype"]]).itemsize
+
+
+def read_header(path: Path, fingerprint: str, key: bytes, layout: str = "") -> dict:
     """The validated header of the block file at `path` (see the module docstring)."""
     with open(path, "rb") as f:
         header = _parse_prefix(f)
@@ -112,10 +124,15 @@ def read_header(path: Path, fingerprint: str, key: bytes) -> dict:
     try:
         if header["fingerprint"] != fingerprint:
             raise BadBlock("written for another model")
+        if header["layout"] != layout:
+            raise BadBlock(f"written for another cache layout ({header['layout']!r}, this worker has {layout!r})")
         if header["key"] != key.hex():
             raise BadBlock("key does not match the file name")
-        if header["dtype"] not in STORED_DTYPES:
-            raise BadBlock(f"unknown dtype {header['dtype']!r}")
+        for entry in header["arrays"]:
+            if entry["dtype"] not in STORED_DTYPES:
+                raise BadBlock(f"unknown dtype {entry['dtype']!r}")
+        if sum(_array_bytes(e) for e in header["arrays"]) != int(header["payload_bytes"]):
+            raise BadBlock("the arrays do not add up to the payload")
         announced = header["_data_offset"] + int(header["payload_bytes"])
         if size != announced:
             raise BadBlock(f"{size} bytes on disk, the header announces {announced}")
@@ -126,23 +143,33 @@ def read_header(path: Path, fingerprint: str, key: bytes) -> dict:
     return header
 
 
-def read_block(path: Path, fingerprint: str, key: bytes, tokens: tuple[int, ...]) -> BlockData:
-    """Read and verify a whole block; its tokens must be `tokens` (a guard against collisions)."""
-    header = read_header(path, fingerprint, key)
+def read_block(path: Path, fingerprint: str, key: bytes, tokens: tuple[int, ...], layout: str = "",
+               snapshot: bool = True) -> BlockData:
+    """Read and verify a block; its tokens must be `tokens` (a guard against collisions).
+
+    With `snapshot` False a snapshot's arrays are skipped, unread (the block comes without one).
+    """
+    header = read_header(path, fingerprint, key, layout)
     if tuple(header.get("tokens", ())) != tokens:
         raise BadBlock("holds other tokens")
-    stored = STORED_DTYPES[header["dtype"]]
-    with open(path, "rb") as f:
-        f.seek(header["_data_offset"])
-        payload = f.read()
-    if zlib.crc32(payload) != header.get("crc32"):
-        raise BadBlock("payload checksum mismatch")
+    arrays: dict[str, np.ndarray] = {}
+    dtypes: dict[str, str] = {}
     try:
-        k_shape, v_shape = tuple(header["k_shape"]), tuple(header["v_shape"])
-        k_bytes = int(np.prod(k_shape)) * np.dtype(stored).itemsize
-        keys = np.frombuffer(payload, stored, count=int(np.prod(k_shape))).reshape(k_shape)
-        values = np.frombuffer(payload, stored, offset=k_bytes).reshape(v_shape)
-        return BlockData(key, bytes.fromhex(header["parent"]), int(header["depth"]), tokens, header["dtype"],
-                         keys, values)
+        with open(path, "rb") as f:
+            offset = header["_data_offset"]
+            for entry in header["arrays"]:
+                name, n = entry["name"], _array_bytes(entry)
+                if snapshot or not name.startswith(SNAPSHOT_PREFIX):
+                    f.seek(offset)
+                    raw = f.read(n)
+                    if zlib.crc32(raw) != entry["crc32"]:
+                        raise BadBlock(f"checksum mismatch in {name}")
+                    arrays[name] = np.frombuffer(raw, STORED_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+                    dtypes[name] = entry["dtype"]
+                offset += n
+        meta = header["snapshot"] if snapshot else None
+        return BlockData(key, bytes.fromhex(header["parent"]), int(header["depth"]), tokens, arrays, dtypes, meta)
     except (KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, BadBlock):
+            raise
         raise BadBlock(f"payload does not match the header: {exc}") from None

@@ -30,7 +30,7 @@ def test_defaults_put_the_ssd_cache_under_the_state_dir(tmp_path: Path) -> None:
     st = load(tmp_path, '[models.m]\npath = "m"\n')
     args = st.model_cache(st.models[0]).worker_args(st.state_dir)
     assert args == ["--hot-cache-bytes", str(DEFAULTS.hot_budget), "--cache-block-tokens", "64",
-                    "--ssd-cache-root", str(tmp_path / "state" / "cache"), "--ssd-cache-bytes", str(DEFAULTS.ssd_cap)]
+                    "--cache-snapshot-every", "4096", "--ssd-cache-root", str(tmp_path / "state" / "cache"), "--ssd-cache-bytes", str(DEFAULTS.ssd_cap)]
 
 
 def test_section_and_model_overrides(tmp_path: Path) -> None:
@@ -52,11 +52,23 @@ cache = { enabled = false }
 """)
     a, b = (st.model_cache(s) for s in st.models)
     assert a.hot_budget == 2**30 and not a.ssd_on and a.block_tokens == 64
-    assert a.worker_args(st.state_dir) == ["--hot-cache-bytes", str(2**30), "--cache-block-tokens", "64"]
+    assert a.worker_args(st.state_dir) == ["--hot-cache-bytes", str(2**30), "--cache-block-tokens", "64",
+                                           "--cache-snapshot-every", "4096"]
     assert not b.hot_on and not b.ssd_on and b.ssd_cap == 2 * 10**9 and b.ssd_dir == tmp_path / "disk"
     argv = worker_argv("ipc://x", "b#1", 1.0, model_args(Path("/m"), "b", 8, 512, ("--fault", "ssd-slow"),
                                                         tuple(b.worker_args(st.state_dir))))
-    assert argv[-6:] == ["--hot-cache-bytes", "0", "--cache-block-tokens", "64", "--fault", "ssd-slow"]
+    assert argv[-8:] == ["--hot-cache-bytes", "0", "--cache-block-tokens", "64", "--cache-snapshot-every", "4096",
+                         "--fault", "ssd-slow"]
+
+
+def test_kv_bits_and_snapshot_every(tmp_path: Path) -> None:
+    model(tmp_path, "a")
+    st = load(tmp_path, '[cache]\nkv_bits = 8\nsnapshot_every = 1024\n[models.a]\npath = "a"\ncache = { kv_bits = 4 }\n')
+    args = st.model_cache(st.models[0]).worker_args(st.state_dir)
+    assert args[args.index("--cache-kv-bits") + 1] == "4" and args[args.index("--cache-snapshot-every") + 1] == "1024"
+    for bad in ("kv_bits = 3", "kv_bits = true", "snapshot_every = -1"):
+        with pytest.raises(ValueError, match="cache."):
+            load(tmp_path, f"[cache]\n{bad}\n")
 
 
 @pytest.mark.parametrize("text, match", [

@@ -20,24 +20,31 @@ from worker.ssd_format import BadBlock, BlockData, read_block, read_header, writ
 FP = "f" * 24
 
 
-def chain(n: int, seed: int = 0, dtype: str = "float32", tokens: int = 4) -> list[BlockData]:
+def chain(n: int, seed: int = 0, dtype: str = "float32", tokens: int = 4,
+          snapshot_at: tuple[int, ...] = ()) -> list[BlockData]:
+    """Blocks as the worker hands them over: K/V arrays, and a recurrent-state snapshot on the blocks `snapshot_at`."""
     rng = np.random.default_rng(seed)
     stored = np.uint16 if dtype == "bfloat16" else np.dtype(dtype)
     blocks, parent = [], b"\0" * 16
     for i in range(n):
         key = bytes([seed, i]) + b"k" * 14
         toks = tuple(int(t) for t in rng.integers(0, 1000, tokens))
-        k = rng.integers(0, 2**15, (2, 2, tokens, 8)).astype(stored)
-        v = rng.integers(0, 2**15, (2, 2, tokens, 8)).astype(stored)
-        blocks.append(BlockData(key, parent, i, toks, dtype, k, v))
+        arrays = {name: rng.integers(0, 2**15, (2, 2, tokens, 8)).astype(stored) for name in ("kv:k", "kv:v")}
+        dtypes = dict.fromkeys(arrays, dtype)
+        meta = None
+        if i in snapshot_at:
+            arrays["snap:0.0.0"] = np.full((1, 3, 4), i, np.float32)
+            dtypes["snap:0.0.0"] = "float32"
+            meta = {"classes": ["ArraysCache"], "paths": ["0.0.0", "0.1", "0.2"], "scalars": {"0.1": None, "0.2": None}}
+        blocks.append(BlockData(key, parent, i, toks, arrays, dtypes, meta))
         parent = key
     return blocks
 
 
-def write(directory: Path, block: BlockData, fingerprint: str = FP) -> Path:
+def write(directory: Path, block: BlockData, fingerprint: str = FP, layout: str = "") -> Path:
     path = directory / f"{block.key.hex()}.kvb"
     with open(path, "wb") as f:
-        write_block(f, block, fingerprint)
+        write_block(f, block, fingerprint, layout)
     return path
 
 
@@ -48,8 +55,28 @@ def test_format_round_trip_holds_only_the_block(tmp_path: Path, dtype: str) -> N
     header = read_header(path, FP, block.key)
     assert path.stat().st_size == header["_data_offset"] + block.nbytes  # the payload is the used part only
     got = read_block(path, FP, block.key, block.tokens)
-    assert got.dtype == dtype and got.depth == 0 and got.parent == block.parent
-    assert np.array_equal(got.keys, block.keys) and np.array_equal(got.values, block.values)
+    assert got.dtypes == block.dtypes and got.depth == 0 and got.parent == block.parent
+    assert got.arrays.keys() == block.arrays.keys()
+    assert all(np.array_equal(got.arrays[n], block.arrays[n]) for n in block.arrays)
+    assert got.snapshot is None
+
+
+def test_format_carries_a_snapshot_and_can_leave_it_unread(tmp_path: Path) -> None:
+    block = chain(1, snapshot_at=(0,))[0]
+    path = write(tmp_path, block, layout="L1")
+    whole = read_block(path, FP, block.key, block.tokens, "L1")
+    assert whole.snapshot == block.snapshot and np.array_equal(whole.arrays["snap:0.0.0"], block.arrays["snap:0.0.0"])
+    kv_only = read_block(path, FP, block.key, block.tokens, "L1", snapshot=False)
+    assert kv_only.snapshot is None and set(kv_only.arrays) == {"kv:k", "kv:v"}
+    assert np.array_equal(kv_only.arrays["kv:v"], block.arrays["kv:v"])  # read past the skipped arrays correctly
+
+
+def test_format_refuses_another_cache_layout(tmp_path: Path) -> None:
+    """kv_bits or a model's cache classes changed: the file's arrays mean something else."""
+    block = chain(1)[0]
+    path = write(tmp_path, block, layout="L1")
+    with pytest.raises(BadBlock, match="another cache layout"):
+        read_header(path, FP, block.key, "L2")
 
 
 def _damaged(path: Path, how: str) -> None:
@@ -60,12 +87,14 @@ def _damaged(path: Path, how: str) -> None:
         data[8] += 1
     elif how == "payload":
         data[-1] ^= 0xFF
+    elif how == "v1":  # a version-1 file (keys and values only) left by an older worker
+        data[8:12] = (1).to_bytes(4, "little")
     elif how == "garbage":
         data = bytearray(b"not a block at all")
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("how, match", [("truncated", "bytes on disk"), ("version", "format version"),
+@pytest.mark.parametrize("how, match", [("truncated", "bytes on disk"), ("version", "format version"), ("v1", "format version 1"),
                                         ("payload", "checksum"), ("garbage", "not a KV block")])
 def test_format_refuses_damaged_files(tmp_path: Path, how: str, match: str) -> None:
     block = chain(1)[0]
@@ -106,6 +135,30 @@ def test_writes_then_rebuild_keeps_complete_blocks_and_removes_the_rest(tmp_path
     found = again.load_chain([b.key for b in blocks], [b.tokens for b in blocks])
     assert [b.key for b in found] == [b.key for b in blocks[:3]]
     again.close(1)
+
+
+def test_the_index_knows_which_blocks_carry_snapshots_and_takes_one_that_was_missing(tmp_path: Path) -> None:
+    """A block first written without a snapshot is written again when one comes for it; a rebuild keeps
+    knowing which files carry one, and a lookup reads only the snapshot it asks for."""
+    plain, with_snap = chain(3), chain(3, snapshot_at=(1, 2))
+    ssd = SsdCache(tmp_path, FP, 1 << 30, layout="L1")
+    ssd.enqueue(plain)
+    wait_for(lambda: len(ssd) == 3, 10)
+    assert ssd.present([b.key for b in plain]) == [False, False, False]
+    assert ssd.has(plain[1].key) and not ssd.has(plain[1].key, snapshot=True)
+    assert ssd.enqueue(with_snap) == 2  # blocks 1 and 2 again, now with their snapshots
+    ssd.close(10)
+    assert ssd.nbytes == sum(p.stat().st_size for p in tmp_path.glob("*.kvb"))
+
+    again = SsdCache(tmp_path, FP, 1 << 30, layout="L1")
+    keys = [b.key for b in plain]
+    assert again.present(keys) == [False, True, True]
+    found = again.load_chain(keys, [b.tokens for b in plain], snapshot_at=1)
+    assert [b.snapshot is not None for b in found] == [False, True, False]
+    again.close(1)
+    other_layout = SsdCache(tmp_path, FP, 1 << 30, layout="L2")  # kv_bits changed: nothing is usable
+    assert len(other_layout) == 0 and not list(tmp_path.glob("*.kvb"))
+    other_layout.close(1)
 
 
 def test_cap_evicts_least_recent_tails_first(tmp_path: Path) -> None:

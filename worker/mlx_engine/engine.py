@@ -26,7 +26,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
 
@@ -64,6 +64,8 @@ class Request:
     cached_tokens: int = 0
     prefill_left: int = 0  # prompt tokens still to prefill (the last one is decoded, not prefilled)
     position: int = 0  # prompt tokens in its cache so far
+    snapshot_at: frozenset[int] = frozenset()  # prompt positions where its prefill stops for a cache snapshot
+    snapshots: dict = field(default_factory=dict)  # block index -> the snapshot taken at that block's end
 
 
 def special_token_ids(tokenizer) -> frozenset[int]:
@@ -191,8 +193,10 @@ class Engine:
                 f"{len(tokens)} tokens and max_tokens asks for {msg.max_tokens or 'the rest'}",
             )
         cached, prefix = self._lookup(msg.rid, tokens)
-        (uid,) = self.gen.insert(
-            [tokens[cached:]],
+        points = self.caches.snapshot_points(len(tokens), cached) if self.caches is not None else []
+        cuts = [0] + [p - cached for p in points] + [len(tokens) - cached]
+        (uid,) = self.gen.insert_segments(
+            [[tokens[cached + a:cached + b] for a, b in zip(cuts, cuts[1:]) if b > a]],  # prefill stops at each point
             max_tokens=[max_tokens],
             caches=[prefix] if prefix is not None else None,
             all_tokens=[tokens[:cached]],
@@ -200,7 +204,8 @@ class Engine:
             stop_sequences=[self._stop_none if msg.ignore_eos else self._stop_eos],
         )
         req = Request(msg.rid, uid, len(tokens), TextStream(self.tokenizer.detokenizer, msg.stop, self._special),
-                      cached_tokens=cached, prefill_left=len(tokens) - cached - 1, position=cached)
+                      cached_tokens=cached, prefill_left=len(tokens) - cached - 1, position=cached,
+                      snapshot_at=frozenset(points))
         self._by_uid[uid] = req
         self._by_rid[msg.rid] = req
         if req.prefill_left > 0:
@@ -215,11 +220,31 @@ class Engine:
             log.exception("[cache] rid=%s lookup failed; computing the whole prompt", rid)
             return 0, None
 
-    def _store(self, tokens: list[int] | None, cache: list | None) -> None:
+    def _take_snapshots(self, progress: list) -> None:
+        """Copy the snapshot layers' state of the prompts whose prefill just stopped at a snapshot point."""
+        if self.caches is None:
+            return
+        due = {}
+        for p in progress:
+            req = self._by_uid.get(p.uid)
+            if req is not None and p.end_of_segment and not p.end_of_prompt:
+                position = req.cached_tokens + p.progress[0]
+                if position in req.snapshot_at:
+                    due[p.uid] = (req, position)
+        if not due:
+            return
+        try:
+            for uid, (cache, _) in self.gen.extract_cache(list(due)).items():
+                req, position = due[uid]
+                req.snapshots[position // self.caches.block - 1] = self.caches.snapshot(cache)
+        except Exception:
+            log.exception("[cache] taking a prefill snapshot failed; going on without it")
+
+    def _store(self, tokens: list[int] | None, cache: list | None, snapshots: dict) -> None:
         if self.caches is None or not tokens or not cache:
             return
         try:
-            self.caches.store(list(tokens), cache)
+            self.caches.store(list(tokens), cache, snapshots)
         except Exception:
             log.exception("[cache] storing a finished sequence failed; going on")
 
@@ -271,6 +296,7 @@ class Engine:
         self._in_flight = plan.decoding  # their decode is computing; the next step waits for it
         for p in progress:
             self._on_prefill_progress(p.uid, *p.progress)
+        self._take_snapshots(progress)
         self.peak_batch_size = max(self.peak_batch_size, len(responses))
         chunks: list[list] = []
         finished: list[Finished] = []
@@ -300,7 +326,7 @@ class Engine:
                 cache, tokens = self.gen.remove([req.uid], return_prompt_caches=True).get(req.uid, (None, None))
             else:
                 cache, tokens = r.prompt_cache, r.all_tokens
-            self._store(tokens, cache)
+            self._store(tokens, cache, req.snapshots)
         return chunks, finished
 
     def fail_all(self, code: str, message: str) -> list[Failed]:

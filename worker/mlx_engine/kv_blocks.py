@@ -7,9 +7,13 @@ token before it*: two prompts share block i's key exactly when they share their 
 (i + 1) * block_tokens tokens, which is when its K/V are the same (attention is causal). The
 longest cached prefix of a new prompt is found by walking its keys until the first miss.
 
-A block holds two arrays, keys (layers, kv_heads, block_tokens, k_dim) and values (same with
-v_dim), stacked over the layers so that each block owns one exact-size buffer: its `nbytes`
-is the memory it pins, and evicting it frees exactly that. Blocks are immutable.
+A block holds the K/V of its tokens for the layers the model's `CacheLayout` cuts into blocks
+(worker/mlx_engine/layer_state.py), stacked over those layers so that each block owns one
+exact-size buffer per array: keys (layers, kv_heads, block_tokens, k_dim) and values (same
+with v_dim), or their quantized form (`kv_bits`: weights, scales and biases of each). Its
+`nbytes` is the memory it pins, and evicting it frees exactly that. A block of a model with
+snapshot layers (sliding-window, recurrent) may also carry the `Snapshot` of those layers at its
+end: only there can a prefix of such a model be picked up. Blocks are immutable.
 
 Invariant: all MLX work here runs on the worker's main thread.
 """
@@ -23,6 +27,8 @@ from typing import cast
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
+from worker.mlx_engine.layer_state import CacheLayout, Snapshot, restore_snapshot
+
 KEY_BYTES = 16
 
 
@@ -32,12 +38,15 @@ class Block:
     parent: bytes
     depth: int  # index of the block in its prompt: it covers tokens [depth * n, (depth + 1) * n)
     tokens: tuple[int, ...]
-    keys: mx.array
-    values: mx.array
+    kv: dict[str, mx.array]  # "k", "v"; quantized: "k.q", "k.s", "k.b", "v.q", "v.s", "v.b"; {}: no block layers
+    snapshot: Snapshot | None = None  # the snapshot layers' state after this block's last token
 
     @property
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
+        return sum(a.nbytes for a in self.kv.values()) + (self.snapshot.nbytes if self.snapshot else 0)
+
+    def with_snapshot(self, snapshot: Snapshot) -> Block:
+        return Block(self.key, self.parent, self.depth, self.tokens, self.kv, snapshot)
 
 
 def root_key(block_tokens: int) -> bytes:
@@ -62,38 +71,75 @@ def parent_of(keys: list[bytes], i: int, block_tokens: int) -> bytes:
     return keys[i - 1] if i else root_key(block_tokens)
 
 
-def is_plain_kv(cache: list) -> bool:
-    """True when every layer is a plain KVCache: the only kind these blocks can rebuild."""
-    return bool(cache) and all(type(c) is KVCache for c in cache)
+def _quantize(a: mx.array, bits: int) -> tuple[mx.array, mx.array, mx.array]:
+    """(layers, heads, tokens, dim) quantized along each head's tokens x dim run, in groups of 64 (32 if it must)."""
+    flat = a.reshape(*a.shape[:2], -1)
+    group = 64 if flat.shape[-1] % 64 == 0 else 32
+    w, scales, biases = mx.quantize(flat, group_size=group, bits=bits)
+    return w, scales, biases
 
 
-def cut_blocks(cache: list[KVCache], tokens: list[int], keys: list[bytes], wanted: list[int],
+def _dequantize(w: mx.array, scales: mx.array, biases: mx.array, bits: int, block_tokens: int) -> mx.array:
+    n = w.shape[-1] * 32 // bits
+    out = mx.dequantize(w, scales, biases, group_size=n // scales.shape[-1], bits=bits)
+    return out.reshape(*out.shape[:2], block_tokens, -1)
+
+
+def cut_blocks(cache: list, layout: CacheLayout, tokens: list[int], keys: list[bytes], wanted: list[int],
                block_tokens: int) -> list[Block]:
     """Copy blocks `wanted` (indices into `keys`) out of one sequence's finished cache.
 
-    `cache` holds one sequence (batch 1) whose first len(tokens) positions are `tokens`.
-    mx.stack allocates a fresh buffer, so a block never keeps the finished cache alive.
+    `cache` holds one sequence (batch 1) whose first len(tokens) positions are `tokens` in its
+    block layers. mx.stack allocates a fresh buffer, so a block never keeps the cache alive.
     """
+    layers = [cast(KVCache, cache[i]) for i in layout.block_layers]
     blocks = []
     for i in wanted:
         s, e = i * block_tokens, (i + 1) * block_tokens
-        k = mx.stack([cast(mx.array, c.keys)[0, :, s:e, :] for c in cache])  # filled: the sequence ran
-        v = mx.stack([cast(mx.array, c.values)[0, :, s:e, :] for c in cache])
-        blocks.append(Block(keys[i], parent_of(keys, i, block_tokens), i, tuple(tokens[s:e]), k, v))
+        kv: dict[str, mx.array] = {}
+        if layers:
+            k = mx.stack([cast(mx.array, c.keys)[0, :, s:e, :] for c in layers])  # filled: the sequence ran
+            v = mx.stack([cast(mx.array, c.values)[0, :, s:e, :] for c in layers])
+            if layout.kv_bits:
+                for name, a in (("k", k), ("v", v)):
+                    kv.update(zip((f"{name}.q", f"{name}.s", f"{name}.b"), _quantize(a, layout.kv_bits),
+                                  strict=True))
+            else:
+                kv = {"k": k, "v": v}
+        blocks.append(Block(keys[i], parent_of(keys, i, block_tokens), i, tuple(tokens[s:e]), kv))
     if blocks:
-        mx.eval([a for b in blocks for a in (b.keys, b.values)])
+        mx.eval([a for b in blocks for a in b.kv.values()])
     return blocks
 
 
-def join_blocks(blocks: list[Block], n_tokens: int) -> list[KVCache]:
-    """A per-layer prompt cache holding the first `n_tokens` tokens of the consecutive `blocks`."""
-    layers = blocks[0].keys.shape[0]
-    cache = []
-    for layer in range(layers):
-        c = KVCache()
-        c.keys = mx.concatenate([b.keys[layer] for b in blocks], axis=1)[None]
-        c.values = mx.concatenate([b.values[layer] for b in blocks], axis=1)[None]
-        c.offset = n_tokens  # <= the blocks' length: the rest is overwritten by the next tokens
-        cache.append(c)
-    mx.eval([a for c in cache for a in (c.keys, c.values)])
+def _block_kv(block: Block, layout: CacheLayout, block_tokens: int) -> tuple[mx.array, mx.array]:
+    if not layout.kv_bits:
+        return block.kv["k"], block.kv["v"]
+    kv = block.kv
+    return (_dequantize(kv["k.q"], kv["k.s"], kv["k.b"], layout.kv_bits, block_tokens),
+            _dequantize(kv["v.q"], kv["v.s"], kv["v.b"], layout.kv_bits, block_tokens))
+
+
+def join_blocks(blocks: list[Block], n_tokens: int, layout: CacheLayout, block_tokens: int) -> list:
+    """A whole prompt cache (every layer) holding the first `n_tokens` tokens of the consecutive `blocks`.
+
+    With snapshot layers, `n_tokens` must be the end of the last block, and that block must carry
+    the snapshot: the other layers' state comes from it.
+    """
+    cache: list = [None] * len(layout.classes)
+    if layout.block_layers:
+        parts = [_block_kv(b, layout, block_tokens) for b in blocks]
+        for j, layer in enumerate(layout.block_layers):
+            c = KVCache()
+            c.keys = mx.concatenate([k[j] for k, _ in parts], axis=1)[None]
+            c.values = mx.concatenate([v[j] for _, v in parts], axis=1)[None]
+            c.offset = n_tokens  # <= the blocks' length: the rest is overwritten by the next tokens
+            cache[layer] = c
+    if layout.snapshots:
+        snapshot = blocks[-1].snapshot
+        if snapshot is None or n_tokens != len(blocks) * block_tokens:
+            raise ValueError("a prefix of a model with snapshot layers must end at a block with a snapshot")
+        for layer, c in zip(layout.snapshot_layers, restore_snapshot(snapshot), strict=True):
+            cache[layer] = c
+    mx.eval([a for layer in layout.block_layers for a in (cache[layer].keys, cache[layer].values)])
     return cache

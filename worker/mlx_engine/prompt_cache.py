@@ -1,17 +1,29 @@
 """The worker's prompt caches, hot (memory) in front of SSD (disk): what the engine asks and tells.
 
-- `lookup(tokens)` before a request joins the batch: the longest cached block prefix of its
-  prompt, from the hot cache and then, for what that lacked, from SSD (promoted into the hot
-  cache). At least the last prompt token is always left to compute, because the generator
-  needs one token to start from: a prompt cached whole is served with its cache trimmed by one.
-- `store(tokens, cache)` when a sequence finishes: its full blocks (prompt and completion) go
-  into the hot cache and, as numpy copies, to the SSD writer.
+- `lookup(tokens)` before a request joins the batch: the longest cached prefix of its prompt
+  that can be picked up, from the hot cache and then, for what that lacked, from SSD (promoted
+  into the hot cache). At least the last prompt token is always left to compute, because the
+  generator needs one token to start from.
+- `snapshot_points(n, cached)`: where a prompt's prefill must stop so that `snapshot(cache)` can
+  copy the state of the layers that cannot be cut into blocks (see below).
+- `store(tokens, cache, snapshots)` when a sequence finishes: its blocks go into the hot cache
+  and, as numpy copies, to the SSD writer.
 - `clear(which)`, `stats()`, `close()` for admin and the orderly exit.
 
-Only models whose layers all use a plain KVCache are cached (sliding-window or recurrent caches
-cannot be cut into blocks); others run uncached, with a warning. Invariants: every MLX call is
-on the main thread; the SSD writer only ever sees numpy; a cache failure never fails a request
-(the engine logs it and computes the prompt in full).
+Every cache type is cached (worker/mlx_engine/layer_state.py). A model whose layers are all
+plain `KVCache` is cut into blocks, and any block-aligned prefix is reused; a prompt cached
+whole is served with its cache trimmed by one token. A model with other layers (sliding-window
+`RotatingKVCache`, recurrent `ArraysCache`, `CacheList`...) keeps its plain KV layers in blocks
+as well, and the other layers' whole state as snapshots taken during prefill at block
+boundaries (the prompt's last one, and every `snapshot_every` tokens): its reusable prefix is
+the longest cached one that ends at a snapshot, and only blocks up to a snapshot are kept.
+
+`kv_bits` stores the blocks' K/V quantized (affine, as mlx-lm quantizes KV caches) and restores
+them dequantized: mlx-lm's BatchGenerator cannot batch a QuantizedKVCache, so generation itself
+keeps full-precision K/V; the tiers hold more prefixes in the same budget.
+
+Invariants: every MLX call is on the main thread; the SSD writer only ever sees numpy; a cache
+failure never fails a request (the engine logs it and computes the prompt in full).
 """
 
 from __future__ import annotations
@@ -23,19 +35,21 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from protocol.cachedir import model_fingerprint
 from protocol.messages import CacheStats
 from worker.faults import NO_FAULTS, Faults
 from worker.hot_cache import HotCache
-from worker.mlx_engine.kv_blocks import Block, chain_keys, cut_blocks, is_plain_kv, join_blocks, parent_of
+from worker.mlx_engine.kv_blocks import Block, chain_keys, cut_blocks, join_blocks, parent_of
+from worker.mlx_engine.layer_state import CacheLayout, Snapshot, dtype_name, from_numpy, take_snapshot, to_numpy
 from worker.shutdown import run_best_effort
 from worker.ssd_cache import SsdCache
-from worker.ssd_format import BlockData
+from worker.ssd_format import SNAPSHOT_PREFIX, BlockData
 
 log = logging.getLogger(__name__)
+
+KV_PREFIX = "kv:"
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,19 +60,8 @@ class CacheOptions:
     block_tokens: int = 64
     close_s: float = 3.0  # how long close() waits for the SSD writer to finish its queue
     faults: Faults = NO_FAULTS  # testing only (worker/faults.py): the SSD writer's faults
-
-
-def _dtype_name(a: mx.array) -> str:
-    return str(a.dtype).rsplit(".", 1)[-1]
-
-
-def _to_numpy(a: mx.array) -> np.ndarray:
-    return np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
-
-
-def _from_numpy(a: np.ndarray, dtype: str) -> mx.array:
-    arr = mx.array(a)
-    return arr.view(mx.bfloat16) if dtype == "bfloat16" else arr
+    kv_bits: int | None = None  # store blocks' K/V quantized to 4 or 8 bits
+    snapshot_every: int = 4096  # tokens; models with snapshot layers also snapshot this often (0: prompt end only)
 
 
 class PromptCaches:
@@ -66,18 +69,19 @@ class PromptCaches:
         self.model_id = model_id
         self.block = options.block_tokens
         self.close_s = options.close_s
+        self.every_blocks = options.snapshot_every // self.block if options.snapshot_every >= self.block else 0
         self.hits_ssd = self.misses_ssd = self.hit_tokens_ssd = 0
-        probe = make_prompt_cache(model)
-        self._layers = len(probe)
-        supported = is_plain_kv(probe)
-        if not supported and (options.hot_bytes or options.ssd_root):
-            log.warning("[cache] model=%s caches=off reason='layers do not all use a plain KVCache'", model_id)
-        self.hot = HotCache(options.hot_bytes if supported else 0)
+        self.layout = CacheLayout.of(make_prompt_cache(model), options.kv_bits)
+        self.hot = HotCache(options.hot_bytes)
         self.ssd: SsdCache | None = None
-        if supported and options.ssd_root is not None:
+        if options.ssd_root is not None:
             fingerprint = model_fingerprint(model_path)
             self.ssd = SsdCache(options.ssd_root / fingerprint, fingerprint, options.ssd_bytes, model_id,
-                                faults=options.faults)
+                                faults=options.faults, layout=self.layout.name)
+        if self.enabled:
+            log.info("[cache] model=%s layout=%s block_layers=%d snapshot_layers=%d kv_bits=%s", model_id,
+                     self.layout.name, len(self.layout.block_layers), len(self.layout.snapshot_layers),
+                     options.kv_bits)
 
     @property
     def ssd_on(self) -> bool:
@@ -87,66 +91,122 @@ class PromptCaches:
     def enabled(self) -> bool:
         return self.hot.enabled or self.ssd_on
 
-    # --- the engine's two calls ----------------------------------------------------------
+    # --- the engine's calls ---------------------------------------------------------------
 
-    def lookup(self, tokens: list[int]) -> tuple[int, list[KVCache] | None]:
+    def lookup(self, tokens: list[int]) -> tuple[int, list | None]:
         """(n, cache): a prompt cache holding the first n tokens of `tokens`, n < len(tokens); (0, None)."""
         if not self.enabled or len(tokens) < self.block:
             return 0, None
         keys = chain_keys(tokens, self.block)
+        if self.layout.snapshots:
+            keys = keys[:(len(tokens) - 1) // self.block]  # a snapshot cannot be trimmed: one token must be left
         blocks = self.hot.prefix(keys)
-        n_hot = len(blocks)
+        if self.layout.snapshots:
+            blocks, n_hot = self._to_a_snapshot(tokens, keys, blocks)
+        else:
+            n_hot = len(blocks)
+            if n_hot < len(keys) and self.ssd is not None and self.ssd.enabled:
+                found = self._from_ssd(self.ssd, tokens, keys, n_hot, len(keys))
+                self.hot.put(found)  # promoted: the next hit on this prefix comes from memory
+                blocks += found
         if self.hot.enabled:
             self.hot.hits += n_hot > 0
             self.hot.misses += n_hot == 0
-        if n_hot < len(keys) and self.ssd is not None and self.ssd.enabled:
-            found = self._from_ssd(self.ssd, tokens, keys, n_hot)
-            self.hot.put(found)  # promoted: the next hit on this prefix comes from memory
-            blocks += found
-            self.hits_ssd += bool(found)
-            self.misses_ssd += not found
+        if self.ssd_on:
+            self.hits_ssd += len(blocks) > n_hot
+            self.misses_ssd += len(blocks) == n_hot
         if not blocks:
             return 0, None
         n = min(len(blocks) * self.block, len(tokens) - 1)
         from_hot = min(n_hot * self.block, n)
         self.hot.hit_tokens += from_hot
         self.hit_tokens_ssd += n - from_hot
-        return n, join_blocks(blocks, n)
+        return n, join_blocks(blocks, n, self.layout, self.block)
 
-    def _from_ssd(self, ssd: SsdCache, tokens: list[int], keys: list[bytes], start: int) -> list[Block]:
-        """Blocks start.. of the chain from disk, as MLX arrays, up to the first missing one."""
-        wanted = [tuple(tokens[i * self.block:(i + 1) * self.block]) for i in range(start, len(keys))]
+    def _to_a_snapshot(self, tokens: list[int], keys: list[bytes], hot: list[Block]) -> tuple[list[Block], int]:
+        """The blocks up to the deepest one that has a snapshot, from memory or disk; and how many came from memory."""
+        best_hot = max((i for i, b in enumerate(hot) if b.snapshot is not None), default=-1)
+        if self.ssd is not None and self.ssd.enabled:
+            on_disk = self.ssd.present(keys)
+            best_ssd = max((i for i, snap in enumerate(on_disk) if snap), default=-1)
+            if best_ssd > best_hot:
+                start = min(len(hot), best_ssd)
+                found = self._from_ssd(self.ssd, tokens, keys, start, best_ssd + 1, snapshot_at=best_ssd)
+                if found and found[-1].depth == best_ssd and found[-1].snapshot is not None:
+                    self.hot.put(found)
+                    return hot[:start] + found, start
+        return hot[:best_hot + 1], best_hot + 1
+
+    def _from_ssd(self, ssd: SsdCache, tokens: list[int], keys: list[bytes], start: int, end: int,
+                  snapshot_at: int | None = None) -> list[Block]:
+        """Blocks start..end-1 of the chain from disk, as MLX arrays, up to the first missing one; only the
+        block at `snapshot_at` with its snapshot."""
+        wanted = [tuple(tokens[i * self.block:(i + 1) * self.block]) for i in range(start, end)]
+        at = None if snapshot_at is None else snapshot_at - start
         found = []
-        for data in ssd.load_chain(keys[start:], wanted):
-            if data.keys.shape[0] != self._layers:
-                break  # the fingerprint rules this out; a mismatch must never reach the model
-            found.append(Block(data.key, data.parent, data.depth, data.tokens, _from_numpy(data.keys, data.dtype),
-                               _from_numpy(data.values, data.dtype)))
+        for data in ssd.load_chain(keys[start:end], wanted, snapshot_at=at):
+            kv = {n[len(KV_PREFIX):]: from_numpy(a, data.dtypes[n]) for n, a in data.arrays.items()
+                  if n.startswith(KV_PREFIX)}
+            snapshot = None
+            if data.snapshot is not None:
+                snapshot = Snapshot({n[len(SNAPSHOT_PREFIX):]: from_numpy(a, data.dtypes[n])
+                                     for n, a in data.arrays.items() if n.startswith(SNAPSHOT_PREFIX)}, data.snapshot)
+            found.append(Block(data.key, data.parent, data.depth, data.tokens, kv, snapshot))
         return found
 
-    def store(self, tokens: list[int], cache: list) -> None:
-        """Keep the full blocks of a finished sequence; `cache` holds exactly `tokens`."""
-        if not self.enabled or not is_plain_kv(cache) or cache[0].offset != len(tokens):
+    def snapshot_points(self, n_tokens: int, cached: int) -> list[int]:
+        """The block boundaries in (cached, n_tokens - 1] where a prompt's prefill stops for a snapshot."""
+        if not self.layout.snapshots or not self.enabled:
+            return []
+        last = (n_tokens - 1) // self.block
+        every = self.every_blocks
+        return [i * self.block for i in range(cached // self.block + 1, last + 1)
+                if i == last or (every and i % every == 0)]
+
+    def snapshot(self, cache: list) -> Snapshot:
+        """A copy of the snapshot layers' state in one sequence's whole cache (batch 1)."""
+        return take_snapshot([cache[i] for i in self.layout.snapshot_layers])
+
+    def store(self, tokens: list[int], cache: list, snapshots: dict[int, Snapshot] | None = None) -> None:
+        """Keep the blocks of a finished sequence; `cache` holds exactly `tokens`; `snapshots` by block index."""
+        layout, snapshots = self.layout, snapshots or {}
+        if not self.enabled:
+            return
+        first = cache[layout.block_layers[0]] if layout.block_layers else None
+        if first is not None and first.offset != len(tokens):
             return
         keys = chain_keys(tokens, self.block)
+        if layout.snapshots:  # past its last snapshot a chain cannot be picked up: keep it only that far
+            keys = keys[:max(snapshots) + 1] if snapshots else []
         if not keys:
             return
-        c = cache[0]
-        block_bytes = (c.keys.nbytes + c.values.nbytes) // c.keys.shape[2] * self.block * len(cache)
-        hot_n = min(len(keys), self.hot.room_for(block_bytes))  # a chain longer than the budget: its head
+        block_bytes = 0
+        if first is not None:
+            block_bytes = (first.keys.nbytes + first.values.nbytes) // first.keys.shape[2] * self.block
+            block_bytes = block_bytes * len(layout.block_layers) // (32 // layout.kv_bits if layout.kv_bits else 1)
+        hot_n = min(len(keys), self.hot.room_for(block_bytes)) if block_bytes else len(keys) * self.hot.enabled
         ssd = self.ssd if self.ssd is not None and self.ssd.enabled else None
-        to_disk = [i for i in range(len(keys)) if not ssd.has(keys[i])] if ssd is not None else []
+        to_disk = [i for i in range(len(keys)) if not ssd.has(keys[i], i in snapshots)] if ssd is not None else []
         wanted = sorted(set(range(hot_n)) | set(to_disk))
         have = {i: b for i in wanted if (b := self.hot.get(keys[i])) is not None}
-        cut = cut_blocks(cache, tokens, keys, [i for i in wanted if i not in have], self.block)
-        made = {b.depth: b for b in cut}
-        self.hot.put([have.get(i) or made[i] for i in range(hot_n)])
+        made = {b.depth: b for b in cut_blocks(cache, layout, tokens, keys, [i for i in wanted if i not in have],
+                                                self.block)}
+        chain = {}
+        for i in wanted:
+            block = have.get(i) or made[i]
+            snapshot = snapshots.get(i)
+            chain[i] = block.with_snapshot(snapshot) if snapshot is not None and block.snapshot is None else block
+        self.hot.put([chain[i] for i in range(hot_n)])
         if ssd is not None and to_disk:
-            ssd.enqueue([self._numpy_block(have.get(i) or made[i], keys, i) for i in to_disk])
+            ssd.enqueue([self._numpy_block(chain[i], keys, i) for i in to_disk])
 
     def _numpy_block(self, block: Block, keys: list[bytes], i: int) -> BlockData:
-        return BlockData(block.key, parent_of(keys, i, self.block), i, block.tokens, _dtype_name(block.keys),
-                         _to_numpy(block.keys), _to_numpy(block.values))
+        named = {KV_PREFIX + n: a for n, a in block.kv.items()}
+        if block.snapshot is not None:
+            named.update({SNAPSHOT_PREFIX + n: a for n, a in block.snapshot.arrays.items()})
+        return BlockData(block.key, parent_of(keys, i, self.block), i, block.tokens,
+                         {n: to_numpy(a) for n, a in named.items()}, {n: dtype_name(a) for n, a in named.items()},
+                         block.snapshot.meta if block.snapshot is not None else None)
 
     # --- admin and teardown ----------------------------------------------------------------
 
