@@ -619,7 +619,7 @@ class Bench:
                     return {"status": "timed out", "command": " ".join(argv[1:])}
             src, how = out / "cache_bench.json", f"ran here: {' '.join(argv[1:])} (exit {rc})"
         else:
-            src, how = REPO / "bench" / "results" / "cache_bench.json", "included from bench/results/cache_bench.json"
+            src, how = REPO / "bench" / "results" / "cpu" / "cache" / "cache_bench.json", "included from bench/results/cpu/cache"
         if not src.exists():
             return {"status": "no results", "note": how}
         data = json.loads(src.read_text())
