@@ -7,9 +7,12 @@ implements worker/engine_api.py's EngineApi, all the loop knows of it.
 
 Invariants: every admitted request ends in exactly one Finished or Failed; a request that is
 aborted or finished is removed from the BatchGenerator at once, so it costs no more compute.
-With prompt caches (worker/prompt_cache.py), a request joins the batch with its cached prefix
-as its starting cache and only the rest of its prompt to compute; a finished one leaves its
-KV state to the caches. A cache failure is logged and costs only the cache's benefit.
+With prompt caches (worker/mlx_engine/prompt_cache.py), a request joins the batch with its cached
+prefix as its starting cache and only the rest of its prompt to compute; its prompt is inserted
+as segments ending at the caches' snapshot points, so that for a model with sliding-window or
+recurrent layers the prefill stops there and those layers' state is copied; a finished request
+leaves its KV state (and those snapshots) to the caches. A cache failure is logged and costs only
+the cache's benefit.
 
 Steps are bounded by time, not by a token count: before each step, the prefill chunk (the
 BatchGenerator's `prefill_step_size`, which it reads on every step) is sized by the step cost
