@@ -116,6 +116,21 @@ def test_quantized_variants_hold_the_same_weights_in_quantized_layers(family_mod
         assert (layer.group_size, layer.bits) == (64, expected_bits), path
 
 
+@pytest.mark.parametrize("name", ["qwen3", "qwen3-4bit", "qwen3_5", "qwen3_5-4bit", "gpt_oss-4bit"])
+def test_admission_estimates_a_model_by_what_its_weights_take_loaded(family_models: Path, name: str) -> None:
+    """The supervisor admits a model by its safetensors' bytes on disk (supervisor/registry.py); loaded, quantized
+    weights stay packed, so that is what they take in memory (a float16 estimate would be ~4x a 4-bit model)."""
+    from supervisor.registry import weights_bytes
+
+    model, _ = loaded(family_models, name)
+    in_memory = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    on_disk = weights_bytes(family_models / name)
+    assert in_memory <= on_disk < in_memory * 1.05 + 64 * 1024  # + the safetensors headers
+    if name.endswith("-4bit"):
+        plain = sum(v.nbytes for _, v in tree_flatten(loaded(family_models, BY_NAME[name].arch)[0].parameters()))
+        assert on_disk < plain / 2.5
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "gemma3", "gpt_oss", "qwen3_5"])
 def test_control_tokens_are_special_and_format_text_is_not(family_models: Path, arch: str) -> None:
     from worker.mlx_engine.make_model import FAMILIES
