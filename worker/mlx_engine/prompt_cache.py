@@ -29,6 +29,7 @@ failure never fails a request (the engine logs it and computes the prompt in ful
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,6 +98,7 @@ class PromptCaches:
         """(n, cache): a prompt cache holding the first n tokens of `tokens`, n < len(tokens); (0, None)."""
         if not self.enabled or len(tokens) < self.block:
             return 0, None
+        t0 = time.perf_counter()
         keys = chain_keys(tokens, self.block)
         if self.layout.snapshots:
             keys = keys[:(len(tokens) - 1) // self.block]  # a snapshot cannot be trimmed: one token must be left
@@ -121,7 +123,12 @@ class PromptCaches:
         from_hot = min(n_hot * self.block, n)
         self.hot.hit_tokens += from_hot
         self.hit_tokens_ssd += n - from_hot
-        return n, join_blocks(blocks, n, self.layout, self.block)
+        t1 = time.perf_counter()
+        cache = join_blocks(blocks, n, self.layout, self.block)
+        log.log(logging.INFO if n > from_hot else logging.DEBUG,
+                "[cache] model=%s hit tokens=%d hot_tokens=%d ssd_tokens=%d find_s=%.4f join_s=%.4f", self.model_id, n,
+                from_hot, n - from_hot, t1 - t0, time.perf_counter() - t1)
+        return n, cache
 
     def _to_a_snapshot(self, tokens: list[int], keys: list[bytes], hot: list[Block]) -> tuple[list[Block], int]:
         """The blocks up to the deepest one that has a snapshot, from memory or disk; and how many came from memory."""
