@@ -102,6 +102,7 @@ class Settings:
     hf_cache: Path | None = field(default_factory=default_hf_cache)  # None: no Hugging Face discovery
     spare_workers: int = 1  # a process with its imports done, waiting for the next load (0: none)
     cache: CacheConfig = CACHE_DEFAULTS  # prompt caches: the [cache] section over the defaults
+    config_file: Path | None = None  # the file these settings were read from (set by resolve)
 
     def model_cache(self, spec: ModelSpec) -> CacheConfig:
         """A model's effective cache settings: its own overrides, then [cache], then the defaults."""
@@ -259,14 +260,15 @@ def resolve(config: str | None = None, overrides: dict | None = None) -> tuple[S
     for attr, value in (overrides or {}).items():
         if value is not None:
             setattr(settings, attr, value)
-    return settings, path if path.is_file() else None
+    settings.config_file = path if path.is_file() else None
+    return settings, settings.config_file
 
 
 def describe(settings: Settings, path: Path | None) -> dict:
     """The effective configuration as plain data, secrets redacted (for `mlxsup config show`)."""
     from supervisor.memory import system_total  # psutil: paid only here, not by every command that reads config
 
-    skip = {"models"}
+    skip = {"models", "config_file"}
     server = {f.name: getattr(settings, f.name) for f in fields(settings) if f.name not in skip}
     server["api_key"] = "<set>" if settings.api_key else None
     server["memory_ceiling_effective_bytes"] = settings.ceiling(system_total())
