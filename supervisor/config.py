@@ -8,13 +8,12 @@ or variable is rejected at start with the key and the reason (ConfigError), neve
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import sys
 import tempfile
 import tomllib
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
 
@@ -262,17 +261,3 @@ def resolve(config: str | None = None, overrides: dict | None = None) -> tuple[S
             setattr(settings, attr, value)
     settings.config_file = path if path.is_file() else None
     return settings, settings.config_file
-
-
-def describe(settings: Settings, path: Path | None) -> dict:
-    """The effective configuration as plain data, secrets redacted (for `mlxsup config show`)."""
-    from supervisor.memory import system_total  # psutil: paid only here, not by every command that reads config
-
-    skip = {"models", "config_file"}
-    server = {f.name: getattr(settings, f.name) for f in fields(settings) if f.name not in skip}
-    server["api_key"] = "<set>" if settings.api_key else None
-    server["memory_ceiling_effective_bytes"] = settings.ceiling(system_total())
-    models = {m.id: {"path": str(m.path), "aliases": list(m.aliases), "ttl_s": m.ttl_s, "pinned": m.pinned,
-                     "worker_args": list(m.worker_args)} for m in settings.models}
-    return json.loads(json.dumps({"config_file": str(path) if path else None, "settings": server,
-                                  "models": models}, default=str))

@@ -56,7 +56,8 @@ def to_toml(config: dict[str, Any]) -> str:
 
 
 def _pairs(table: dict[str, Any]) -> list[str]:
-    return [f"# {_key(k)} = (not set)" if v is None else f"{_key(k)} = {_value(v, k)}" for k, v in table.items()]
+    return [f"# {_key(k)} = (not set)" if v is None else
+            "# api_key = (set, not shown)" if k == "api_key" else f"{_key(k)} = {_value(v, k)}" for k, v in table.items()]
 
 
 def _key(name: str) -> str:
