@@ -95,7 +95,7 @@ class Settings:
     crash_cooldown_s: float = 60.0  # a failed model is tried again after this, or on an explicit load
     restart_backoff_s: float = 0.5  # doubled per recent crash, capped at restart_backoff_max_s
     restart_backoff_max_s: float = 10.0
-    api_key: str | None = None  # when set, every route but /health needs "Authorization: Bearer <key>"
+    api_key: str | None = None  # when set, every route but /health and the bare /ui page needs "Authorization: Bearer <key>"
     allowed_hosts: list[str] = field(default_factory=list)  # Host names beyond localhost, loopback and `host`
     allowed_origins: list[str] = field(default_factory=list)  # web origins whose pages may call the API (CORS)
     hf_cache: Path | None = field(default_factory=default_hf_cache)  # None: no Hugging Face discovery

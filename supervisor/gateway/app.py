@@ -325,7 +325,7 @@ async def _admin_body(request: Request, keys: set[str]) -> dict:
 
 
 class RequireApiKey:
-    """ASGI middleware: every HTTP route but /health needs `Authorization: Bearer <key>`.
+    """ASGI middleware: every HTTP route but /health and the dashboard's bare page needs `Authorization: Bearer <key>`.
 
     The dashboard's page (and `/`, which redirects to it) is open too: it holds no state, and a
     browser cannot send a header when it navigates; the page asks for the key and sends it with

@@ -28,6 +28,7 @@ playwright_api = pytest.importorskip("playwright.sync_api")
 CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 TIMEOUT_MS = 30_000
+playwright_api.expect.set_options(timeout=TIMEOUT_MS)
 
 
 def chromium() -> str:
@@ -129,9 +130,17 @@ def test_evict_from_the_page_ends_the_worker_and_the_page_shows_it_gone(daemon: 
     playwright_api.expect(evicted.locator(".gone")).to_have_text("gone")
     playwright_api.expect(evicted).to_contain_text("now")
     playwright_api.expect(row(page, "tiny").locator(".state")).to_have_text("ready")
-    if shot := os.environ.get("MLXSUP_SCREENSHOT"):
-        page.locator("#results").evaluate("el => el.replaceChildren()")  # the picture shows state, not test steps
-        page.wait_for_timeout(2500)  # let the throughput chart take a few samples: a picture, not a check
+    row(page, "tiny").locator("button.clear-hot").click()
+    page.click("#confirm-ok")
+    playwright_api.expect(page.locator('#results li[data-action="hot"]')).to_contain_text("cleared hot cache: ")
+    playwright_api.expect(page.locator('#results li[data-action="hot"]')).to_have_class("ok")
+    page.locator("#results").evaluate("el => el.replaceChildren()")  # the picture below shows state, not test steps
+    if shot := os.environ.get("MLXSUP_SCREENSHOT"):  # the README's picture: a reply streamed, a few chart samples
+        page.wait_for_timeout(2500)  # a picture, not a check: a chart sample before the reply
+        page.fill("#play-input", "Hello")
+        page.click("#play-send")
+        playwright_api.expect(page.locator("#play-status")).to_have_attribute("data-done", "true")
+        page.wait_for_timeout(4500)  # a picture, not a check: the chart shows the samples around the reply
         page.screenshot(path=shot, full_page=True)
 
 
@@ -143,7 +152,8 @@ def keyed(daemon_factory, model_dir: Path) -> Daemon:
 
 
 def test_with_an_api_key_the_page_shows_nothing_until_given_it(keyed: Daemon, page) -> None:
-    assert httpx.get(keyed.url + "/api/status").status_code == 401
+    for path in ("/api/status", "/api/config", "/metrics", "/v1/models"):  # all the page reads
+        assert httpx.get(keyed.url + path).status_code == 401, path
     assert httpx.get(keyed.url + "/ui").status_code == 200  # the bare page: no state in it
     page.goto(keyed.url + "/ui")
     playwright_api.expect(page.locator("#key-section")).to_be_visible()
