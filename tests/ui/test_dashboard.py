@@ -103,7 +103,8 @@ def test_a_streamed_playground_message_appears(daemon: Daemon, page) -> None:
     playwright_api.expect(page.locator("#play-status")).to_have_attribute("data-done", "true")
     assert page.locator("#play-output").inner_text().strip()
     assert page.evaluate("window.growths") >= 2
-    playwright_api.expect(page.locator("#play-status")).to_contain_text("done: length")
+    # random weights: the reply ends at max_tokens or at an EOS the model happens to draw
+    playwright_api.expect(page.locator("#play-status")).to_contain_text(re.compile(r"^done: (length|stop) · first token"))
 
 
 def test_evict_from_the_page_ends_the_worker_and_the_page_shows_it_gone(daemon: Daemon, page) -> None:
@@ -134,7 +135,6 @@ def test_evict_from_the_page_ends_the_worker_and_the_page_shows_it_gone(daemon: 
     page.click("#confirm-ok")
     playwright_api.expect(page.locator('#results li[data-action="hot"]')).to_contain_text("cleared hot cache: ")
     playwright_api.expect(page.locator('#results li[data-action="hot"]')).to_have_class("ok")
-    page.locator("#results").evaluate("el => el.replaceChildren()")  # the picture below shows state, not test steps
     if shot := os.environ.get("MLXSUP_SCREENSHOT"):  # the README's picture: a reply streamed, a few chart samples
         page.wait_for_timeout(2500)  # a picture, not a check: a chart sample before the reply
         page.fill("#play-input", "Hello")
