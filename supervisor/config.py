@@ -8,13 +8,12 @@ or variable is rejected at start with the key and the reason (ConfigError), neve
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import sys
 import tempfile
 import tomllib
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
 
@@ -96,12 +95,13 @@ class Settings:
     crash_cooldown_s: float = 60.0  # a failed model is tried again after this, or on an explicit load
     restart_backoff_s: float = 0.5  # doubled per recent crash, capped at restart_backoff_max_s
     restart_backoff_max_s: float = 10.0
-    api_key: str | None = None  # when set, every route but /health needs "Authorization: Bearer <key>"
+    api_key: str | None = None  # when set, every route but /health and the bare /ui page needs "Authorization: Bearer <key>"
     allowed_hosts: list[str] = field(default_factory=list)  # Host names beyond localhost, loopback and `host`
     allowed_origins: list[str] = field(default_factory=list)  # web origins whose pages may call the API (CORS)
     hf_cache: Path | None = field(default_factory=default_hf_cache)  # None: no Hugging Face discovery
     spare_workers: int = 1  # a process with its imports done, waiting for the next load (0: none)
     cache: CacheConfig = CACHE_DEFAULTS  # prompt caches: the [cache] section over the defaults
+    config_file: Path | None = None  # the file these settings were read from (set by resolve)
 
     def model_cache(self, spec: ModelSpec) -> CacheConfig:
         """A model's effective cache settings: its own overrides, then [cache], then the defaults."""
@@ -259,18 +259,5 @@ def resolve(config: str | None = None, overrides: dict | None = None) -> tuple[S
     for attr, value in (overrides or {}).items():
         if value is not None:
             setattr(settings, attr, value)
-    return settings, path if path.is_file() else None
-
-
-def describe(settings: Settings, path: Path | None) -> dict:
-    """The effective configuration as plain data, secrets redacted (for `mlxsup config show`)."""
-    from supervisor.memory import system_total  # psutil: paid only here, not by every command that reads config
-
-    skip = {"models"}
-    server = {f.name: getattr(settings, f.name) for f in fields(settings) if f.name not in skip}
-    server["api_key"] = "<set>" if settings.api_key else None
-    server["memory_ceiling_effective_bytes"] = settings.ceiling(system_total())
-    models = {m.id: {"path": str(m.path), "aliases": list(m.aliases), "ttl_s": m.ttl_s, "pinned": m.pinned,
-                     "worker_args": list(m.worker_args)} for m in settings.models}
-    return json.loads(json.dumps({"config_file": str(path) if path else None, "settings": server,
-                                  "models": models}, default=str))
+    settings.config_file = path if path.is_file() else None
+    return settings, settings.config_file

@@ -16,6 +16,7 @@ in (effects.py). Rules:
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import signal
 from typing import Generic, TypeVar
@@ -32,6 +33,7 @@ from supervisor.workers import ModelRecord, Spare, State, Worker
 log = logging.getLogger(__name__)
 
 STACK_DUMP_WAIT_S = 1.0  # how long a hang kill waits for the worker's stacks before SIGKILL
+RECENT_EVICTIONS = 20  # finished evictions the status lists (the dashboard's history)
 
 MetricsT = TypeVar("MetricsT", bound=LifecycleMetrics)  # the gateway's Metrics, which counts requests too
 
@@ -49,6 +51,8 @@ class Lifecycle(Generic[MetricsT]):
         self.workers: dict[str, Worker] = {}
         self.records: dict[str, ModelRecord] = {}
         self._by_identity: dict[bytes, Worker] = {}
+        self.recent_evictions: collections.deque[tuple[float, EvictReport]] = collections.deque(
+            maxlen=RECENT_EVICTIONS)  # (monotonic time it ended, report), oldest first
         self._spawned = 0
         self._housekeeping: asyncio.Task | None = None
         self.spare: Spare | None = None
@@ -287,6 +291,7 @@ class Lifecycle(Generic[MetricsT]):
         log.info("[evict] model=%s pid=%s exit=%s signals=%s ms=%d", worker.spec.id, pid, report.exit,
                  list(report.signals), (report.duration_s or 0.0) * 1000)
         self.records[worker.spec.id].last_eviction = report
+        self.recent_evictions.append((self.clock.monotonic(), report))
         return report
 
     async def shutdown(self) -> list[EvictReport]:

@@ -37,6 +37,7 @@ STACK_DUMP_MARK = "(most recent call first)"  # faulthandler's header of each th
 STACK_DUMP_QUIET_S = 0.1  # a dump is one burst: this long without a new line after it began ends it
 LOG_MAX_BYTES = 10 * 2**20
 LOG_BACKUPS = 3
+WORKER_LOG_FORMAT = logging.Formatter("%(asctime)s %(message)s")
 
 
 class WorkerProcess:
@@ -107,6 +108,8 @@ class WorkerProcess:
                     sink_path = self.log_path
                     sink = RotatingFileHandler(sink_path, maxBytes=LOG_MAX_BYTES, backupCount=LOG_BACKUPS) \
                         if sink_path else None
+                    if sink:  # the worker writes no time stamp: each line gets one here, as it arrives
+                        sink.setFormatter(WORKER_LOG_FORMAT)
                 if sink:
                     sink.emit(logging.makeLogRecord({"msg": line}))
                 log.info("[%s pid=%d] %s", self.model_id, self.proc.pid, line)

@@ -88,6 +88,7 @@ class ModelStatus:
     worker_active: int = 0
     batch_size: int = 0
     peak_batch_size: int = 0
+    weights_bytes: int = 0  # the model's weights on disk
     cache: dict[str, Any] | None = None  # cache_admin.stats_view
     retry_in_s: float | None = None  # only while failed with no worker: when it is tried again
     generated_tokens: int | None = None  # with context_length: only while it has a worker
@@ -128,6 +129,19 @@ class SpareStatus:
 
 
 @dataclass(frozen=True)
+class RecentEviction:
+    """One finished eviction as the status lists it: its report, and how long ago it ended.
+
+    An eviction is reported only after its process was reaped, so each one here is a process gone."""
+
+    ago_s: float
+    report: EvictReport
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ago_s": self.ago_s, **self.report.to_dict()}
+
+
+@dataclass(frozen=True)
 class Status:
     """The daemon's memory and every model (`GET /api/status`, with the gateway's version and uptime)."""
 
@@ -138,9 +152,11 @@ class Status:
     max_loaded_models: int | None
     spare: SpareStatus | None
     models: list[ModelStatus]
+    recent_evictions: list[RecentEviction] = field(default_factory=list)  # newest first
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out.update(spare={"pid": self.spare.pid, "standing_by": self.spare.standing_by} if self.spare else None,
-                   models=[m.to_dict() for m in self.models])
+                   models=[m.to_dict() for m in self.models],
+                   recent_evictions=[e.to_dict() for e in self.recent_evictions])
         return out

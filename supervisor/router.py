@@ -42,7 +42,7 @@ from protocol.messages import (
 from supervisor import cache_admin, errors, policy
 from supervisor.lifecycle import Lifecycle, MetricsT
 from supervisor.registry import ModelSpec
-from supervisor.reports import LoadProgress, ModelStatus, SpareStatus, Status
+from supervisor.reports import LoadProgress, ModelStatus, RecentEviction, SpareStatus, Status
 from supervisor.workers import ModelRecord, State, Stream, Worker
 
 log = logging.getLogger(__name__)
@@ -329,6 +329,7 @@ class Router(Lifecycle[MetricsT]):
         ttl = self.settings.model_ttl(spec)
         now = self.clock.monotonic()
         status = ModelStatus(id=model_id, state=State.STOPPED.value, ttl_s=ttl, pinned=spec.pinned,
+                             weights_bytes=spec.weights_bytes,
                              restarts=max(0, record.starts - 1), crashes=record.crashes, last_error=record.last_error,
                              stderr_tail=tuple(record.last_stderr), last_eviction=record.last_eviction)
         if worker is None:
@@ -352,6 +353,7 @@ class Router(Lifecycle[MetricsT]):
 
     def status(self) -> Status:
         views = self._views()
+        now = self.clock.monotonic()
         return Status(
             ceiling_bytes=self.ceiling,
             used_bytes=sum(v.bytes for v in views),
@@ -360,4 +362,6 @@ class Router(Lifecycle[MetricsT]):
             max_loaded_models=self.settings.max_loaded_models,
             spare=SpareStatus(self.spare.process.pid, self.spare.standing_by) if self.spare else None,
             models=[self.model_status(m) for m in self.registry.ids()],
+            recent_evictions=[RecentEviction(round(now - ended, 1), report)
+                              for ended, report in reversed(self.recent_evictions)],
         )

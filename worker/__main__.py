@@ -66,8 +66,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # no time stamp: the supervisor stamps each line as it reads it, into the daemon's log and the model's
+    logging.basicConfig(level=args.log_level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    name_process(args.model_id, argv)
     log = logging.getLogger("worker")
     # Evidence before a kill: the supervisor asks a worker it declares hung for every thread's Python
     # stack; faulthandler writes it from the signal itself (no GIL, no loop needed) to stderr, its log.
@@ -93,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
             if model_args is None:
                 code = EXIT_OK
                 return code
-            args = parse_args([a for a in argv if a != "--spare"] + model_args)
+            argv = [a for a in argv if a != "--spare"] + model_args
+            args = parse_args(argv)
+            name_process(args.model_id, argv)
         faults = Faults(args.fault)
         faults.apply_to_signals()
         code = serve_model(args, sock, shutdown, faults, log)
@@ -105,6 +108,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.model_path is not None:
             leave(code)
     return code
+
+
+def name_process(model_id: str | None, argv: list[str]) -> None:
+    """Title the process by its model, so `ps` and Activity Monitor tell which worker serves which
+    (a spare keeps its first command line otherwise). The arguments stay in it for tools that match them."""
+    try:
+        from setproctitle import setproctitle
+    except ImportError:  # an install without it: the plain command line
+        return
+    setproctitle(f"mlxsup-worker {model_id or '(spare)'}: python -m worker {' '.join(argv)}")
 
 
 def stand_by(sock: zmq.Socket, shutdown: Shutdown, log: logging.Logger) -> list[str] | None:

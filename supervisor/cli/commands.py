@@ -9,132 +9,102 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
+import concurrent.futures
 import json
 import logging
 import os
 import subprocess
 import sys
-import urllib.error
-import urllib.request
-from collections.abc import Iterator
+import threading
+import time
+import webbrowser
 from pathlib import Path
+from typing import BinaryIO
+from urllib.parse import quote
 
+from supervisor import __version__
+from supervisor.cli.client import Client, client_settings, connect
 from supervisor.cli.exits import EXIT_NO_DAEMON, EXIT_USAGE, CliError
 from supervisor.cli.service import add_service_parser
-from supervisor.config import DEFAULT_PORT, ConfigError, Settings, describe, parse_size, resolve
+from supervisor.cli.views import duration, evict_line, memory_line, size, status_table
+from supervisor.config import DEFAULT_PORT, ConfigError, Settings, parse_size, resolve
+from supervisor.config_view import effective, to_toml
 from supervisor.reports import EvictReport, ModelStatus
 
 # `mlxsup make-model --arch`: the families worker/mlx_engine/make_model writes (the supervisor never imports the worker)
 MODEL_ARCHES = ["llama", "qwen3", "qwen3_moe", "gemma3", "gpt_oss", "qwen3_5"]
-
-
-def daemon_url(args: argparse.Namespace) -> str:
-    if args.url:
-        return args.url.rstrip("/")
-    if env := os.environ.get("MLXSUP_URL"):
-        return env.rstrip("/")
-    settings = client_settings(args)
-    try:
-        return json.loads(settings.daemon_file.read_text())["url"]
-    except (OSError, ValueError, KeyError):
-        return f"http://{settings.host}:{settings.port or DEFAULT_PORT}"
-
-
-def client_settings(args: argparse.Namespace) -> Settings:
-    """Where a running daemon's files are: the same resolution as `serve`, but never fatal."""
-    state_dir = Path(args.state_dir) if getattr(args, "state_dir", None) else None
-    try:
-        return resolve(getattr(args, "config", None), {"state_dir": state_dir})[0]
-    except ConfigError:
-        return Settings(state_dir=state_dir) if state_dir is not None else Settings()
-
-
-@contextlib.contextmanager
-def request(url: str, method: str = "GET", body: dict | None = None, timeout: float = 600) -> Iterator:
-    """An HTTP exchange with the daemon; its failures become one-line CliErrors."""
-    data = json.dumps(body).encode() if body is not None else None
-    headers = {"Content-Type": "application/json"}
-    if key := os.environ.get("MLXSUP_API_KEY"):
-        headers["Authorization"] = f"Bearer {key}"
-    req = urllib.request.Request(url, data=data, method=method, headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            yield resp
-    except urllib.error.HTTPError as exc:
-        try:
-            message = json.loads(exc.read())["error"]["message"]
-        except Exception:
-            message = str(exc)
-        raise CliError(message, EXIT_USAGE if exc.code in (400, 404) else 1) from None
-    except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise CliError(f"the mlxsup daemon is not running at {url.split('/api')[0]} ({reason})",
-                       EXIT_NO_DAEMON) from None
-
-
-def call(url: str, method: str = "GET", body: dict | None = None) -> dict:
-    with request(url, method, body) as resp:
-        return json.loads(resp.read())
-
-
-def stream_events(url: str, body: dict) -> Iterator[dict]:
-    """POST and yield the JSON of each SSE `data:` line."""
-    with request(url, "POST", body, timeout=3600) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if line.startswith("data: "):
-                yield json.loads(line[6:])
-
-
-def _mib(n: int | None) -> str:
-    return "-" if n is None else f"{n / 2**20:.0f} MiB"
+EVICT_PROGRESS_S = 0.5  # an evict that takes longer than this says what it is waiting for
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    status = call(daemon_url(args) + "/api/status")
+    client = connect(args)
+    status = client.call("/api/status")
     if args.json:
         print(json.dumps(status, indent=2))
         return 0
-    print(f"mlxsup {status['version']}  up {status['uptime_s']:.0f}s")
-    rows = [("MODEL", "STATE", "PID", "MEMORY", "IN-FLIGHT", "BATCH", "HOT CACHE", "SSD CACHE", "LAST ERROR")]
-    for m in map(ModelStatus.from_dict, status["models"]):
-        cache = m.cache or {}
-        hot, ssd = cache.get("hot") or {}, cache.get("ssd") or {}
-        rows.append((m.id, m.state, str(m.pid or "-"), _mib(m.memory_bytes), str(m.in_flight), str(m.batch_size),
-                     _mib(hot.get("bytes")), _mib(ssd.get("bytes")) if ssd.get("enabled") else ("off" if ssd else "-"),
-                     (m.last_error or "")[:60]))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    print(f"mlxsup {status['version']}  up {duration(status['uptime_s'])}  {client.url}")
+    print(memory_line(status))
+    for line in status_table(status):
+        print(line)
     return 0
 
 
 def cmd_evict(args: argparse.Namespace) -> int:
-    base = daemon_url(args)
+    client = connect(args)
+    loaded = {m.id: m for m in map(ModelStatus.from_dict, client.call("/api/status")["models"])
+              if m.state not in ("stopped", "failed")}
     models = args.models
     if args.all:
-        statuses = map(ModelStatus.from_dict, call(base + "/api/status")["models"])
-        models = [m.id for m in statuses if m.state not in ("stopped", "failed")]
+        models = list(loaded)
+        if not models:
+            print("nothing to evict: no model is loaded")
+            return 0
     elif not models:
         raise CliError("name a model to evict, or pass --all", EXIT_USAGE)
     body: dict = {"mode": "now" if args.now else "drain"}
     if args.timeout is not None:
         body["timeout"] = args.timeout
     for model in models:
-        r = EvictReport.from_dict(call(f"{base}/api/models/{model}/evict", "POST", body))
-        if not r.evicted:
-            print(f"{r.model}: not loaded")
-            continue
-        print(f"{r.model}: evicted pid {r.pid} in {r.duration_s or 0.0:.2f}s, returned "
-              f"{_mib(r.memory_before_bytes)} (exit {r.exit}, aborted {r.aborted}, "
-              f"signals {','.join(r.signals) or 'none'})")
+        print(evict_line(evict_showing_progress(client, model, body)), flush=True)
     return 0
+
+
+def evict_showing_progress(client: Client, model: str, body: dict) -> EvictReport:
+    """Evict `model`; while that takes longer than a moment, say what it waits for (requests, the exit)."""
+    done: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            done.set_result(client.call(f"/api/models/{quote(model, safe='/')}/evict", "POST", body))
+        except BaseException as exc:  # handed to the main thread, which raises it
+            done.set_exception(exc)
+
+    threading.Thread(target=run, name=f"evict[{model}]", daemon=True).start()  # daemon: Ctrl-C is not held up
+    shown = None
+    while True:
+        try:
+            return EvictReport.from_dict(done.result(timeout=EVICT_PROGRESS_S))
+        except concurrent.futures.TimeoutError:
+            pass
+        m = next((m for m in map(ModelStatus.from_dict, client.call("/api/status")["models"]) if m.id == model), None)
+        if m is None or m.pid is None:
+            continue
+        if m.in_flight and body["mode"] == "drain":
+            deadline = body.get("timeout")
+            if deadline is None:
+                deadline = client.call("/api/config")["config"]["server"]["evict_timeout_s"]
+            note = (f"{m.id}: evicting pid {m.pid}: waiting for {m.in_flight} request(s) in flight to finish "
+                    f"(drain deadline {duration(deadline)}, then they are aborted)")
+        else:
+            note = f"{m.id}: evicting pid {m.pid}: closing its caches, waiting for the process to exit"
+        if note != shown:
+            print(note, flush=True)
+            shown = note
 
 
 def cmd_load(args: argparse.Namespace) -> int:
     tty = sys.stdout.isatty()
-    for event in stream_events(f"{daemon_url(args)}/api/models/{args.model}/load", {"stream": True}):
+    for event in connect(args).stream_events(f"/api/models/{quote(args.model, safe='/')}/load", {"stream": True}):
         if "error" in event:
             raise CliError(event["error"]["message"])
         if "stage" in event:
@@ -146,12 +116,33 @@ def cmd_load(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ui(args: argparse.Namespace) -> int:
+    """Open the dashboard in the default browser ($BROWSER, else the desktop's)."""
+    client = connect(args)
+    client.call("/health")  # a daemon that is not running is said so here, not by a browser's error page
+    from supervisor.gateway.ui import UI_PATH  # the gateway's starlette imports: paid by this command only
+
+    url = client.url + UI_PATH
+    print(f"opening {url}", flush=True)
+    if not webbrowser.open(url):
+        raise CliError(f"no browser could be started: open {url} yourself")
+    return 0
+
+
 def log_path(settings: Settings, model: str | None) -> Path:
     return settings.worker_log(model) if model else settings.log_dir / "mlxsup.log"
 
 
+def logs_settings(args: argparse.Namespace) -> Settings:
+    """Where the logs are: the state directory of the daemon --url (or $MLXSUP_URL) names, else the local one."""
+    if args.url or os.environ.get("MLXSUP_URL"):
+        state_dir = connect(args).call("/api/config")["config"]["server"]["state_dir"]
+        return Settings(state_dir=Path(state_dir))
+    return client_settings(args)
+
+
 def cmd_logs(args: argparse.Namespace) -> int:
-    path = log_path(client_settings(args), args.model)
+    path = log_path(logs_settings(args), args.model)
     if not path.exists():
         what = f"model '{args.model}'" if args.model else "the daemon"
         raise CliError(f"no log for {what} at {path}", EXIT_USAGE)
@@ -164,10 +155,8 @@ def cmd_logs(args: argparse.Namespace) -> int:
     return 0
 
 
-def follow(path: Path, f) -> None:
+def follow(path: Path, f: BinaryIO) -> None:
     """Print what is appended to `path`, across rotations, until interrupted."""
-    import time
-
     inode = os.fstat(f.fileno()).st_ino
     while True:
         chunk = f.read()
@@ -181,18 +170,46 @@ def follow(path: Path, f) -> None:
             st = None
         if st is not None and (st.st_ino != inode or st.st_size < f.tell()):  # rotated or truncated
             f.close()
-            f = open(path, "rb")
+            f = open(path, "rb")  # a tail reopens its file after each rotation
             inode = st.st_ino
             continue
         time.sleep(0.25)  # a tail's poll interval
 
 
-def cmd_config_show(args: argparse.Namespace) -> int:
+def local_config(args: argparse.Namespace) -> dict:
+    """The configuration `serve` would use now, from the files and environment (no daemon asked)."""
+    from supervisor.memory import system_total  # psutil: paid only here, not by every command that reads config
+    from supervisor.registry import Registry
+
     try:
-        settings, path = resolve(args.config, {"state_dir": Path(args.state_dir) if args.state_dir else None})
+        settings, _ = resolve(args.config, {"state_dir": Path(args.state_dir) if args.state_dir else None})
     except ConfigError as exc:
         raise CliError(f"bad config: {exc}", EXIT_USAGE) from None
-    print(json.dumps(describe(settings, path), indent=2))
+    registry = Registry.build(settings.model_dirs, settings.models, settings.hf_cache)
+    specs = [registry.specs[m] for m in registry.ids()]
+    return effective(settings, specs, settings.ceiling(system_total()))
+
+
+def cmd_config_show(args: argparse.Namespace) -> int:
+    if args.local:
+        view, source = local_config(args), "the configuration `mlxsup serve` would use now (files and environment)"
+    else:
+        client = connect(args)
+        try:
+            view, source = client.call("/api/config"), f"the running daemon's configuration ({client.url})"
+        except CliError as exc:
+            if exc.code != EXIT_NO_DAEMON:
+                raise
+            view = local_config(args)
+            source = f"no daemon answers at {client.url}: the configuration `mlxsup serve` would use now"
+    if args.json:
+        print(f"mlxsup: {source}", file=sys.stderr)
+        print(json.dumps(view, indent=2))
+        return 0
+    print(f"# {source}")
+    print(f"# config file: {view['config_file'] or 'none'}; demo model: {'yes' if view['demo'] else 'no'}; "
+          f"memory ceiling in effect: {size(view['ceiling_effective_bytes'])}")
+    print(to_toml(view["config"]), end="")
     return 0
 
 
@@ -252,8 +269,12 @@ def setup_logging(settings: Settings) -> None:
     logging.basicConfig(level=settings.log_level.upper(), handlers=handlers, force=True)
 
 
+STATE_DIR_HELP = "the daemon's state directory: its daemon file, logs and caches (default: the platform's)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mlxsup", description="Serve local LLMs with MLX, one model per worker process.")
+    p.add_argument("--version", action="version", version=f"mlxsup {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="run the daemon")
@@ -261,58 +282,65 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=None, help=f"HTTP port (default {DEFAULT_PORT}; 0 picks one)")
     s.add_argument("--model-dir", action="append", default=[], help="a folder of model folders (repeatable)")
     s.add_argument("--config", default=None, help="TOML config file (or MLXSUP_CONFIG)")
-    s.add_argument("--state-dir", default=None)
+    s.add_argument("--state-dir", default=None, help=STATE_DIR_HELP)
     s.add_argument("--demo", action="store_true", help="serve a small random-weight model as 'demo'")
     s.add_argument("--memory-ceiling", default=None, help="e.g. 24GiB (default: RAM minus a reserve)")
-    s.add_argument("--max-loaded-models", type=int, default=None)
+    s.add_argument("--max-loaded-models", type=int, default=None,
+                   help="the most models loaded at once (default: as many as memory allows)")
     s.add_argument("--ttl", type=float, default=None, help="default idle TTL in seconds (default: none)")
-    s.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
+    s.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"],
+                   help="the daemon's and workers' log level (default info)")
     s.set_defaults(func=cmd_serve)
 
-    def client(name: str, help_: str):
-        c = sub.add_parser(name, help=help_)
-        c.add_argument("--url", default=None, help="daemon URL (or MLXSUP_URL)")
-        c.add_argument("--state-dir", default=None)
-        c.add_argument("--config", default=None, help="TOML config file (or MLXSUP_CONFIG)")
+    def client(name: str, help_: str, parent: argparse._SubParsersAction = sub) -> argparse.ArgumentParser:
+        c = parent.add_parser(name, help=help_)
+        c.add_argument("--url", default=None, help="daemon URL (or MLXSUP_URL; default: the running daemon's)")
+        c.add_argument("--state-dir", default=None, help=STATE_DIR_HELP)
+        c.add_argument("--config", default=None, help="TOML config file, for the daemon's address and API key "
+                       "(or MLXSUP_CONFIG)")
         return c
 
-    c = client("status", "show the loaded models")
-    c.add_argument("--json", action="store_true")
+    c = client("status", "show the models: state, memory, size, context, TTL, caches")
+    c.add_argument("--json", action="store_true", help="print the daemon's /api/status JSON")
     c.set_defaults(func=cmd_status)
 
     c = client("evict", "unload models and wait until their processes are gone")
-    c.add_argument("models", nargs="*")
-    c.add_argument("--all", action="store_true")
+    c.add_argument("models", nargs="*", help="model names or aliases")
+    c.add_argument("--all", action="store_true", help="every loaded model")
     c.add_argument("--now", action="store_true", help="abort running requests instead of draining them")
     c.add_argument("--timeout", type=float, default=None, help="drain deadline in seconds")
     c.set_defaults(func=cmd_evict)
 
     c = client("load", "load a model now, showing progress")
-    c.add_argument("model")
+    c.add_argument("model", help="model name or alias")
     c.set_defaults(func=cmd_load)
 
+    c = client("ui", "open the dashboard in the default browser ($BROWSER)")
+    c.set_defaults(func=cmd_ui)
+
     c = client("logs", "print the daemon's log, or a model worker's")
-    c.add_argument("model", nargs="?")
-    c.add_argument("-n", "--lines", type=int, default=50)
-    c.add_argument("-f", "--follow", action="store_true")
+    c.add_argument("model", nargs="?", help="a model's worker log instead of the daemon's")
+    c.add_argument("-n", "--lines", type=int, default=50, help="print the last N lines (default 50)")
+    c.add_argument("-f", "--follow", action="store_true", help="keep printing what is appended")
     c.set_defaults(func=cmd_logs)
 
     cfg = sub.add_parser("config", help="configuration")
     cfg_sub = cfg.add_subparsers(dest="config_command", required=True)
-    c = cfg_sub.add_parser("show", help="print the effective configuration (file < environment < flags)")
-    c.add_argument("--config", default=None)
-    c.add_argument("--state-dir", default=None)
+    c = client("show", "print the running daemon's effective configuration, as TOML", cfg_sub)
+    c.add_argument("--local", action="store_true",
+                   help="ask no daemon: what `serve` would use now (file < environment < --state-dir)")
+    c.add_argument("--json", action="store_true", help="print JSON instead of TOML")
     c.set_defaults(func=cmd_config_show)
 
     m = sub.add_parser("make-model", help="write a random-weight model (for tests, the demo, benchmarks)")
-    m.add_argument("dir")
+    m.add_argument("dir", help="the folder to write the model to")
     m.add_argument("--arch", default="llama", choices=MODEL_ARCHES,
                    help="architecture family (mlx-lm's model classes, real config fields, tokens and chat template)")
     m.add_argument("--preset", default="tiny", choices=["tiny", "small", "1b"],
                    help="tiny: a few MB, for tests; small: ~100M parameters; 1b: ~1B parameters in bf16")
     m.add_argument("--quantize", type=int, default=None, choices=[4, 8],
                    help="bits per weight, affine, group size 64, as mlx-lm converts")
-    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--seed", type=int, default=0, help="random seed of the weights (default 0)")
     m.set_defaults(func=cmd_make_model)
 
     add_service_parser(sub)

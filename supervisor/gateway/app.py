@@ -29,11 +29,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from protocol.messages import Finished
 from supervisor import __version__, errors
 from supervisor.config import Settings
+from supervisor.config_view import effective
 from supervisor.gateway.body import decode_json
 from supervisor.gateway.call import Call
 from supervisor.gateway.guard import WebGuard
 from supervisor.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from supervisor.gateway.openai_api import Parsed, Shaper, parse_chat, parse_completion
+from supervisor.gateway.ui import UI_PATH, Dashboard
 from supervisor.router import Router
 from supervisor.units import is_number
 
@@ -267,6 +269,11 @@ class Gateway:
 
         return SSEResponse(events(), close)
 
+    async def config(self, request: Request) -> Response:
+        """The daemon's effective configuration (`mlxsup config show`, the dashboard), the API key redacted."""
+        specs = [self.router.registry.specs[m] for m in self.router.registry.ids()]
+        return JSONResponse(effective(self.settings, specs, self.router.ceiling))
+
     async def metrics(self, request: Request) -> Response:
         return Response(self.router.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
@@ -318,9 +325,13 @@ async def _admin_body(request: Request, keys: set[str]) -> dict:
 
 
 class RequireApiKey:
-    """ASGI middleware: every HTTP route but /health needs `Authorization: Bearer <key>`."""
+    """ASGI middleware: every HTTP route but /health and the dashboard's bare page needs `Authorization: Bearer <key>`.
 
-    OPEN = ("/health",)
+    The dashboard's page (and `/`, which redirects to it) is open too: it holds no state, and a
+    browser cannot send a header when it navigates; the page asks for the key and sends it with
+    every request it makes (gateway/ui.py)."""
+
+    OPEN = ("/health", UI_PATH, "/")
 
     def __init__(self, app: ASGIApp, key: str) -> None:
         self.app = app
@@ -350,7 +361,11 @@ async def _on_error(request: Request, exc: Exception) -> Response:
 
 def build_app(router: Router, settings: Settings) -> ASGIApp:
     gw = Gateway(router, settings)
+    dashboard = Dashboard()
     routes = [
+        Route("/", dashboard.root, methods=["GET"]),
+        Route(UI_PATH, dashboard.page, methods=["GET"]),
+        Route("/api/config", gw.config, methods=["GET"]),
         Route("/v1/chat/completions", gw.chat, methods=["POST"]),
         Route("/v1/completions", gw.completions, methods=["POST"]),
         Route("/v1/models", gw.models, methods=["GET"]),

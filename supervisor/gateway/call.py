@@ -7,6 +7,7 @@ completion, error, client disconnect, shutdown. Metrics are observed there, once
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -14,6 +15,9 @@ from protocol.messages import Finished
 from supervisor import errors
 from supervisor.gateway.openai_api import Parsed
 from supervisor.router import Lease, Router
+
+log = logging.getLogger(__name__)
+STATUS_DISCONNECTED = 499  # the client left before the end (nginx's code for it)
 
 
 class Call:
@@ -25,6 +29,7 @@ class Call:
         self.first: tuple[str, int] | Finished | None = None
         self.finished: Finished | None = None
         self.outcome = "disconnected"  # until the request ends otherwise
+        self.status = STATUS_DISCONNECTED  # the HTTP status this request's outcome maps to
         self.t0 = time.monotonic()
         self.t_first: float | None = None
         self._events: AsyncIterator | None = None
@@ -41,7 +46,7 @@ class Call:
             self._events = self.lease.submit(self.parsed.submit).events()
             self.first = await self.next()
         except errors.MlxsupError as exc:
-            self.outcome = exc.code
+            self.outcome, self.status = exc.code, exc.status
             raise
         self.t_first = time.monotonic()
 
@@ -50,11 +55,11 @@ class Call:
         try:
             item = await anext(self._events)
         except errors.MlxsupError as exc:
-            self.outcome = exc.code
+            self.outcome, self.status = exc.code, exc.status
             raise
         if isinstance(item, Finished):
             self.finished = item
-            self.outcome = "completed"
+            self.outcome, self.status = "completed", 200
         return item
 
     def close(self) -> None:
@@ -78,3 +83,8 @@ class Call:
             m.completion_tokens.labels(model).inc(fin.completion_tokens)
             if fin.completion_tokens > 1 and self.t_first is not None:
                 m.itl.labels(model).observe((time.monotonic() - self.t_first) / (fin.completion_tokens - 1))
+        ttft_ms = f"{(self.t_first - self.t0) * 1000:.0f}" if self.t_first is not None else "-"
+        log.info("[request] model=%s endpoint=%s status=%d outcome=%s prompt_tokens=%s completion_tokens=%s "
+                 "ttft_ms=%s ms=%.0f", model, self.endpoint, self.status, self.outcome,
+                 fin.prompt_tokens if fin else "-", fin.completion_tokens if fin else "-", ttft_ms,
+                 (time.monotonic() - self.t0) * 1000)

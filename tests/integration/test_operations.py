@@ -24,20 +24,20 @@ def test_config_show_applies_file_then_environment_then_flags(tmp_path: Path) ->
     cfg = tmp_path / "config.toml"
     cfg.write_text('[server]\nport = 9001\nhost = "127.0.0.2"\nlog_level = "debug"\napi_key = "hidden"\n'
                    '[memory]\nceiling = "2GiB"\n')
-    out = mlxsup("config", "show", "--config", str(cfg), "--state-dir", str(tmp_path / "s"),
+    out = mlxsup("config", "show", "--local", "--json", "--config", str(cfg), "--state-dir", str(tmp_path / "s"),
                  env={"MLXSUP_PORT": "9002", "MLXSUP_CONFIG": "/nonexistent"})
     assert out.returncode == 0, out.stderr
     shown = json.loads(out.stdout)
-    s = shown["settings"]
+    s = shown["config"]["server"]
     assert shown["config_file"] == str(cfg)
     assert (s["host"], s["port"], s["log_level"]) == ("127.0.0.2", 9002, "debug")  # env beats file
     assert s["state_dir"] == str(tmp_path / "s")  # the flag beats both
-    assert s["memory_ceiling_bytes"] == 2 * 2**30 and s["api_key"] == "<set>" and "hidden" not in out.stdout
+    assert shown["config"]["memory"]["ceiling"] == 2 * 2**30 and s["api_key"] == "<set>" and "hidden" not in out.stdout
     bad = tmp_path / "bad.toml"
     bad.write_text("[memory]\nceiling = 'lots'\n")
-    refused = mlxsup("config", "show", "--config", str(bad))
+    refused = mlxsup("config", "show", "--local", "--config", str(bad))
     assert refused.returncode == 2 and "memory.ceiling" in refused.stderr
-    missing = mlxsup("config", "show", "--config", str(tmp_path / "absent.toml"))
+    missing = mlxsup("config", "show", "--local", "--config", str(tmp_path / "absent.toml"))
     assert missing.returncode == 2 and "no such config file" in missing.stderr
 
 

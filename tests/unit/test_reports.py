@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 
-from supervisor.reports import EvictReport, LoadProgress, ModelStatus, SpareStatus, Status
+from supervisor.reports import EvictReport, LoadProgress, ModelStatus, RecentEviction, SpareStatus, Status
 
 ALWAYS = ["id", "state", "pid", "memory_bytes", "in_flight", "queued", "leases", "idle_s", "ttl_s", "ttl_remaining_s",
           "pinned", "restarts", "crashes", "last_error", "stderr_tail", "last_eviction", "worker_active",
-          "batch_size", "peak_batch_size", "cache"]
+          "batch_size", "peak_batch_size", "weights_bytes", "cache"]
 
 REPORT = EvictReport("m", True, "ttl", pid=7, mode="drain", memory_before_bytes=10, duration_s=0.5, exit=0,
                      signals=("SIGTERM",), aborted=0, drained=2, phases_s={"drain": 0.1}, memory_after_settle_bytes=3)
@@ -41,9 +41,11 @@ def test_model_status_keys_depend_on_the_state_as_the_api_always_had_them() -> N
 
 
 def test_the_daemon_status_nests_its_models() -> None:
-    status = Status(1, 2, 3, 4, None, SpareStatus(9, True), [ModelStatus("m", "stopped")])
+    status = Status(1, 2, 3, 4, None, SpareStatus(9, True), [ModelStatus("m", "stopped")],
+                    [RecentEviction(2.5, REPORT)])
     out = status.to_dict()
     assert list(out) == ["ceiling_bytes", "used_bytes", "system_available_bytes", "system_total_bytes",
-                         "max_loaded_models", "spare", "models"]
+                         "max_loaded_models", "spare", "models", "recent_evictions"]
     assert out["spare"] == {"pid": 9, "standing_by": True} and out["models"][0]["id"] == "m"
+    assert out["recent_evictions"] == [{"ago_s": 2.5, **REPORT.to_dict()}]
     json.dumps(out)
