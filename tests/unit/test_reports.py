@@ -7,7 +7,7 @@ import json
 from supervisor.reports import EvictReport, LoadProgress, ModelStatus, SpareStatus, Status
 
 ALWAYS = ["id", "state", "pid", "memory_bytes", "in_flight", "queued", "leases", "idle_s", "ttl_s", "ttl_remaining_s",
-          "pinned", "restarts", "crashes", "last_error", "stderr_tail", "last_eviction", "worker_active",
+          "pinned", "restarts", "crashes", "suspended", "resumed", "resume_failed", "last_error", "stderr_tail", "last_eviction", "worker_active",
           "batch_size", "peak_batch_size", "cache"]
 
 REPORT = EvictReport("m", True, "ttl", pid=7, mode="drain", memory_before_bytes=10, duration_s=0.5, exit=0,
