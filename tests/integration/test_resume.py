@@ -193,3 +193,39 @@ def test_a_request_that_would_resume_a_third_time_fails_cleanly(daemon_factory, 
     assert "resumed 2 time(s) already (max_resumes 2)" in got.error["message"]
     status = wait_for(lambda: (m := d.model("tiny"))["resume_failed"] and m, 10, what="the failure to be counted")
     assert status["resumed"] == 2 and status["suspended"] == 0 and status["crashes"] == 3
+
+
+def test_the_engine_continues_the_text_exactly_from_every_chunk(model_dir: Path) -> None:
+    """In one process, no supervisor: from each chunk boundary of a greedy run (stop strings, held-back text
+    and split UTF-8 included), a continuation with that chunk's ids as resume_tokens completes the very
+    text of the whole run, and counts each token once. Catches a text stream not replayed (repeated or
+    lost bytes), resume tokens not appended, or usage counted twice."""
+    from protocol.messages import Submit
+    from worker.mlx_engine.engine import Engine
+
+    engine = Engine(model_dir / "tiny")
+
+    def run(rid: str, max_tokens: int, stop: list[str], resume: list[int]) -> tuple[list[tuple[str, list]], object]:
+        engine.submit(Submit(rid, max_tokens, prompt=PROMPT, temperature=0.0, ignore_eos=True, stop=stop,
+                             resume_tokens=resume))
+        chunks: list[tuple[str, list]] = []
+        while True:
+            out, finished = engine.step()
+            chunks += [(text, ids) for _, text, _, ids in out]
+            if finished:
+                return chunks, finished[0]
+
+    whole, _ = run("ref", 32, [], [])
+    text = "".join(t for t, _ in whole)
+    stop = text[len(text) * 2 // 3:][:3]  # a stop string the run meets late: text is held back before it
+    for stop_strings in ([], [stop]):
+        chunks, fin = run("ref", 32, stop_strings, [])
+        expected = "".join(t for t, _ in chunks) + fin.text
+        assert fin.finish_reason == ("stop" if stop_strings else "length")
+        for k in range(1, len(chunks)):
+            sent = "".join(t for t, _ in chunks[:k])
+            ids = [i for _, chunk_ids in chunks[:k] for i in chunk_ids]
+            rest, end = run(f"r{k}", 32 - len(ids), stop_strings, ids)
+            assert sent + "".join(t for t, _ in rest) + end.text == expected, (stop_strings, k)
+            assert end.finish_reason == fin.finish_reason and end.prompt_tokens == fin.prompt_tokens
+            assert end.completion_tokens == fin.completion_tokens
