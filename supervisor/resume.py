@@ -81,6 +81,7 @@ class Lease:
 @dataclass(eq=False)
 class Suspension:
     stream: Stream
+    left: Worker  # the worker it was taken from (the next is not acquired before this one is gone)
     model_id: str
     cause: str  # crash | hang | pressure
     error: errors.MlxsupError  # what the client gets if the request cannot resume
@@ -121,7 +122,11 @@ class Resumption(Lifecycle[MetricsT]):
             return
         if not sent:
             del worker.streams[msg.rid]
-            stream.fail(errors.WorkerDied(f"the worker of '{worker.spec.id}' is not reachable"))
+            error = errors.WorkerDied(f"the worker of '{worker.spec.id}' is not reachable")
+            if self._why_not_resume(worker.spec.id, stream) is None:  # it is on its way out: wait for the next
+                self._suspend(worker, stream, error, "crash")
+            else:
+                stream.fail(error)
 
     def _abort(self, lease: Lease, rid: str) -> None:
         suspension = self.suspended.pop(rid, None)
@@ -187,7 +192,7 @@ class Resumption(Lifecycle[MetricsT]):
         model_id = worker.spec.id
         stream.lease.let_go()
         stream.paused_at = now
-        suspension = Suspension(stream, model_id, cause, error, now)
+        suspension = Suspension(stream, worker, model_id, cause, error, now)
         self.suspended[stream.rid] = suspension
         self.records[model_id].suspended += 1
         self.metrics.suspensions.labels(model_id, cause).inc()
@@ -202,6 +207,7 @@ class Resumption(Lifecycle[MetricsT]):
     async def _resume(self, suspension: Suspension) -> None:
         """Wait for the model like any request for a cold one, then resubmit in the turn the lease is taken."""
         try:
+            await suspension.left.gone.wait()  # a worker found unreachable may not be reaped yet
             if suspension.cause == "pressure":
                 while self._pressure is not None:  # a reload now would only be evicted again
                     await self.clock.sleep(self.settings.housekeeping_s)

@@ -191,3 +191,24 @@ async def test_hard_pressure_suspends_and_resumes_only_once_the_pressure_is_over
     (error,) = drain(stream)
     assert isinstance(error, errors.ModelEvicted) and w.router.suspended == {}
     lease.release()
+
+
+@scenario
+async def test_a_request_sent_to_a_worker_that_just_died_waits_for_the_next(tmp_path: Path) -> None:
+    """Catches: a request failed because its worker died an instant before the router saw it (unreachable),
+    or resubmitted to that same worker before it is reaped (a loop of failed sends)."""
+    w = resumable(tmp_path)
+    lease = await w.load("m")
+    dying = w.worker("m")
+    w.transport.unreachable.add(dying.identity)
+    stream = lease.submit(Submit("r1", max_tokens=0, prompt="hi"))
+    await settle()
+    assert stream.queue.empty() and w.router.suspended and w.router.workers["m"] is dying
+    dying.process.exit(-9)  # type: ignore[attr-defined]
+    await settle()
+    w.clock.advance(1.0)
+    await settle()
+    second = w.ready("m")
+    await settle()
+    assert [m.rid for m in w.transport.to(second, Submit)] == ["r1"] and second.streams == {"r1": stream}
+    lease.release()
