@@ -104,6 +104,7 @@ async def side_run(bench, name: str, cache_on: bool) -> dict:
                 log_text = (state / "daemon.log").read_text(errors="replace")
                 rounds.append({
                     "prompt_tokens": (got["usage"] or {}).get("prompt_tokens"),
+                    "cached_tokens": ((got["usage"] or {}).get("prompt_tokens_details") or {}).get("cached_tokens"),
                     "client_pause_s": rnd(pause, 3),
                     **_router_account(log_text, got["rid"] or ""),
                     "exact": got["text"] == ref.json()["choices"][0]["text"],
@@ -136,11 +137,11 @@ async def run(bench) -> dict:
 
 def markdown(res: dict) -> list[str]:
     lines = ["## Resume after a worker crash (issue 18)", ""] + [f"- {n}" for n in res.get("notes", [])] + [""]
-    lines += ["| side | prompt tokens | client pause (s) | waiting for a worker (s) | continuation to first token (s) "
-              "| exact | error |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines += ["| side | prompt tokens | cached (last worker) | client pause (s) | waiting for a worker (s) "
+              "| continuation to first token (s) | exact | error |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for side in res.get("sides", []):
         for r in side["rounds"]:
-            lines.append(f"| {side['side']} | {r['prompt_tokens']} | {r['client_pause_s']} | "
+            lines.append(f"| {side['side']} | {r['prompt_tokens']} | {r.get('cached_tokens')} | {r['client_pause_s']} | "
                          f"{r['suspended_to_resubmitted_s']} | {r['resubmitted_to_first_token_s']} | {r['exact']} | "
                          f"{r['error'] or ''} |")
     lines += [""] + [f"- {s['side']}: median client pause {s['client_pause_median_s']} s, resumed {s['resumed']}, "

@@ -4,8 +4,8 @@ When a worker ends for a reason its clients did not ask for (a crash, a hang kil
 eviction), each of its requests that may resume is **suspended** instead of failed: its stream
 (workers.Stream) stays with the gateway, which keeps the client's connection alive; its lease lets
 go of the dead worker; and a task acquires the model again like any request for a cold model
-(back-off, admission and memory pressure included: a request suspended by pressure waits until
-the pressure is gone) and resubmits it as a continuation: the Submit as the client sent it, with
+(back-off, admission and memory pressure included: a request suspended by hard pressure waits
+until the pressure is no longer hard) and resubmits it as a continuation: the Submit as the client sent it, with
 the ids of every token whose text the client has as `resume_tokens`, and `max_tokens` reduced by
 them. The worker replays its text stream through those ids, so the text continues where it
 stopped, nothing repeated and nothing lost; a greedy request's text is that of an uninterrupted run.
@@ -209,7 +209,7 @@ class Resumption(Lifecycle[MetricsT]):
         try:
             await suspension.left.gone.wait()  # a worker found unreachable may not be reaped yet
             if suspension.cause == "pressure":
-                while self._pressure is not None:  # a reload now would only be evicted again
+                while self._pressure == "hard":  # a reload now would only be evicted again (soft takes idle ones)
                     await self.clock.sleep(self.settings.housekeeping_s)
             lease = await self.acquire(suspension.model_id)
         except errors.MlxsupError as exc:  # marked failed (a crash loop), shutting down, no memory

@@ -14,7 +14,6 @@ import collections
 import enum
 import logging
 import os
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,13 +81,6 @@ class Stream:
         if isinstance(item, errors.MlxsupError):
             raise item
         return item
-
-    async def events(self) -> AsyncIterator[tuple[str, int] | Finished]:
-        while True:
-            item = await self.next()
-            yield item
-            if isinstance(item, Finished):
-                return
 
 
 @dataclass(eq=False)
