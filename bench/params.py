@@ -37,7 +37,7 @@ class Params:
     itl_rounds: int = 3
     itl_step_targets: list = field(default_factory=lambda: [None, 0.05])  # mlxsup daemons (None: its default)
     # resume (issue 18): a greedy stream whose worker is SIGKILLed after resume_lead_tokens, resumed
-    resume_prompt_words: int = 4000
+    resume_prompt_words: int = 2000  # "w123"-style words: ~2.6 tokens each on the small preset
     resume_tokens: int = 256
     resume_lead_tokens: int = 64
     resume_rounds: int = 3

@@ -11,7 +11,7 @@ from typing import Any
 from protocol.messages import Finished, Submit, Tokens
 from supervisor import errors
 from supervisor.workers import State, Stream, Worker
-from tests.unit.test_router import World, scenario, settle
+from tests.unit.test_router import World, scenario, settle, strict_states  # noqa: F401 - its autouse fixture
 
 
 def resumable(tmp_path: Path, **settings: Any) -> World:
