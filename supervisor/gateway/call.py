@@ -36,11 +36,6 @@ class Call:
         self._closed = False
 
     @property
-    def suspended(self) -> bool:
-        """Its worker ended under it and it waits for the next one (supervisor/resume.py)."""
-        return self.router.suspension(self.parsed.submit.rid) is not None
-
-    @property
     def model_id(self) -> str:
         return self.lease.worker.spec.id if self.lease else self.parsed.model
 

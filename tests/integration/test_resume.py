@@ -7,6 +7,7 @@ the suspension or the continuation is removed."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -21,7 +22,7 @@ import openai
 from tests.conftest import Daemon, assert_gone, wait_for
 
 PROMPT = "Tell me a story"
-TOKENS = 160  # tiny makes ~50-500 tokens a second here (a shared CPU): a kill after the first chunk lands mid-run
+TOKENS = 300  # tiny makes ~50-500 tokens a second here (a shared CPU): a kill after the first chunk lands mid-run
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 
 
@@ -49,9 +50,10 @@ def reference(d: Daemon, model: str = "tiny", tokens: int = TOKENS) -> openai.ty
 class Streamed:
     text: str = ""
     chunks: int = 0
-    usage: object = None
+    usage: dict = field(default_factory=dict)
     error: dict | None = None
     gaps: list[float] = field(default_factory=list)  # seconds between text chunks, as the client saw them
+    comments: list[str] = field(default_factory=list)  # SSE comments (": resuming ...")
 
     @property
     def pause(self) -> float:
@@ -60,33 +62,46 @@ class Streamed:
 
 def stream(d: Daemon, fault_after: dict[int, Callable[[], None]], model: str = "tiny",
            tokens: int = TOKENS) -> Streamed:
-    """Stream a greedy completion; after the chunk numbered k (1-based), call fault_after[k]()."""
-    client = openai.OpenAI(base_url=d.v1, api_key="unused", max_retries=0, timeout=120)
+    """Stream a greedy completion, reading the SSE lines themselves (comments too); after the chunk
+    numbered k (1-based), call fault_after[k]()."""
+    body = {"model": model, "prompt": PROMPT, "max_tokens": tokens, "stream": True, "temperature": 0,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
     out, last = Streamed(), None
-    try:
-        for chunk in client.completions.create(model=model, prompt=PROMPT, max_tokens=tokens, stream=True,
-                                               stream_options={"include_usage": True}, **GREEDY):
-            if chunk.usage is not None:
-                out.usage = chunk.usage
-            if not chunk.choices:
+    with httpx.stream("POST", d.v1 + "/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith(":"):
+                out.comments.append(line)
+            if not line.startswith("data: {"):
+                continue
+            data = json.loads(line[6:])
+            if "error" in data:
+                out.error = data["error"]
+                break
+            if data.get("usage"):
+                out.usage = data["usage"]
+            if not data["choices"] or not data["choices"][0]["text"]:
                 continue
             now = time.monotonic()
             if last is not None:
                 out.gaps.append(now - last)
             last = now
-            out.text += chunk.choices[0].text
+            out.text += data["choices"][0]["text"]
             out.chunks += 1
             if out.chunks in fault_after:
                 fault_after[out.chunks]()
-    except openai.APIError as exc:
-        out.error = exc.body
     return out
 
 
 def kill(d: Daemon, model: str = "tiny", times: int = 1) -> Callable[[], None]:
-    """SIGKILL the model's worker, then (times > 1) each worker the request resumes on, once it runs there."""
+    """SIGKILL the model's worker (its pid read now, so the kill itself waits for nothing), then (times > 1)
+    each worker the request resumes on, once it runs there."""
+    first = d.model(model)["pid"]
+    assert first, f"{model} must be loaded"
+
     def act() -> None:
-        for resumed in range(times):
+        os.kill(first, signal.SIGKILL)
+        for resumed in range(1, times):
             def running(after: int = resumed) -> int | None:
                 m = d.model(model)
                 return m["pid"] if m["resumed"] == after and m["in_flight"] else None
@@ -106,7 +121,7 @@ def test_a_stream_whose_worker_is_killed_resumes_with_the_text_of_an_uninterrupt
     got = stream(d, {1: kill(d)})
     assert got.error is None, got.error
     assert got.text == ref.choices[0].text  # nothing repeated, nothing lost
-    assert got.usage.completion_tokens == TOKENS and got.usage.prompt_tokens == ref.usage.prompt_tokens
+    assert got.usage["completion_tokens"] == TOKENS and got.usage["prompt_tokens"] == ref.usage.prompt_tokens
     print(f"the stream paused {got.pause:.2f}s across the SIGKILL (longest gap between chunks)")
     assert_gone([victim])
     status = d.model("tiny")
@@ -140,7 +155,7 @@ def test_a_hung_worker_killed_under_a_stream_resumes_it(daemon_factory, model_di
     victim = d.model("tiny")["pid"]
     got = stream(d, {1: lambda: os.kill(victim, signal.SIGSTOP)})
     assert got.error is None, got.error
-    assert got.text == ref.choices[0].text and got.usage.completion_tokens == TOKENS
+    assert got.text == ref.choices[0].text and got.usage["completion_tokens"] == TOKENS
     assert got.pause >= 2.0  # it was detected as hung first (hang_timeout_s)
     print(f"the stream paused {got.pause:.2f}s across the hang (timeout 2.0s), kill and resume")
     assert_gone([victim])
@@ -152,7 +167,7 @@ def test_a_hung_worker_killed_under_a_stream_resumes_it(daemon_factory, model_di
 def test_a_stream_evicted_under_hard_memory_pressure_resumes_once_it_is_over(daemon_factory, model_dir: Path,
                                                                               tmp_path: Path) -> None:
     in_use = tmp_path / "memory-in-use"  # supervisor/memory.py reads the system's memory in use from it
-    d = daemon_factory("--config", config(tmp_path, model_dir, "housekeeping_s = 0.05\n"),
+    d = daemon_factory("--config", config(tmp_path, model_dir, "housekeeping_s = 0.05\nsse_keepalive_s = 0.2\n"),
                        env={"MLXSUP_TEST_MEMORY_IN_USE": str(in_use)})
     ref = reference(d)
     victim = d.model("tiny")["pid"]
@@ -166,10 +181,11 @@ def test_a_stream_evicted_under_hard_memory_pressure_resumes_once_it_is_over(dae
 
     got = stream(d, {1: pressure_then_relief})
     assert got.error is None, got.error
-    assert got.text == ref.choices[0].text and got.usage.completion_tokens == TOKENS
+    assert got.text == ref.choices[0].text and got.usage["completion_tokens"] == TOKENS
     status = d.model("tiny")
     assert status["last_eviction"]["reason"] == "pressure-hard" and status["resumed"] == 1
     assert status["crashes"] == 0
+    assert any(c.startswith(": resuming tiny: its model was evicted under memory pressure") for c in got.comments)
     assert "suspended why=pressure" in (d.state_dir / "daemon.log").read_text()
 
 
