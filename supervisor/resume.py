@@ -206,15 +206,25 @@ class Resumption(Lifecycle[MetricsT]):
 
     async def _resume(self, suspension: Suspension) -> None:
         """Wait for the model like any request for a cold one, then resubmit in the turn the lease is taken."""
-        try:
-            await suspension.left.gone.wait()  # a worker found unreachable may not be reaped yet
-            if suspension.cause == "pressure":
-                while self._pressure == "hard":  # a reload now would only be evicted again (soft takes idle ones)
-                    await self.clock.sleep(self.settings.housekeeping_s)
-            lease = await self.acquire(suspension.model_id)
-        except errors.MlxsupError as exc:  # marked failed (a crash loop), shutting down, no memory
-            self._give_up(suspension, f"the model could not be had again: {exc.message}")
-            return
+        await suspension.left.gone.wait()  # a worker found unreachable may not be reaped yet
+        while True:
+            try:
+                if suspension.cause == "pressure":
+                    while self._pressure == "hard":  # a reload now would only be evicted again (soft takes idle ones)
+                        await self.clock.sleep(self.settings.housekeeping_s)
+                lease = await self.acquire(suspension.model_id)
+                break
+            except errors.ModelLoadFailed as exc:
+                record = self.records.get(suspension.model_id)
+                if record is not None and record.failed_until <= self.clock.monotonic():  # one crash while loading
+                    log.warning("[resume] model=%s rid=%s its next worker failed to load (%s); trying again",
+                                suspension.model_id, suspension.stream.rid, exc.message)
+                    continue
+                self._give_up(suspension, f"the model could not be had again: {exc.message}")
+                return
+            except errors.MlxsupError as exc:  # shutting down, no memory
+                self._give_up(suspension, f"the model could not be had again: {exc.message}")
+                return
         if self.suspended.get(suspension.stream.rid) is not suspension:  # ended meanwhile
             lease.release()
             return

@@ -212,3 +212,25 @@ async def test_a_request_sent_to_a_worker_that_just_died_waits_for_the_next(tmp_
     await settle()
     assert [m.rid for m in w.transport.to(second, Submit)] == ["r1"] and second.streams == {"r1": stream}
     lease.release()
+
+
+@scenario
+async def test_a_next_worker_that_dies_loading_is_followed_by_another(tmp_path: Path) -> None:
+    """Catches: a suspended request failed because the worker meant to take it crashed while loading,
+    though the model is not marked failed (a SIGKILL now and then under load)."""
+    w = resumable(tmp_path, crash_limit=5)
+    lease = await w.load("m")
+    stream = lease.submit(Submit("r1", max_tokens=0, prompt="hi"))
+    w.process("m").exit(-9)
+    await settle()
+    w.clock.advance(1.0)
+    await settle()
+    w.process("m").exit(-9)  # the next worker dies while it loads
+    await settle()
+    assert stream.queue.empty() and w.router.suspended
+    w.clock.advance(2.0)  # the back-off after a second crash
+    await settle()
+    third = w.ready("m")
+    await settle()
+    assert [m.rid for m in w.transport.to(third, Submit)] == ["r1"]
+    lease.release()
