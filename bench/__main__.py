@@ -16,7 +16,7 @@ from pathlib import Path
 from bench.common import REPO
 from bench.params import PROFILES
 
-SECTIONS = ["throughput", "cold_start", "eviction", "overhead", "profile", "cache", "prefill_itl"]
+SECTIONS = ["throughput", "cold_start", "eviction", "overhead", "profile", "cache", "prefill_itl", "resume"]
 
 
 def _intmap(text: str) -> dict[int, int]:

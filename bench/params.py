@@ -36,6 +36,11 @@ class Params:
     itl_stream_max_tokens: int = 2048  # a ceiling only: the streams are cut after the tail
     itl_rounds: int = 3
     itl_step_targets: list = field(default_factory=lambda: [None, 0.05])  # mlxsup daemons (None: its default)
+    # resume (issue 18): a greedy stream whose worker is SIGKILLed after resume_lead_tokens, resumed
+    resume_prompt_words: int = 2000  # "w123"-style words: ~2.6 tokens each on the small preset
+    resume_tokens: int = 256
+    resume_lead_tokens: int = 64
+    resume_rounds: int = 3
     run_timeout_s: float = 300.0
     deadline_s: float = 540.0  # stop starting new work after this; results are still written
     seed: int = 0
@@ -60,6 +65,7 @@ PROFILES: dict[str, Params] = {
                   profile_concurrency=[1, 8], profile_rounds=1, run_cache_bench=False,
                   itl_baseline_tokens=12, itl_long_prompt_words=120, itl_lead_tokens=2, itl_tail_tokens=2,
                   itl_stream_max_tokens=1000, itl_rounds=1, itl_step_targets=[None],
+                  resume_prompt_words=120, resume_tokens=24, resume_lead_tokens=8, resume_rounds=1,
                   run_timeout_s=400, deadline_s=840),
     # A functional check of the whole suite in about a minute (tiny preset; numbers mean nothing).
     "smoke": Params(profile="smoke", preset="tiny", tokens={1: 16, 8: 16, 32: 8}, rounds={1: 2, 8: 2, 32: 1},
@@ -68,5 +74,6 @@ PROFILES: dict[str, Params] = {
                     profile_concurrency=[1, 8], profile_rounds=1, run_cache_bench=False,
                     itl_baseline_tokens=16, itl_long_prompt_words=1500, itl_lead_tokens=4, itl_tail_tokens=4,
                     itl_rounds=1, itl_step_targets=[None],
+                    resume_prompt_words=200, resume_tokens=32, resume_lead_tokens=8, resume_rounds=1,
                     run_timeout_s=120, deadline_s=300),
 }

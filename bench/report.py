@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from bench.prefill_itl import markdown as prefill_itl_markdown
+from bench.resume_pause import markdown as resume_markdown
 
 SIDE_ORDER = ("inproc", "mlxsup", "mlx_lm.server", "inproc_batch")
 SIDE_LABEL = {"inproc": "in-process mlx-lm (ceiling)", "mlxsup": "mlxsup (HTTP gateway)",
@@ -215,6 +216,8 @@ def markdown(res: dict) -> str:
     itl = res.get("prefill_itl", {})
     if itl.get("summary") or itl.get("error"):
         L += prefill_itl_markdown(itl)
+    if res.get("resume", {}).get("sides"):
+        L += resume_markdown(res["resume"])
     cleanup = res.get("cleanup", {})
     L.append("## Processes\n")
     L.append(f"Every process started was stopped and checked gone: **{'yes' if meta.get('all_processes_gone') else 'NO'}** "

@@ -7,6 +7,7 @@ Sections (issue 7; the eviction one also answers issue 3):
   overhead    per-chunk time mlxsup adds between the worker producing a token and the client receiving it
   cache       slot for bench/cache_bench.py (another branch)
   prefill_itl issue 10: ITL of 8 decoding streams while a long prompt is prefilled, and without (bench/prefill_itl.py)
+  resume      issue 18: the pause of a stream whose worker is SIGKILLed, with and without prompt caches (bench/resume_pause.py)
 
 The harness itself never imports MLX: the sides run in their own processes, and every process it
 starts is stopped and proven gone in a finally.
@@ -30,7 +31,7 @@ import httpx
 import psutil
 
 from bench import client as cl
-from bench import prefill_itl
+from bench import prefill_itl, resume_pause
 from bench.common import REPO, machine, median, now, percentile, ratio, rnd, write_json
 from bench.model import make_never_eos_view, make_source_model
 from bench.params import Params
@@ -179,7 +180,7 @@ class Bench:
         self.prepare_model()
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0), trust_env=False)
         try:
-            for name in ("throughput", "cold_start", "eviction", "overhead", "profile", "cache", "prefill_itl"):
+            for name in ("throughput", "cold_start", "eviction", "overhead", "profile", "cache", "prefill_itl", "resume"):
                 if name not in self.sections:
                     continue
                 if self.left() < 5:
@@ -589,6 +590,9 @@ class Bench:
     async def section_prefill_itl(self) -> dict:
         return await prefill_itl.run(self)
 
+    async def section_resume(self) -> dict:
+        return await resume_pause.run(self)
+
     # --- 4. cache (slot) ----------------------------------------------------------------------
 
     async def section_cache(self) -> dict:
@@ -765,7 +769,7 @@ def merge_results(base: dict, extra: dict) -> dict:
     """Sections of two runs on the same machine and model (a device call is limited to 10 minutes)."""
     out = json.loads(json.dumps(base))
     taken = []
-    for name in ("throughput", "cold_start", "eviction", "overhead", "profile", "cache", "prefill_itl"):
+    for name in ("throughput", "cold_start", "eviction", "overhead", "profile", "cache", "prefill_itl", "resume"):
         sec = extra.get(name)
         if sec and "skipped" not in sec and (name not in out or "skipped" in out[name] or name != "cache"):
             if name in out and "skipped" not in out[name] and name == "throughput":

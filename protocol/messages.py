@@ -14,7 +14,8 @@ import signal
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-PROTOCOL_VERSION = 3  # 2: prompt caches (ClearCache, CacheCleared, CacheStats); 3: StepStarted
+PROTOCOL_VERSION = 4  # 2: prompt caches (ClearCache, CacheCleared, CacheStats); 3: StepStarted;
+# 4: resumed requests (Submit.resume_tokens, token ids in Tokens chunks and Finished)
 
 # Machine codes carried by Failed and surfaced to HTTP clients as the error "code".
 MODEL_EVICTED = "model_evicted"
@@ -50,7 +51,13 @@ class Message:
 
 @dataclass(slots=True)
 class Submit(Message):
-    """Start one generation. Exactly one of `messages` (chat) or `prompt` (completion)."""
+    """Start one generation. Exactly one of `messages` (chat) or `prompt` (completion).
+
+    `resume_tokens`: a continuation of a request an earlier worker of this model was running (it
+    crashed or was evicted under it): the token ids it had generated and its client received. They
+    follow the encoded prompt as its tail, are replayed through the text stream (so the held-back
+    text is what it was, and the next delta continues the client's text exactly) and count as
+    completion tokens; `max_tokens` is what is left to generate (the supervisor reduced it)."""
 
     KIND: ClassVar[str] = "submit"
     rid: str
@@ -63,6 +70,7 @@ class Submit(Message):
     min_p: float = 0.0
     stop: list = field(default_factory=list)
     ignore_eos: bool = False
+    resume_tokens: list = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -132,7 +140,11 @@ class Progress(Message):
 
 @dataclass(slots=True)
 class Tokens(Message):
-    """Text deltas produced by one engine step, coalesced: [[rid, text, n_tokens], ...]."""
+    """Text deltas produced by one engine step, coalesced: [[rid, text, n_tokens, token_ids], ...].
+
+    `token_ids` are the n_tokens generated since the request's previous chunk (a token whose text
+    is held back travels with the next chunk that has text), so the ids a supervisor has received
+    are exactly the ones whose text it has: what a resumed request continues from."""
 
     KIND: ClassVar[str] = "tokens"
     chunks: list
@@ -147,6 +159,7 @@ class Finished(Message):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    token_ids: list = field(default_factory=list)  # generated since the request's last Tokens chunk
 
 
 @dataclass(slots=True)

@@ -95,6 +95,8 @@ class Settings:
     crash_cooldown_s: float = 60.0  # a failed model is tried again after this, or on an explicit load
     restart_backoff_s: float = 0.5  # doubled per recent crash, capped at restart_backoff_max_s
     restart_backoff_max_s: float = 10.0
+    max_resumes: int = 2  # a request whose worker crashed or was evicted under pressure resumes at most so often
+    resume_timeout_s: float = 120.0  # ... and within this long of each suspension, else it fails
     api_key: str | None = None  # when set, every route but /health and the bare /ui page needs "Authorization: Bearer <key>"
     allowed_hosts: list[str] = field(default_factory=list)  # Host names beyond localhost, loopback and `host`
     allowed_origins: list[str] = field(default_factory=list)  # web origins whose pages may call the API (CORS)
@@ -141,6 +143,7 @@ _SERVER_KEYS: dict[str, type | tuple[type, ...]] = {
     "crash_cooldown_s": (int, float), "restart_backoff_s": (int, float), "restart_backoff_max_s": (int, float),
     "api_key": str, "sse_keepalive_s": (int, float), "hf_cache": str, "spare_workers": int,
     "allowed_hosts": list, "allowed_origins": list, "step_target_s": (int, float),
+    "max_resumes": int, "resume_timeout_s": (int, float),
 }
 _MEMORY_KEYS = {
     "ceiling": "memory_ceiling_bytes", "reserve": "memory_reserve_bytes", "worker_overhead": "worker_overhead_bytes",

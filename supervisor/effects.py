@@ -128,3 +128,12 @@ class LifecycleMetrics(Protocol):
 
     @property
     def crashes(self) -> _Counter: ...  # labels: model
+
+    @property
+    def suspensions(self) -> _Counter: ...  # labels: model, cause (crash | hang | pressure)
+
+    @property
+    def resumes(self) -> _Counter: ...  # labels: model, outcome (resumed | failed)
+
+    @property
+    def resume_pause(self) -> _Histogram: ...  # labels: model

@@ -231,9 +231,8 @@ class Lifecycle(Generic[MetricsT]):
         error: errors.MlxsupError = (
             errors.ModelEvicted(f"the model '{spec.id}' was evicted") if evicted
             else errors.WorkerDied(f"the worker of '{spec.id}' exited unexpectedly (code {rc})"))
-        for stream in worker.streams.values():
-            stream.fail(error)
-        worker.streams.clear()
+        cause = None if evicted else "hang" if (worker.kill_reason or "").startswith("hung") else "crash"
+        self._streams_lost(worker, error, cause)
         for pending in worker.replies.values():  # requests it will never answer now
             if not pending.done():
                 pending.set_exception(error)
@@ -243,6 +242,16 @@ class Lifecycle(Generic[MetricsT]):
             del self.workers[spec.id]
         self._by_identity.pop(worker.identity, None)
         worker.gone.set()
+
+    def _streams_lost(self, worker: Worker, error: errors.MlxsupError, cause: str | None) -> None:
+        """The worker ended under its requests: each fails with `error`. `cause` (crash | hang) names an
+        end the clients did not ask for, None an eviction; resume.py suspends what may resume first."""
+        for stream in worker.streams.values():
+            stream.fail(error)
+        worker.streams.clear()
+
+    def _end_suspensions(self, why: str) -> None:
+        """Fail every suspended request now (resume.py has them)."""
 
     # --- eviction and shutdown ---------------------------------------------------------
 
@@ -297,6 +306,7 @@ class Lifecycle(Generic[MetricsT]):
     async def shutdown(self) -> list[EvictReport]:
         """Refuse new work, then evict every worker in parallel, draining up to the deadline."""
         self.shutting_down = True
+        self._end_suspensions("the server is shutting down")
         if self._housekeeping:
             self._housekeeping.cancel()
         reports = await asyncio.gather(

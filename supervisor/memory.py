@@ -6,17 +6,33 @@ how many other workers share the same libraries at that moment, so the same work
 differently from one minute to the next; RSS is stable and errs on the safe side.)
 Never a process-wide MLX gauge: each worker is measured as its own process.
 The module itself is the router's MemoryProbe (effects.py).
+
+Testing only: with $MLXSUP_TEST_MEMORY_IN_USE naming a file, the system's memory in use is the
+fraction that file holds while it exists (so a test can raise memory pressure and end it).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import sys
 
 import psutil
 
 _RUSAGE_INFO_V2 = 2
+TEST_IN_USE_ENV = "MLXSUP_TEST_MEMORY_IN_USE"
+
+
+def _test_in_use() -> float | None:
+    path = os.environ.get(TEST_IN_USE_ENV)
+    if not path:
+        return None
+    try:
+        with open(path) as f:
+            return float(f.read())
+    except (OSError, ValueError):
+        return None
 
 
 class _RUsageInfoV2(ctypes.Structure):
@@ -53,6 +69,9 @@ def footprint(pid: int) -> int | None:
 
 
 def system_available() -> int:
+    in_use = _test_in_use()
+    if in_use is not None:
+        return int(system_total() * (1.0 - in_use))
     return int(psutil.virtual_memory().available)
 
 

@@ -82,6 +82,9 @@ class ModelStatus:
     pinned: bool = False
     restarts: int = 0
     crashes: int = 0
+    suspended: int = 0  # requests waiting to resume now (supervisor/resume.py)
+    resumed: int = 0  # requests resumed on a later worker, in all
+    resume_failed: int = 0  # requests that could not resume after all, in all
     last_error: str | None = None
     stderr_tail: tuple[str, ...] = ()
     last_eviction: EvictReport | None = None

@@ -1,7 +1,8 @@
 """The router: the single owner of the supervisor's state (workers, leases, request streams).
 
-Routing, leases, messages from workers, requests with a reply, and status live here; starting,
-watching and stopping workers, and the state itself, in its base (lifecycle.py). Everything runs
+Routing, messages from workers, requests with a reply, and status live here; submitting, leases,
+and requests suspended when their worker ends and resumed on the next one in its base (resume.py);
+starting, watching and stopping workers, and the state itself, in that one's base (lifecycle.py). Everything runs
 on the one asyncio loop, and every effect goes through the interfaces in effects.py, passed to
 the constructor (daemon.build_router wires the real ones). Rules that keep it race-free:
 - A check-then-act decision never has an `await` in the middle: a worker is picked and its
@@ -22,9 +23,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, ClassVar
 
-from protocol.codec import ProtocolError
 from protocol.messages import (
-    Abort,
     Bye,
     CacheCleared,
     CacheStats,
@@ -36,39 +35,19 @@ from protocol.messages import (
     Ready,
     Standby,
     StepStarted,
-    Submit,
     Tokens,
 )
 from supervisor import cache_admin, errors, policy
-from supervisor.lifecycle import Lifecycle, MetricsT
+from supervisor.lifecycle import MetricsT
 from supervisor.registry import ModelSpec
 from supervisor.reports import LoadProgress, ModelStatus, RecentEviction, SpareStatus, Status
-from supervisor.workers import ModelRecord, State, Stream, Worker
+from supervisor.resume import Lease, Resumption
+from supervisor.workers import ModelRecord, State, Worker
 
 log = logging.getLogger(__name__)
 
 
-class Lease:
-    """A request's claim on a worker, taken when routed and released when its response ends."""
-
-    def __init__(self, router: Router[Any], worker: Worker) -> None:
-        self._router = router
-        self.worker = worker
-        self.released = False
-
-    def submit(self, msg: Submit) -> Stream:
-        return self._router._submit(self.worker, msg)
-
-    def abort(self, rid: str) -> None:
-        self._router._abort(self.worker, rid)
-
-    def release(self) -> None:
-        if not self.released:
-            self.released = True
-            self._router._release(self.worker)
-
-
-class Router(Lifecycle[MetricsT]):
+class Router(Resumption[MetricsT]):
     def start(self) -> None:
         self.transport.start(self._on_message, self._on_refused)
         for spec in self.registry.specs.values():
@@ -146,31 +125,6 @@ class Router(Lifecycle[MetricsT]):
         worker = self.workers.get(self.registry.resolve(name).id)
         return worker if worker is not None and worker.state is State.LOADING else None
 
-    def _submit(self, worker: Worker, msg: Submit) -> Stream:
-        stream = Stream(msg.rid)
-        if worker.state is not State.READY:
-            stream.fail(errors.ModelEvicted(f"the model '{worker.spec.id}' is being evicted"))
-            return stream
-        worker.streams[msg.rid] = stream
-        try:
-            sent = self.transport.send(worker.identity, msg)
-        except ProtocolError as exc:  # a value the wire cannot carry: the request's fault, not the worker's
-            del worker.streams[msg.rid]
-            stream.fail(errors.InvalidRequest(f"the request cannot be sent to the worker: {exc}"))
-            return stream
-        if not sent:
-            del worker.streams[msg.rid]
-            stream.fail(errors.WorkerDied(f"the worker of '{worker.spec.id}' is not reachable"))
-        return stream
-
-    def _abort(self, worker: Worker, rid: str) -> None:
-        if worker.streams.pop(rid, None) is not None:
-            self.transport.send(worker.identity, Abort(rid))
-
-    def _release(self, worker: Worker) -> None:
-        worker.leases -= 1
-        worker.last_used = self.clock.monotonic()
-
     # --- requests with a reply ---------------------------------------------------------
 
     async def ask(self, model_id: str, build: Callable[[str], Message], timeout_s: float) -> Message | None:
@@ -244,17 +198,21 @@ class Router(Lifecycle[MetricsT]):
         streams = worker.streams
         for chunk in msg.chunks:
             try:
-                rid, text, n = chunk
+                rid, text, _, ids = chunk
             except (TypeError, ValueError):
                 log.warning("[transport] malformed chunk from %r dropped", worker.identity)
                 continue
             stream = streams.get(rid)
             if stream is not None:
-                stream.queue.put_nowait((text, n))
+                if stream.paused_at is not None:
+                    self._flowing(worker, stream)
+                stream.put(text, ids if isinstance(ids, list) else [])
 
     def _on_finished(self, worker: Worker, msg: Finished) -> None:
         stream = worker.streams.pop(msg.rid, None)
         if stream is not None:
+            if stream.paused_at is not None:
+                self._flowing(worker, stream)
             stream.queue.put_nowait(msg)
 
     def _on_failed(self, worker: Worker, msg: Failed) -> None:
@@ -331,7 +289,9 @@ class Router(Lifecycle[MetricsT]):
         status = ModelStatus(id=model_id, state=State.STOPPED.value, ttl_s=ttl, pinned=spec.pinned,
                              weights_bytes=spec.weights_bytes,
                              restarts=max(0, record.starts - 1), crashes=record.crashes, last_error=record.last_error,
-                             stderr_tail=tuple(record.last_stderr), last_eviction=record.last_eviction)
+                             stderr_tail=tuple(record.last_stderr), last_eviction=record.last_eviction,
+            suspended=sum(1 for s in self.suspended.values() if s.model_id == model_id),
+            resumed=record.resumed, resume_failed=record.resume_failed)
         if worker is None:
             if record.failed_until > now:
                 return replace(status, state=State.FAILED.value, retry_in_s=round(record.failed_until - now, 1))

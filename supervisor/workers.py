@@ -14,10 +14,10 @@ import collections
 import enum
 import logging
 import os
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
-from protocol.messages import Bye, CacheStats, Finished, Heartbeat, Progress, Ready
+from protocol.messages import Bye, CacheStats, Finished, Heartbeat, Progress, Ready, Submit
 from supervisor import errors
 from supervisor.config import Settings
 from supervisor.effects import WorkerHandle
@@ -49,25 +49,38 @@ class IllegalTransition(RuntimeError):
 
 
 class Stream:
-    """One request's events, in order: (text, n_tokens) tuples, then a Finished or an error."""
+    """One request's events, in order: (text, n_tokens) tuples, then a Finished or an error.
 
-    __slots__ = ("rid", "queue")
+    It outlives the worker it started on when the request is resumed (supervisor/resume.py): it
+    keeps what a continuation needs, the Submit as the client sent it and the ids of every token
+    whose text went into the queue, and how often it was resumed already.
+    """
 
-    def __init__(self, rid: str) -> None:
+    __slots__ = ("rid", "queue", "submit", "lease", "token_ids", "resumes", "paused_at")
+
+    def __init__(self, rid: str, submit: Submit | None = None, lease: Any = None) -> None:
         self.rid = rid
         self.queue: asyncio.Queue = asyncio.Queue()
+        self.submit = submit  # None: not resumable
+        self.lease = lease  # the resume.Lease its request holds (moved to the next worker on a resume)
+        self.token_ids: list[int] = []
+        self.resumes = 0
+        self.paused_at: float | None = None  # set while suspended and until the first event after its resume
+
+    def put(self, text: str, ids: list[int]) -> None:
+        """Text for the client and the ids of the tokens behind it (kept for a resume)."""
+        self.token_ids.extend(ids)
+        self.queue.put_nowait((text, len(ids)))
 
     def fail(self, error: errors.MlxsupError) -> None:
         self.queue.put_nowait(error)
 
-    async def events(self) -> AsyncIterator[tuple[str, int] | Finished]:
-        while True:
-            item = await self.queue.get()
-            if isinstance(item, errors.MlxsupError):
-                raise item
-            yield item
-            if isinstance(item, Finished):
-                return
+    async def next(self) -> tuple[str, int] | Finished:
+        """The next event (cancel-safe: a wait cancelled takes nothing from the queue); an error is raised."""
+        item = await self.queue.get()
+        if isinstance(item, errors.MlxsupError):
+            raise item
+        return item
 
 
 @dataclass(eq=False)
@@ -131,6 +144,9 @@ class ModelRecord:
     recent_crashes: collections.deque = field(default_factory=collections.deque)  # monotonic times
     failed_until: float = 0.0  # crash loop or failed load: refuse to start before this
     backoff_until: float = 0.0  # after a crash: wait before the next start
+    suspended: int = 0  # requests suspended when a worker ended under them (supervisor/resume.py), in all
+    resumed: int = 0  # ... resumed on a later worker
+    resume_failed: int = 0  # ... failed after all (the bounds, a crash loop, the deadline, shutdown)
 
     def note_crash(self, now: float, settings: Settings, load_failed: bool) -> None:
         self.crashes += 1

@@ -6,7 +6,8 @@ request takes a lease from the router, and the lease is released (and the worker
 if the request is still running) in a `finally` that runs on every path: completion, error,
 client disconnect, server shutdown. An explicit load's lease goes back as soon as it is taken.
 Errors before the first token become HTTP errors; after it, an SSE `error` event, never a
-silently truncated stream.
+silently truncated stream. A request suspended because its worker ended under it (resume.py)
+keeps its stream: SSE comments say so until it resumes; a whole response just comes later.
 """
 
 from __future__ import annotations
@@ -100,6 +101,19 @@ class SSEResponse(Response):
             self.on_close()
 
 
+RESUME_CAUSES = {"crash": "its worker crashed", "hang": "its worker hung",
+                 "pressure": "its model was evicted under memory pressure"}
+
+
+def resume_note(router: Router, call: Call, shaper: Shaper) -> bytes | None:
+    """An SSE comment for a suspended request's client (None while it is not suspended)."""
+    suspension = router.suspension(call.parsed.submit.rid)
+    if suspension is None:
+        return None
+    paused = router.clock.monotonic() - suspension.since
+    return f": resuming {shaper.model}: {RESUME_CAUSES[suspension.cause]}; paused {paused:.0f}s\n\n".encode()
+
+
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, refused with 413 as soon as it passes `limit` bytes (never buffered whole first)."""
     declared = request.headers.get("content-length")
@@ -159,7 +173,7 @@ class Gateway:
             while not starting.done():
                 worker = self.router.loading(call.parsed.model)
                 note = f"{worker.progress.stage} {worker.progress.fraction:.0%}" if worker else "waiting for memory"
-                yield f": loading {shaper.model}: {note}\n\n".encode()
+                yield resume_note(self.router, call, shaper) or f": loading {shaper.model}: {note}\n\n".encode()
                 await asyncio.wait({starting}, timeout=self.settings.sse_keepalive_s)
             starting.result()
         except errors.MlxsupError as exc:
@@ -186,7 +200,10 @@ class Gateway:
                     return
                 yield sse(shaper.chunk(item[0], first=is_first))
                 is_first = False
-                item = await call.next()
+                while (event := await call.next_within(self.settings.sse_keepalive_s)) is None:
+                    if note := resume_note(self.router, call, shaper):  # its worker ended: it waits for the next
+                        yield note
+                item = event
         except errors.MlxsupError as exc:
             yield sse(exc.body())
 

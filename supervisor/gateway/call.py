@@ -3,18 +3,22 @@
 HTTP-agnostic: app.py decides how events are written. Invariant: close() runs once per Call,
 and releases the lease (telling the worker to abort if the request still runs) on every path:
 completion, error, client disconnect, shutdown. Metrics are observed there, once per request.
+A request whose worker ends under it may be suspended and resumed on the next one
+(supervisor/resume.py): its events just pause, and `next(keepalive_s)` lets the caller write
+something to the client meanwhile.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
 
 from protocol.messages import Finished
 from supervisor import errors
 from supervisor.gateway.openai_api import Parsed
 from supervisor.router import Lease, Router
+from supervisor.workers import Stream
 
 log = logging.getLogger(__name__)
 STATUS_DISCONNECTED = 499  # the client left before the end (nginx's code for it)
@@ -32,7 +36,8 @@ class Call:
         self.status = STATUS_DISCONNECTED  # the HTTP status this request's outcome maps to
         self.t0 = time.monotonic()
         self.t_first: float | None = None
-        self._events: AsyncIterator | None = None
+        self._stream: Stream | None = None
+        self._pending: asyncio.Future | None = None  # a wait for the next event that outlived a keep-alive
         self._closed = False
 
     @property
@@ -43,7 +48,7 @@ class Call:
         """Route, submit and wait for the first event: an error up to here is the response's status."""
         try:
             self.lease = await self.router.acquire(self.parsed.model)
-            self._events = self.lease.submit(self.parsed.submit).events()
+            self._stream = self.lease.submit(self.parsed.submit)
             self.first = await self.next()
         except errors.MlxsupError as exc:
             self.outcome, self.status = exc.code, exc.status
@@ -51,9 +56,21 @@ class Call:
         self.t_first = time.monotonic()
 
     async def next(self) -> tuple[str, int] | Finished:
-        assert self._events is not None
+        item = await self.next_within(None)
+        assert item is not None, "with no timeout, an event or an error"
+        return item
+
+    async def next_within(self, keepalive_s: float | None) -> tuple[str, int] | Finished | None:
+        """The next event; None when none came within `keepalive_s` (it is still awaited by the next call)."""
+        assert self._stream is not None
+        if self._pending is None:
+            self._pending = asyncio.ensure_future(self._stream.next())
+        done, _ = await asyncio.wait({self._pending}, timeout=keepalive_s)
+        if not done:
+            return None
+        pending, self._pending = self._pending, None
         try:
-            item = await anext(self._events)
+            item = pending.result()
         except errors.MlxsupError as exc:
             self.outcome, self.status = exc.code, exc.status
             raise
@@ -66,6 +83,8 @@ class Call:
         if self._closed:
             return
         self._closed = True
+        if self._pending is not None:
+            self._pending.cancel()
         if self.lease is not None:
             self.lease.abort(self.parsed.submit.rid)  # a no-op once the worker has finished it
             self.lease.release()

@@ -28,12 +28,16 @@ class _StatusCollector(Collector):
                                    labels=["model"])
         in_flight = GaugeMetricFamily("mlxsup_model_in_flight", "Requests in flight per model", labels=["model"])
         loaded = GaugeMetricFamily("mlxsup_model_state", "1 for the model's current state", labels=["model", "state"])
+        suspended = GaugeMetricFamily("mlxsup_model_suspended", "Requests waiting to resume per model",
+                                      labels=["model"])
         for m in status["models"]:
             memory.add_metric([m["id"]], m["memory_bytes"] or 0)
             in_flight.add_metric([m["id"]], m["in_flight"])
             loaded.add_metric([m["id"], m["state"]], 1)
+            suspended.add_metric([m["id"]], m.get("suspended", 0))
         yield memory
         yield in_flight
+        yield suspended
         yield loaded
         yield GaugeMetricFamily("mlxsup_memory_ceiling_bytes", "Admission ceiling", value=status["ceiling_bytes"])
         yield GaugeMetricFamily("mlxsup_system_available_bytes", "System memory available",
@@ -57,6 +61,12 @@ class Metrics:
                                       buckets=LATENCY_BUCKETS, registry=r)
         self.evictions = Counter("mlxsup_evictions", "Evictions by reason", ["model", "reason"], registry=r)
         self.crashes = Counter("mlxsup_crashes", "Unexpected worker exits", ["model"], registry=r)
+        self.suspensions = Counter("mlxsup_suspended_requests", "Requests suspended when their worker ended under "
+                                   "them, by cause (crash, hang, pressure)", ["model", "cause"], registry=r)
+        self.resumes = Counter("mlxsup_resumes", "Suspended requests by outcome (resumed, failed)",
+                               ["model", "outcome"], registry=r)
+        self.resume_pause = Histogram("mlxsup_resume_pause_seconds", "A resumed request's pause: from its "
+                                      "suspension to its next token", ["model"], buckets=LATENCY_BUCKETS, registry=r)
 
     def watch(self, status: Callable[[], dict]) -> None:
         self.registry.register(_StatusCollector(status))

@@ -50,7 +50,14 @@ def stream_error(d: Daemon, model: str, after_first_chunk) -> tuple[int, dict | 
     return chunks, None, time.monotonic() - t_fault
 
 
-def test_worker_crash_mid_stream_fails_its_requests_and_others_keep_serving(daemon: Daemon) -> None:
+def test_worker_crash_mid_stream_fails_its_requests_and_others_keep_serving(daemon_factory, model_dir: Path,
+                                                                           tmp_path: Path) -> None:
+    """With resumes off (test_resume.py has them on), a crash fails its streams at once."""
+    daemon = daemon_factory("--config", config(tmp_path, "off", f"""
+[server]
+model_dirs = ["{model_dir}"]
+max_resumes = 0
+"""))
     other = load(daemon, "tiny2")
     victim = load(daemon, "tiny")
     chunks, error, seconds = stream_error(daemon, "tiny", lambda: os.kill(victim, signal.SIGKILL))
@@ -65,6 +72,9 @@ def test_worker_crash_mid_stream_fails_its_requests_and_others_keep_serving(daem
 
 def test_crash_before_the_first_token_is_an_http_502(daemon_factory, model_dir: Path, tmp_path: Path) -> None:
     d = daemon_factory("--config", config(tmp_path, "slow", f"""
+[server]
+max_resumes = 0  # with resumes on, it waits for the next worker instead (test_resume.py)
+
 [models.slow]
 path = "{model_dir / 'tiny'}"
 worker_args = ["--fault", "slow-steps"]
@@ -178,6 +188,7 @@ model_dirs = ["{model_dir}"]
 heartbeat_s = 0.2
 hang_timeout_s = 2.0
 housekeeping_s = 0.1
+max_resumes = 0  # with resumes on, the stream continues on the next worker (test_resume.py)
 """))
     pid = load(d, "tiny")
     chunks, error, seconds = stream_error(d, "tiny", lambda: os.kill(pid, signal.SIGSTOP))

@@ -7,7 +7,10 @@ SOAK_REQUESTS (default 3000), SOAK_SECONDS (default 600) and SOAK_CLIENTS (defau
 
 Afterwards every request either completed or got a well-formed error (none hung past its
 deadline, no stream cut silently), no leases or requests are left in the router or the workers,
-no process is left behind, and the supervisor's memory growth is reported and bounded.
+no process is left behind, and the supervisor's memory growth is reported and bounded. A request
+whose worker was SIGKILLed is resumed on the next one (supervisor/resume.py): no `worker_crashed`
+reaches a client unless its request hit a bound (resumed max_resumes times already), and
+nothing stays suspended.
 """
 
 from __future__ import annotations
@@ -35,6 +38,14 @@ CLIENTS = int(os.environ.get("SOAK_CLIENTS", 64))
 REQUEST_DEADLINE_S = 60.0
 
 
+def failed(error: dict) -> str:
+    """The outcome of an error: error:<code>, and `error:worker_crashed-unresumed` for a crash the
+    supervisor did not resume though no bound stopped it (its message says why when one did)."""
+    if error["code"] == "worker_crashed" and "not resumed" not in error["message"]:
+        return "error:worker_crashed-unresumed"
+    return f"error:{error['code']}"
+
+
 async def one_request(http: httpx.AsyncClient, url: str, rng: random.Random) -> str:
     """Returns the outcome: completed | error:<code> | disconnected; raises on a malformed end."""
     model = rng.choice(["tiny", "tiny2"])
@@ -45,12 +56,12 @@ async def one_request(http: httpx.AsyncClient, url: str, rng: random.Random) -> 
         if r.status_code == 200:
             assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")  # 0 tokens if EOS came first
             return "completed"
-        return f"error:{r.json()['error']['code']}"
+        return failed(r.json()["error"])
     body["stream"] = True
     disconnect_after = rng.randint(1, 5) if rng.random() < 0.15 else None
     async with http.stream("POST", url + "/v1/completions", json=body) as r:
         if r.status_code != 200:
-            return f"error:{json.loads(await r.aread())['error']['code']}"
+            return failed(json.loads(await r.aread())["error"])
         events = 0
         async for line in r.aiter_lines():
             if not line.startswith("data: "):
@@ -59,7 +70,7 @@ async def one_request(http: httpx.AsyncClient, url: str, rng: random.Random) -> 
                 return "completed"
             data = json.loads(line[6:])
             if "error" in data:
-                return f"error:{data['error']['code']}"
+                return failed(data["error"])
             events += 1
             if disconnect_after is not None and events >= disconnect_after:
                 return "disconnected"
@@ -121,7 +132,8 @@ def test_soak(daemon_factory, model_dir: Path, tmp_path: Path) -> None:
 
     def settled() -> bool:
         models = d.status()["models"]
-        return all(m["in_flight"] == 0 and m["leases"] == 0 and m["worker_active"] == 0 for m in models)
+        return all(m["in_flight"] == 0 and m["leases"] == 0 and m["worker_active"] == 0 and m["suspended"] == 0
+                   for m in models)
 
     wait_for(settled, 30, interval=0.2, what="no leases and no requests left in the router or the workers")
     total = sum(outcomes.values())
@@ -129,7 +141,13 @@ def test_soak(daemon_factory, model_dir: Path, tmp_path: Path) -> None:
     print(f"\nsoak: {total} requests in {elapsed:.0f}s with {CLIENTS} clients; outcomes {dict(outcomes)}; "
           f"chaos {dict(chaos_log)}; supervisor RSS {rss[0] / 2**20:.0f} -> {rss[-1] / 2**20:.0f} MiB "
           f"(growth {growth / 2**20:.1f} MiB over {len(rss)} samples)")
+    models = d.status()["models"]
+    resumed = {m["id"]: (m["resumed"], m["resume_failed"]) for m in models}
+    print(f"soak: resumed (and failed to resume) per model: {resumed}")
     assert outcomes["HUNG"] == 0
+    assert outcomes["error:worker_crashed-unresumed"] == 0, "a crash reached a client though it could resume"
+    if chaos_log["sigkill"]:
+        assert sum(r for r, _ in resumed.values()) > 0, "SIGKILLs under load, and nothing was resumed"
     assert outcomes["completed"] > total // 2
     assert all(k in ("completed", "disconnected") or k.startswith("error:") for k in outcomes)
     assert growth < 64 * 2**20, "supervisor memory grew without bound"

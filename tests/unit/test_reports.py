@@ -7,8 +7,8 @@ import json
 from supervisor.reports import EvictReport, LoadProgress, ModelStatus, RecentEviction, SpareStatus, Status
 
 ALWAYS = ["id", "state", "pid", "memory_bytes", "in_flight", "queued", "leases", "idle_s", "ttl_s", "ttl_remaining_s",
-          "pinned", "restarts", "crashes", "last_error", "stderr_tail", "last_eviction", "worker_active",
-          "batch_size", "peak_batch_size", "weights_bytes", "cache"]
+          "pinned", "restarts", "crashes", "suspended", "resumed", "resume_failed", "last_error", "stderr_tail",
+          "last_eviction", "worker_active", "batch_size", "peak_batch_size", "weights_bytes", "cache"]
 
 REPORT = EvictReport("m", True, "ttl", pid=7, mode="drain", memory_before_bytes=10, duration_s=0.5, exit=0,
                      signals=("SIGTERM",), aborted=0, drained=2, phases_s={"drain": 0.1}, memory_after_settle_bytes=3)

@@ -13,6 +13,9 @@ as segments ending at the caches' snapshot points, so that for a model with slid
 recurrent layers the prefill stops there and those layers' state is copied; a finished request
 leaves its KV state (and those snapshots) to the caches. A cache failure is logged and costs only
 the cache's benefit.
+A resumed request (Submit.resume_tokens) joins with its earlier tokens as its prompt's tail and
+its text stream replayed through them, so its text continues exactly where its client's stopped;
+every chunk carries the ids of the tokens behind its text, which is what a resume continues from.
 
 Steps are bounded by time, not by a token count: before each step, the prefill chunk (the
 BatchGenerator's `prefill_step_size`, which it reads on every step) is sized by the step cost
@@ -69,6 +72,7 @@ class Request:
     position: int = 0  # prompt tokens in its cache so far
     snapshot_at: frozenset[int] = frozenset()  # prompt positions where its prefill stops for a cache snapshot
     snapshots: dict = field(default_factory=dict)  # block index -> the snapshot taken at that block's end
+    unsent: list[int] = field(default_factory=list)  # generated ids whose text has not gone out yet
 
 
 def special_token_ids(tokenizer) -> frozenset[int]:
@@ -188,6 +192,8 @@ class Engine:
         tokens = self.encode_prompt(msg)
         if not tokens:
             raise RequestRejected(INVALID_REQUEST, "the prompt is empty")
+        prompt_tokens = len(tokens)
+        tokens += self._resume_tokens(msg)
         max_tokens = msg.max_tokens or self.context_length - len(tokens)  # 0: up to the context
         if max_tokens <= 0 or len(tokens) + max_tokens > self.context_length:
             raise RequestRejected(
@@ -206,13 +212,27 @@ class Engine:
             samplers=[self._sampler(msg)],
             stop_sequences=[self._stop_none if msg.ignore_eos else self._stop_eos],
         )
-        req = Request(msg.rid, uid, len(tokens), TextStream(self.tokenizer.detokenizer, msg.stop, self._special),
-                      cached_tokens=cached, prefill_left=len(tokens) - cached - 1, position=cached,
+        req = Request(msg.rid, uid, prompt_tokens, self._text_stream(msg), completion_tokens=len(msg.resume_tokens),
+                      cached_tokens=min(cached, prompt_tokens), prefill_left=len(tokens) - cached - 1, position=cached,
                       snapshot_at=frozenset(points))
         self._by_uid[uid] = req
         self._by_rid[msg.rid] = req
         if req.prefill_left > 0:
             self._prefilling[msg.rid] = req
+
+    def _resume_tokens(self, msg: Submit) -> list[int]:
+        """A resumed request's earlier tokens, checked: ids this vocabulary has."""
+        ids = msg.resume_tokens
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 or 0 < self.vocab_size <= t for t in ids):
+            raise RequestRejected(INVALID_REQUEST, "resume_tokens must be token ids of this model's vocabulary")
+        return list(ids)
+
+    def _text_stream(self, msg: Submit) -> TextStream:
+        """The request's text stream; a resumed one replayed through its earlier tokens (their text was sent)."""
+        text = TextStream(self.tokenizer.detokenizer, msg.stop, self._special)
+        for token in msg.resume_tokens:
+            text.push(token)
+        return text
 
     def _lookup(self, rid: str, tokens: list[int]) -> tuple[int, list | None]:
         if self.caches is None:
@@ -312,16 +332,18 @@ class Engine:
             if not (reason == "stop" and r.token in self._eos):
                 req.completion_tokens += 1
                 self.generated_tokens += 1
+                req.unsent.append(r.token)
                 delta = req.text.push(r.token)
                 if req.text.stopped:
                     reason = "stop"
             if reason is None:
                 if delta:
-                    chunks.append([req.rid, delta, 1])
+                    chunks.append([req.rid, delta, len(req.unsent), req.unsent])
+                    req.unsent = []
                 continue
             delta += req.text.flush()
             finished.append(Finished(req.rid, delta, reason, req.prompt_tokens, req.completion_tokens,
-                                     req.cached_tokens))
+                                     req.cached_tokens, req.unsent))
             del self._by_uid[req.uid]
             del self._by_rid[req.rid]
             self._prefilling.pop(req.rid, None)
