@@ -14,7 +14,8 @@ import signal
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-PROTOCOL_VERSION = 3  # 2: prompt caches (ClearCache, CacheCleared, CacheStats); 3: StepStarted
+PROTOCOL_VERSION = 4  # 2: prompt caches (ClearCache, CacheCleared, CacheStats); 3: StepStarted;
+# 4: Submit's tools, template kwargs, constraint, logprobs, seed, penalties, prompt_ids; typed chunk extras
 
 # Machine codes carried by Failed and surfaced to HTTP clients as the error "code".
 MODEL_EVICTED = "model_evicted"
@@ -26,7 +27,7 @@ INTERNAL_ERROR = "internal_error"
 
 EVICT_MODES = ("drain", "now")
 CACHE_TIERS = ("hot", "ssd")  # ClearCache.which: the in-memory prefix cache or the on-disk one
-FINISH_REASONS = ("stop", "length")
+FINISH_REASONS = ("stop", "length", "tool_calls")
 
 # Worker exit codes, distinct so the supervisor can tell a failed load from a crash.
 EXIT_OK = 0
@@ -50,7 +51,17 @@ class Message:
 
 @dataclass(slots=True)
 class Submit(Message):
-    """Start one generation. Exactly one of `messages` (chat) or `prompt` (completion)."""
+    """Start one generation. Exactly one of `messages` (chat), `prompt` (completion text) or `prompt_ids`
+    (completion token ids).
+
+    API-neutral (the OpenAI, Anthropic and Responses shapes all map onto it): `tools` are function
+    definitions ({"name", "description", "parameters"}) given to the chat template and to the output
+    parser; `template_kwargs` are extra chat-template arguments (enable_thinking, reasoning_effort);
+    `constraint` restricts decoding: {"type": "json", "schema": {...} | None} or {"type": "tool",
+    "names": [allowed function names], "parallel": bool} (the worker writes the family's call format);
+    `logprobs` is -1 for none, else the number of top alternatives per token (0-20); `logit_bias` is
+    [[token_id, bias], ...]; a `seed` samples from its own random stream, whatever else is in the batch.
+    """
 
     KIND: ClassVar[str] = "submit"
     rid: str
@@ -63,6 +74,16 @@ class Submit(Message):
     min_p: float = 0.0
     stop: list = field(default_factory=list)
     ignore_eos: bool = False
+    prompt_ids: list | None = None
+    tools: list | None = None
+    template_kwargs: dict = field(default_factory=dict)
+    constraint: dict | None = None
+    logprobs: int = -1
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: list | None = None
 
 
 @dataclass(slots=True)
@@ -132,7 +153,10 @@ class Progress(Message):
 
 @dataclass(slots=True)
 class Tokens(Message):
-    """Text deltas produced by one engine step, coalesced: [[rid, text, n_tokens], ...]."""
+    """Deltas produced by one engine step, coalesced: [[rid, text, n_tokens], ...], where `text` is answer
+    text; a chunk may carry a fourth element, a dict of typed extras: "reasoning" (text), "calls"
+    ([[index, id, name, arguments_piece], ...]: id and name only in a call's first piece) and
+    "logprobs" ([[token_text, logprob, [[alt_text, alt_logprob], ...]], ...], one per token)."""
 
     KIND: ClassVar[str] = "tokens"
     chunks: list
@@ -147,6 +171,7 @@ class Finished(Message):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    extra: dict | None = None  # the last deltas' typed extras, as in a Tokens chunk
 
 
 @dataclass(slots=True)

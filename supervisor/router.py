@@ -244,13 +244,13 @@ class Router(Lifecycle[MetricsT]):
         streams = worker.streams
         for chunk in msg.chunks:
             try:
-                rid, text, n = chunk
+                rid, text, n, *extra = chunk
             except (TypeError, ValueError):
                 log.warning("[transport] malformed chunk from %r dropped", worker.identity)
                 continue
             stream = streams.get(rid)
             if stream is not None:
-                stream.queue.put_nowait((text, n))
+                stream.queue.put_nowait((text, n, extra[0] if extra and isinstance(extra[0], dict) else None))
 
     def _on_finished(self, worker: Worker, msg: Finished) -> None:
         stream = worker.streams.pop(msg.rid, None)

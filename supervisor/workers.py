@@ -49,7 +49,7 @@ class IllegalTransition(RuntimeError):
 
 
 class Stream:
-    """One request's events, in order: (text, n_tokens) tuples, then a Finished or an error."""
+    """One request's events, in order: (text, n_tokens, extras) tuples, then a Finished or an error."""
 
     __slots__ = ("rid", "queue")
 
@@ -60,7 +60,7 @@ class Stream:
     def fail(self, error: errors.MlxsupError) -> None:
         self.queue.put_nowait(error)
 
-    async def events(self) -> AsyncIterator[tuple[str, int] | Finished]:
+    async def events(self) -> AsyncIterator[tuple[str, int, dict | None] | Finished]:
         while True:
             item = await self.queue.get()
             if isinstance(item, errors.MlxsupError):

@@ -7,22 +7,28 @@ completion, error, client disconnect, shutdown. Metrics are observed there, once
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
-from protocol.messages import Finished
+from protocol.messages import Finished, Submit
 from supervisor import errors
 from supervisor.gateway.openai_api import Parsed
 from supervisor.router import Lease, Router
 
+Delta = tuple[str, int, dict | None]  # answer text, tokens, typed extras (reasoning, tool-call pieces, logprobs)
+
 
 class Call:
-    def __init__(self, router: Router, parsed: Parsed, endpoint: str) -> None:
+    """One choice's generation (a request with n choices, or several prompts, has one Call each)."""
+
+    def __init__(self, router: Router, parsed: Parsed, endpoint: str, submit: Submit | None = None) -> None:
         self.router = router
         self.parsed = parsed
+        self.submit = submit or parsed.submit
         self.endpoint = endpoint
         self.lease: Lease | None = None
-        self.first: tuple[str, int] | Finished | None = None
+        self.first: Delta | Finished | None = None
         self.finished: Finished | None = None
         self.outcome = "disconnected"  # until the request ends otherwise
         self.t0 = time.monotonic()
@@ -38,14 +44,14 @@ class Call:
         """Route, submit and wait for the first event: an error up to here is the response's status."""
         try:
             self.lease = await self.router.acquire(self.parsed.model)
-            self._events = self.lease.submit(self.parsed.submit).events()
+            self._events = self.lease.submit(self.submit).events()
             self.first = await self.next()
         except errors.MlxsupError as exc:
             self.outcome = exc.code
             raise
         self.t_first = time.monotonic()
 
-    async def next(self) -> tuple[str, int] | Finished:
+    async def next(self) -> Delta | Finished:
         assert self._events is not None
         try:
             item = await anext(self._events)
@@ -62,7 +68,7 @@ class Call:
             return
         self._closed = True
         if self.lease is not None:
-            self.lease.abort(self.parsed.submit.rid)  # a no-op once the worker has finished it
+            self.lease.abort(self.submit.rid)  # a no-op once the worker has finished it
             self.lease.release()
         self._observe()
 
@@ -78,3 +84,47 @@ class Call:
             m.completion_tokens.labels(model).inc(fin.completion_tokens)
             if fin.completion_tokens > 1 and self.t_first is not None:
                 m.itl.labels(model).observe((time.monotonic() - self.t_first) / (fin.completion_tokens - 1))
+
+
+class Calls:
+    """A request's choices (n, or several prompts), one Call each, started together and read as one stream
+    of (choice index, event). close() closes them all; an error of any choice is the request's."""
+
+    def __init__(self, router: Router, parsed: Parsed, endpoint: str) -> None:
+        self.parsed = parsed
+        self.calls = [Call(router, parsed, endpoint, submit) for submit in parsed.choices]
+
+    async def start(self) -> None:
+        tasks = [asyncio.create_task(c.start(), name=f"start[{c.submit.rid}]") for c in self.calls]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def events(self) -> AsyncGenerator[tuple[int, Delta | Finished], None]:
+        """Every choice's events as they come, each choice's in order, starting with their first ones."""
+        pending: dict[asyncio.Task, int] = {}
+        try:
+            for i, call in enumerate(self.calls):
+                assert call.first is not None, "a request is read only after every choice's first event"
+                yield i, call.first
+                if not isinstance(call.first, Finished):
+                    pending[asyncio.create_task(call.next(), name=f"next[{call.submit.rid}]")] = i
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in sorted(done, key=lambda t: pending[t]):
+                    i = pending.pop(task)
+                    item = task.result()
+                    yield i, item
+                    if not isinstance(item, Finished):
+                        pending[asyncio.create_task(self.calls[i].next(), name=f"next[{i}]")] = i
+        finally:
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    def close(self) -> None:
+        for call in self.calls:
+            call.close()
