@@ -105,6 +105,8 @@ def _common(body: Any, allowed: set[str]) -> tuple[str, bool, bool, list[str]]:
             raise InvalidRequest("'stream_options' must be an object with a boolean 'include_usage'",
                                  param="stream_options")
         include_usage = options.get("include_usage", False)
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise InvalidRequest("'user' must be a string", param="user")
     return model, bool(stream), include_usage, _stop(body.get("stop"))
 
 
