@@ -88,7 +88,9 @@ class ToolFormat:
     json_call: bool = False  # {"name": ..., "arguments": ...}: the arguments can stream
 
 
-_JSON_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+# The head of a JSON call, up to its arguments' first character (so a split inside the whitespace before
+# them cannot change where they start).
+_JSON_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)')
 CONTENT, REASONING, TOOL = "content", "reasoning", "tool"
 
 
