@@ -192,8 +192,15 @@ def test_get_a_model(client: openai.OpenAI, agents_daemon: Daemon) -> None:
 
 def test_openai_agents_drives_a_tool_loop(agents_daemon: Daemon) -> None:
     """openai-agents with tool_choice forcing the call: the call runs, its result goes back, the next turn answers."""
-    from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, RunConfig, Runner, function_tool,
-                        set_tracing_disabled)
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        RunConfig,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
 
     set_tracing_disabled(True)
     seen: list[tuple[str, int]] = []
