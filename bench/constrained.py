@@ -57,6 +57,8 @@ def run_engine(engine, plain: int, constrained: int, steps: int) -> dict:
             sizes.append(decoding)
     for rid in list(engine.rids):
         engine.abort(rid)
+    print(f"[constrained] plain={plain} constrained={constrained} steps={len(times)} "
+          f"median_ms={statistics.median(times) * 1000 if times else float('nan'):.2f}", flush=True)
     median = statistics.median(times) if times else float("nan")
     return {"plain": plain, "constrained": constrained, "steps": len(times), "step_ms": round(median * 1000, 3),
             "streams_seen": [min(sizes, default=0), max(sizes, default=0)],

@@ -220,3 +220,11 @@ def test_openai_agents_drives_a_tool_loop(agents_daemon: Daemon) -> None:
     assert kinds[:2] == ["tool_call_item", "tool_call_output_item"] and kinds[-1] == "message_output_item", kinds
     assert len(seen) == 1 and isinstance(seen[0][0], str) and isinstance(seen[0][1], int)
     assert result.new_items[1].output == f"Sunny in {seen[0][0]} for {seen[0][1]} days"
+
+
+def test_a_schema_that_cannot_compile_is_a_400_naming_it(client: openai.OpenAI) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "broken_schema", "schema": {
+        "type": "object", "properties": {"a": {"type": "strin"}}}}}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="qwen3", messages=ASK, response_format=fmt, max_tokens=4)
+    assert "broken_schema" in err.value.message and "strin" in err.value.message
