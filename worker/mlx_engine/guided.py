@@ -76,7 +76,10 @@ class GrammarProcessor:
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         if self._started and not self._failed:
-            self.matcher.consume_token(cast(int, tokens[-1].item()))  # waits for the token this sequence just sampled
+            # Launch this step's forward pass first, then wait only for the token this sequence sampled the step
+            # before (computed ahead of it): the mask is made on the host while the batch's forward runs.
+            mx.async_eval(logits)
+            self.matcher.consume_token(cast(int, tokens[-1].item()))
         self._started = True
         if self._failed or self.matcher.is_error():
             if not self._failed:
