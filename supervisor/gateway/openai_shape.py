@@ -64,6 +64,7 @@ class Shaper:
         self.object = "chat.completion" if self.chat else "text_completion"
         self.want_logprobs = parsed.logprobs
         self.per_prompt = parsed.n
+        self._offsets: dict[int, int] = {}  # a streamed completion choice's text so far, for logprobs' text_offset
 
     def _envelope(self, obj: str, choices: list) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
@@ -94,7 +95,10 @@ class Shaper:
               finish_reason: str | None = None) -> dict:
         entries = (extra or {}).get("logprobs") or []
         if not self.chat:
-            choice = {"index": index, "text": text, "logprobs": self._completion_logprobs(entries) if entries else None,
+            offset = self._offsets.get(index, 0)
+            self._offsets[index] = offset + sum(len(e[0]) for e in entries)
+            choice = {"index": index, "text": text,
+                      "logprobs": self._completion_logprobs(entries, offset) if entries else None,
                       "finish_reason": finish_reason}
             return self._envelope("text_completion", [choice])
         delta: dict = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})

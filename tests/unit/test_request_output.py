@@ -92,3 +92,11 @@ def test_streamed_pieces_join_to_the_whole_message() -> None:
     assert pieces[0] == {"index": 0, "id": "call_0", "type": "function", "function": {"name": "f", "arguments": ""}}
     assert all(set(p) == {"index", "function"} for p in pieces[1:])  # id and name only in the first piece
     assert deltas[0]["role"] == "assistant" and "".join(d.get("reasoning_content", "") for d in deltas) == "hm"
+
+
+def test_streamed_completion_logprobs_count_text_offsets_across_chunks() -> None:
+    submit = Submit(rid="cmpl-x", max_tokens=4, prompt="hi", logprobs=0)
+    shaper = Shaper(Parsed("m", submit, True, False, logprobs=True), "m")
+    first = shaper.chunk(0, "ab", {"logprobs": [["a", -1.0, []], ["b", -1.0, []]]})["choices"][0]["logprobs"]
+    second = shaper.chunk(0, "c", {"logprobs": [["c", -1.0, []]]})["choices"][0]["logprobs"]
+    assert first["text_offset"] == [0, 1] and second["text_offset"] == [2]
