@@ -25,6 +25,7 @@ import json
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -198,9 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     if model is None:
         from worker.mlx_engine.make_model import make_model
 
-        model = args.out / "model"
-        if not (model / "config.json").exists():
-            make_model(model, args.preset, seed=0, arch="qwen3")
+        model = Path(tempfile.mkdtemp(prefix="mlxsup-constrained-")) / "model"  # never beside the results
+        make_model(model, args.preset, seed=0, arch="qwen3")
     results = {"command": "python -m bench.constrained " + " ".join(sys.argv[1:] if argv is None else argv), "machine": platform.platform(),
                "model": f"qwen3 {args.preset}" if args.model is None else str(model),
                "engine": engine_part(model, args.steps, args.rounds), "candidates": candidates_part(model, args.walk)}
