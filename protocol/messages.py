@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 PROTOCOL_VERSION = 4  # 2: prompt caches (ClearCache, CacheCleared, CacheStats); 3: StepStarted;
-# 4: resumed requests (Submit.resume_tokens, token ids in Tokens chunks and Finished)
+# 4: resumed requests (Submit.resume_tokens, token ids in Tokens chunks and Finished); Submit's tools, template
+# kwargs, constraint, logprobs, seed, penalties, prompt_ids; typed chunk extras
 
 # Machine codes carried by Failed and surfaced to HTTP clients as the error "code".
 MODEL_EVICTED = "model_evicted"
@@ -27,7 +28,7 @@ INTERNAL_ERROR = "internal_error"
 
 EVICT_MODES = ("drain", "now")
 CACHE_TIERS = ("hot", "ssd")  # ClearCache.which: the in-memory prefix cache or the on-disk one
-FINISH_REASONS = ("stop", "length")
+FINISH_REASONS = ("stop", "length", "tool_calls")
 
 # Worker exit codes, distinct so the supervisor can tell a failed load from a crash.
 EXIT_OK = 0
@@ -51,13 +52,23 @@ class Message:
 
 @dataclass(slots=True)
 class Submit(Message):
-    """Start one generation. Exactly one of `messages` (chat) or `prompt` (completion).
+    """Start one generation. Exactly one of `messages` (chat), `prompt` (completion text) or `prompt_ids`
+    (completion token ids).
+
+    API-neutral (the OpenAI, Anthropic and Responses shapes all map onto it): `tools` are function
+    definitions ({"name", "description", "parameters"}) given to the chat template and to the output
+    parser; `template_kwargs` are extra chat-template arguments (enable_thinking, reasoning_effort);
+    `constraint` restricts decoding: {"type": "json", "schema": {...} | None} or {"type": "tool",
+    "names": [allowed function names], "parallel": bool} (the worker writes the family's call format);
+    `logprobs` is -1 for none, else the number of top alternatives per token (0-20); `logit_bias` is
+    [[token_id, bias], ...]; a `seed` samples from its own random stream, whatever else is in the batch.
 
     `resume_tokens`: a continuation of a request an earlier worker of this model was running (it
     crashed or was evicted under it): the token ids it had generated and its client received. They
-    follow the encoded prompt as its tail, are replayed through the text stream (so the held-back
-    text is what it was, and the next delta continues the client's text exactly) and count as
-    completion tokens; `max_tokens` is what is left to generate (the supervisor reduced it)."""
+    follow the encoded prompt as its tail, are replayed through the text stream and the output parser
+    (so what they hold back is what it was, and the next delta continues the client's text exactly) and
+    count as completion tokens; `max_tokens` is what is left to generate (the supervisor reduced it).
+    """
 
     KIND: ClassVar[str] = "submit"
     rid: str
@@ -70,6 +81,16 @@ class Submit(Message):
     min_p: float = 0.0
     stop: list = field(default_factory=list)
     ignore_eos: bool = False
+    prompt_ids: list | None = None
+    tools: list | None = None
+    template_kwargs: dict = field(default_factory=dict)
+    constraint: dict | None = None
+    logprobs: int = -1
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: list | None = None
     resume_tokens: list = field(default_factory=list)
 
 
@@ -140,11 +161,14 @@ class Progress(Message):
 
 @dataclass(slots=True)
 class Tokens(Message):
-    """Text deltas produced by one engine step, coalesced: [[rid, text, n_tokens, token_ids], ...].
+    """Deltas produced by one engine step, coalesced: [[rid, text, n_tokens, token_ids], ...], where `text`
+    is answer text; a chunk may carry a fifth element, a dict of typed extras: "reasoning" (text), "calls"
+    ([[index, id, name, arguments_piece], ...]: id and name only in a call's first piece) and "logprobs"
+    ([[token_text, logprob, [[alt_text, alt_logprob], ...]], ...], one per token).
 
-    `token_ids` are the n_tokens generated since the request's previous chunk (a token whose text
-    is held back travels with the next chunk that has text), so the ids a supervisor has received
-    are exactly the ones whose text it has: what a resumed request continues from."""
+    `token_ids` are the n_tokens generated since the request's previous chunk (a token whose output
+    is held back travels with the next chunk that says something), so the ids a supervisor has
+    received are exactly the ones whose output it has: what a resumed request continues from."""
 
     KIND: ClassVar[str] = "tokens"
     chunks: list
@@ -160,6 +184,7 @@ class Finished(Message):
     completion_tokens: int
     cached_tokens: int = 0
     token_ids: list = field(default_factory=list)  # generated since the request's last Tokens chunk
+    extra: dict | None = None  # the last deltas' typed extras, as in a Tokens chunk
 
 
 @dataclass(slots=True)

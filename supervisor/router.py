@@ -198,7 +198,7 @@ class Router(Resumption[MetricsT]):
         streams = worker.streams
         for chunk in msg.chunks:
             try:
-                rid, text, _, ids = chunk
+                rid, text, _, ids, *extra = chunk
             except (TypeError, ValueError):
                 log.warning("[transport] malformed chunk from %r dropped", worker.identity)
                 continue
@@ -206,7 +206,8 @@ class Router(Resumption[MetricsT]):
             if stream is not None:
                 if stream.paused_at is not None:
                     self._flowing(worker, stream)
-                stream.put(text, ids if isinstance(ids, list) else [])
+                stream.put(text, ids if isinstance(ids, list) else [],
+                           extra[0] if extra and isinstance(extra[0], dict) else None)
 
     def _on_finished(self, worker: Worker, msg: Finished) -> None:
         stream = worker.streams.pop(msg.rid, None)

@@ -49,7 +49,7 @@ class IllegalTransition(RuntimeError):
 
 
 class Stream:
-    """One request's events, in order: (text, n_tokens) tuples, then a Finished or an error.
+    """One request's events, in order: (text, n_tokens, extras) tuples, then a Finished or an error.
 
     It outlives the worker it started on when the request is resumed (supervisor/resume.py): it
     keeps what a continuation needs, the Submit as the client sent it and the ids of every token
@@ -67,15 +67,15 @@ class Stream:
         self.resumes = 0
         self.paused_at: float | None = None  # set while suspended and until the first event after its resume
 
-    def put(self, text: str, ids: list[int]) -> None:
-        """Text for the client and the ids of the tokens behind it (kept for a resume)."""
+    def put(self, text: str, ids: list[int], extra: dict | None = None) -> None:
+        """Output for the client (answer text, typed extras) and the ids of the tokens behind it (kept for a resume)."""
         self.token_ids.extend(ids)
-        self.queue.put_nowait((text, len(ids)))
+        self.queue.put_nowait((text, len(ids), extra))
 
     def fail(self, error: errors.MlxsupError) -> None:
         self.queue.put_nowait(error)
 
-    async def next(self) -> tuple[str, int] | Finished:
+    async def next(self) -> tuple[str, int, dict | None] | Finished:
         """The next event (cancel-safe: a wait cancelled takes nothing from the queue); an error is raised."""
         item = await self.queue.get()
         if isinstance(item, errors.MlxsupError):

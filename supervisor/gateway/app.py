@@ -18,6 +18,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
@@ -32,10 +33,11 @@ from supervisor import __version__, errors
 from supervisor.config import Settings
 from supervisor.config_view import effective
 from supervisor.gateway.body import decode_json
-from supervisor.gateway.call import Call
+from supervisor.gateway.call import Calls
 from supervisor.gateway.guard import WebGuard
 from supervisor.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from supervisor.gateway.openai_api import Parsed, Shaper, parse_chat, parse_completion
+from supervisor.gateway.openai_api import Parsed, parse_chat, parse_completion
+from supervisor.gateway.openai_shape import Choice, Shaper
 from supervisor.gateway.ui import UI_PATH, Dashboard
 from supervisor.router import Router
 from supervisor.units import is_number
@@ -105,13 +107,14 @@ RESUME_CAUSES = {"crash": "its worker crashed", "hang": "its worker hung",
                  "pressure": "its model was evicted under memory pressure"}
 
 
-def resume_note(router: Router, call: Call, shaper: Shaper) -> bytes | None:
-    """An SSE comment for a suspended request's client (None while it is not suspended)."""
-    suspension = router.suspension(call.parsed.submit.rid)
-    if suspension is None:
-        return None
-    paused = router.clock.monotonic() - suspension.since
-    return f": resuming {shaper.model}: {RESUME_CAUSES[suspension.cause]}; paused {paused:.0f}s\n\n".encode()
+def resume_note(router: Router, call: Calls, shaper: Shaper) -> bytes | None:
+    """An SSE comment for a suspended request's client (None while none of its choices is suspended)."""
+    for c in call.calls:
+        suspension = router.suspension(c.submit.rid)
+        if suspension is not None:
+            paused = router.clock.monotonic() - suspension.since
+            return f": resuming {shaper.model}: {RESUME_CAUSES[suspension.cause]}; paused {paused:.0f}s\n\n".encode()
+    return None
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -145,7 +148,7 @@ class Gateway:
 
     async def _generate(self, request: Request, parse: Callable[[Any], Parsed]) -> Response:
         parsed = parse(await read_json(request, self.settings.max_body_bytes))
-        call = Call(self.router, parsed, request.url.path)
+        call = Calls(self.router, parsed, request.url.path)
         shaper = Shaper(parsed, self.router.registry.resolve(parsed.model).id)
         starting = asyncio.create_task(call.start(), name=f"start[{parsed.submit.rid}]")
         try:
@@ -168,7 +171,7 @@ class Gateway:
         finally:
             call.close()
 
-    async def _sse_waiting(self, call: Call, starting: asyncio.Task, shaper: Shaper) -> AsyncIterator[bytes]:
+    async def _sse_waiting(self, call: Calls, starting: asyncio.Task, shaper: Shaper) -> AsyncIterator[bytes]:
         try:
             while not starting.done():
                 worker = self.router.loading(call.parsed.model)
@@ -185,37 +188,46 @@ class Gateway:
         async for chunk in self._sse(call, shaper):
             yield chunk
 
-    async def _sse(self, call: Call, shaper: Shaper) -> AsyncIterator[bytes]:
-        item, is_first = call.first, True
-        assert item is not None, "a call is streamed only after its first event"
+    async def _sse(self, call: Calls, shaper: Shaper) -> AsyncIterator[bytes]:
+        started: set[int] = set()
+        finished: dict[int, Finished] = {}
+        events = call.events(self.settings.sse_keepalive_s)
         try:
-            while True:
-                if isinstance(item, Finished):
-                    if item.text or is_first:
-                        yield sse(shaper.chunk(item.text, first=is_first))
-                    yield sse(shaper.chunk("", item.finish_reason))
-                    if call.parsed.include_usage:
-                        yield sse(shaper.usage_chunk(item))
-                    yield SSE_DONE
-                    return
-                yield sse(shaper.chunk(item[0], first=is_first))
-                is_first = False
-                while (event := await call.next_within(self.settings.sse_keepalive_s)) is None:
-                    if note := resume_note(self.router, call, shaper):  # its worker ended: it waits for the next
+            async for index, item in events:
+                if item is None:  # nothing within a keep-alive: a choice may wait to be resumed on the next worker
+                    if note := resume_note(self.router, call, shaper):
                         yield note
-                item = event
+                    continue
+                first = index not in started
+                started.add(index)
+                if isinstance(item, Finished):
+                    if first or shaper.has_delta(item.text, item.extra):
+                        yield sse(shaper.chunk(index, item.text, item.extra, first=first))
+                    yield sse(shaper.chunk(index, "", None, finish_reason=item.finish_reason))
+                    finished[index] = item
+                    continue
+                yield sse(shaper.chunk(index, item[0], item[2], first=first))
+            if call.parsed.include_usage:
+                yield sse(shaper.usage_chunk([finished[i] for i in sorted(finished)]))
+            yield SSE_DONE
         except errors.MlxsupError as exc:
             yield sse(exc.body())
+        finally:
+            await events.aclose()
 
-    async def _whole(self, request: Request, call: Call, shaper: Shaper) -> Response:
+    async def _whole(self, request: Request, call: Calls, shaper: Shaper) -> Response:
         async def collect() -> Response:
-            parts, item = [], call.first
-            assert item is not None, "a call is collected only after its first event"
-            while not isinstance(item, Finished):
-                parts.append(item[0])
-                item = await call.next()
-            parts.append(item.text)
-            return JSONResponse(shaper.whole("".join(parts), item))
+            said = [Choice() for _ in call.calls]
+            finished: dict[int, Finished] = {}
+            async for index, item in call.events():
+                if item is None:
+                    continue
+                if isinstance(item, Finished):
+                    said[index].add(item.text, item.extra)
+                    finished[index] = item
+                else:
+                    said[index].add(item[0], item[2])
+            return JSONResponse(shaper.whole(said, [finished[i] for i in range(len(said))]))
 
         work = asyncio.create_task(collect(), name="collect")
         gone = asyncio.create_task(client_gone(request.receive), name="watch-disconnect")
@@ -235,6 +247,16 @@ class Gateway:
         data = [{"id": m, "object": "model", "created": created, "owned_by": "mlxsup"}
                 for m in self.router.registry.ids()]
         return JSONResponse({"object": "list", "data": data})
+
+    async def model(self, request: Request) -> Response:
+        """One model (the openai client's models.retrieve): its context length and whether it is loaded."""
+        self.router.registry.refresh()
+        spec = self.router.registry.resolve(request.path_params["model"])
+        status: dict = next((m for m in self.router.status().to_dict()["models"] if m["id"] == spec.id), {})
+        state = status.get("state")
+        return JSONResponse({"id": spec.id, "object": "model", "created": int(self.started), "owned_by": "mlxsup",
+                             "loaded": state == "ready", "state": state or "unloaded",
+                             "context_length": status.get("context_length") or _config_context(spec.path)})
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "shutting_down" if self.router.shutting_down else "ok"})
@@ -321,6 +343,16 @@ class Gateway:
         return JSONResponse(await self.router.clear_cache(which, model))
 
 
+def _config_context(path: Path) -> int | None:
+    """A model's context length from its config.json (a nested text_config first), before any worker reads it."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+        value = {**config, **(config.get("text_config") or {})}.get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) else None
+
+
 def _release_lease(loading: asyncio.Task) -> None:
     """An explicit load needs the worker ready, not held: its lease goes back the moment it is taken,
     on every path, even when no one is left to read the load's result (a client gone mid-stream)."""
@@ -386,6 +418,7 @@ def build_app(router: Router, settings: Settings) -> ASGIApp:
         Route("/v1/chat/completions", gw.chat, methods=["POST"]),
         Route("/v1/completions", gw.completions, methods=["POST"]),
         Route("/v1/models", gw.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", gw.model, methods=["GET"]),
         Route("/health", gw.health, methods=["GET"]),
         Route("/api/status", gw.status, methods=["GET"]),
         Route("/metrics", gw.metrics, methods=["GET"]),

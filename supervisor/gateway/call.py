@@ -4,8 +4,9 @@ HTTP-agnostic: app.py decides how events are written. Invariant: close() runs on
 and releases the lease (telling the worker to abort if the request still runs) on every path:
 completion, error, client disconnect, shutdown. Metrics are observed there, once per request.
 A request whose worker ends under it may be suspended and resumed on the next one
-(supervisor/resume.py): its events just pause, and `next(keepalive_s)` lets the caller write
-something to the client meanwhile.
+(supervisor/resume.py): its events just pause, and `next_within(keepalive_s)` lets the caller
+write something to the client meanwhile. A request with several choices (n, or several prompts)
+has one Call each, grouped in `Calls`.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncGenerator
 
-from protocol.messages import Finished
+from protocol.messages import Finished, Submit
 from supervisor import errors
 from supervisor.gateway.openai_api import Parsed
 from supervisor.router import Lease, Router
@@ -22,15 +24,19 @@ from supervisor.workers import Stream
 
 log = logging.getLogger(__name__)
 STATUS_DISCONNECTED = 499  # the client left before the end (nginx's code for it)
+Delta = tuple[str, int, dict | None]  # answer text, tokens, typed extras (reasoning, tool-call pieces, logprobs)
 
 
 class Call:
-    def __init__(self, router: Router, parsed: Parsed, endpoint: str) -> None:
+    """One choice's generation (a request with n choices, or several prompts, has one Call each)."""
+
+    def __init__(self, router: Router, parsed: Parsed, endpoint: str, submit: Submit | None = None) -> None:
         self.router = router
         self.parsed = parsed
+        self.submit = submit or parsed.submit
         self.endpoint = endpoint
         self.lease: Lease | None = None
-        self.first: tuple[str, int] | Finished | None = None
+        self.first: Delta | Finished | None = None
         self.finished: Finished | None = None
         self.outcome = "disconnected"  # until the request ends otherwise
         self.status = STATUS_DISCONNECTED  # the HTTP status this request's outcome maps to
@@ -48,19 +54,19 @@ class Call:
         """Route, submit and wait for the first event: an error up to here is the response's status."""
         try:
             self.lease = await self.router.acquire(self.parsed.model)
-            self._stream = self.lease.submit(self.parsed.submit)
+            self._stream = self.lease.submit(self.submit)
             self.first = await self.next()
         except errors.MlxsupError as exc:
             self.outcome, self.status = exc.code, exc.status
             raise
         self.t_first = time.monotonic()
 
-    async def next(self) -> tuple[str, int] | Finished:
+    async def next(self) -> Delta | Finished:
         item = await self.next_within(None)
         assert item is not None, "with no timeout, an event or an error"
         return item
 
-    async def next_within(self, keepalive_s: float | None) -> tuple[str, int] | Finished | None:
+    async def next_within(self, keepalive_s: float | None) -> Delta | Finished | None:
         """The next event; None when none came within `keepalive_s` (it is still awaited by the next call)."""
         assert self._stream is not None
         if self._pending is None:
@@ -86,7 +92,7 @@ class Call:
         if self._pending is not None:
             self._pending.cancel()
         if self.lease is not None:
-            self.lease.abort(self.parsed.submit.rid)  # a no-op once the worker has finished it
+            self.lease.abort(self.submit.rid)  # a no-op once the worker has finished it
             self.lease.release()
         self._observe()
 
@@ -107,3 +113,51 @@ class Call:
                  "ttft_ms=%s ms=%.0f", model, self.endpoint, self.status, self.outcome,
                  fin.prompt_tokens if fin else "-", fin.completion_tokens if fin else "-", ttft_ms,
                  (time.monotonic() - self.t0) * 1000)
+
+
+class Calls:
+    """A request's choices (n, or several prompts), one Call each, started together and read as one stream
+    of (choice index, event). close() closes them all; an error of any choice is the request's."""
+
+    def __init__(self, router: Router, parsed: Parsed, endpoint: str) -> None:
+        self.parsed = parsed
+        self.calls = [Call(router, parsed, endpoint, submit) for submit in parsed.choices]
+
+    async def start(self) -> None:
+        tasks = [asyncio.create_task(c.start(), name=f"start[{c.submit.rid}]") for c in self.calls]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def events(self, keepalive_s: float | None = None) -> AsyncGenerator[tuple[int, Delta | Finished | None], None]:
+        """Every choice's events as they come, each choice's in order, starting with their first ones;
+        (-1, None) when none came within `keepalive_s` (a choice suspended for a resume, or just slow)."""
+        pending: dict[asyncio.Task, int] = {}
+        try:
+            for i, call in enumerate(self.calls):
+                assert call.first is not None, "a request is read only after every choice's first event"
+                yield i, call.first
+                if not isinstance(call.first, Finished):
+                    pending[asyncio.create_task(call.next(), name=f"next[{call.submit.rid}]")] = i
+            while pending:
+                done, _ = await asyncio.wait(pending, timeout=keepalive_s, return_when=asyncio.FIRST_COMPLETED)
+                if not done:
+                    yield -1, None
+                    continue
+                for task in sorted(done, key=lambda t: pending[t]):
+                    i = pending.pop(task)
+                    item = task.result()
+                    yield i, item
+                    if not isinstance(item, Finished):
+                        pending[asyncio.create_task(self.calls[i].next(), name=f"next[{i}]")] = i
+        finally:
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    def close(self) -> None:
+        for call in self.calls:
+            call.close()

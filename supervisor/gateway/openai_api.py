@@ -1,18 +1,22 @@
-"""OpenAI-compatible request validation and response shapes. Pure: no I/O, no state.
+"""OpenAI-compatible request validation. Pure: no I/O, no state.
 
-parse_chat / parse_completion turn a JSON body into a `Parsed` (the protocol Submit plus the
-HTTP-side options) or raise InvalidRequest naming the offending parameter. Unknown parameters
-are rejected, like OpenAI's API does, so a client never silently loses an option it relies on.
+parse_chat / parse_completion turn a JSON body into a `Parsed` (one protocol Submit per choice
+plus the HTTP-side options) or raise InvalidRequest naming the offending parameter. Unknown
+parameters are rejected, like OpenAI's API does, so a client never silently loses an option it
+relies on; the fields OpenAI's clients send that mean nothing to a local server (IGNORED) are
+accepted and dropped, so those clients work unchanged. The Submit is API-neutral: tools as
+{"name", "description", "parameters"}, tool_choice and response_format as a decoding
+`constraint`; the response shapes live in openai_shape.py.
 """
 
 from __future__ import annotations
 
-import time
+import dataclasses
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from protocol.messages import Finished, Submit
+from protocol.messages import Submit
 from supervisor.errors import InvalidRequest
 from supervisor.units import is_number
 
@@ -20,20 +24,38 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP = 4
 MAX_STOP_LEN = 256
 MAX_TOKENS_LIMIT = 1_000_000
+MAX_N = 16
+MAX_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5
+MAX_PROMPTS = 64
 
+# Accepted and ignored: OpenAI fields with no meaning for a local server, which clients (the openai SDK's
+# defaults, LangChain, litellm, openai-agents) send anyway. Refusing them breaks those clients.
+IGNORED = {"user", "store", "metadata", "service_tier", "prompt_cache_key", "prompt_cache_retention",
+           "safety_identifier", "verbosity", "modalities", "prediction", "web_search_options"}
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stream", "stream_options",
-           "n", "user", "seed", "ignore_eos", "presence_penalty", "frequency_penalty"}
-CHAT_PARAMS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
-                         "response_format", "parallel_tool_calls", "metadata", "store"}
-COMPLETION_PARAMS = _COMMON | {"prompt", "echo", "best_of", "logprobs", "suffix"}
+           "n", "seed", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty",
+           "logit_bias", "logprobs"} | IGNORED
+CHAT_PARAMS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
+                         "function_call", "response_format", "parallel_tool_calls", "chat_template_kwargs",
+                         "reasoning_effort"}
+COMPLETION_PARAMS = _COMMON | {"prompt", "echo", "best_of", "suffix"}
+REASONING_EFFORTS = ("minimal", "low", "medium", "high")
 
 
 @dataclass
 class Parsed:
     model: str
-    submit: Submit
+    submit: Submit  # the first choice's; `choices` holds one per choice (n, prompts)
     stream: bool
     include_usage: bool
+    choices: list[Submit] = field(default_factory=list)
+    logprobs: bool = False
+    n: int = 1  # choices per prompt
+
+    def __post_init__(self) -> None:
+        if not self.choices:
+            self.choices = [self.submit]
 
 
 def new_id(prefix: str) -> str:
@@ -83,13 +105,6 @@ def _common(body: Any, allowed: set[str]) -> tuple[str, bool, bool, list[str]]:
             raise InvalidRequest("'stream_options' must be an object with a boolean 'include_usage'",
                                  param="stream_options")
         include_usage = options.get("include_usage", False)
-    if body.get("n", 1) not in (1, None):
-        raise InvalidRequest("only n=1 is supported", param="n")
-    for key in ("presence_penalty", "frequency_penalty"):
-        if _number(body, key, 0.0, -2.0, 2.0) != 0.0:
-            raise InvalidRequest(f"'{key}' is not supported", param=key)
-    if body.get("seed") is not None and not is_number(body["seed"], integer=True):
-        raise InvalidRequest("'seed' must be an integer", param="seed")
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise InvalidRequest("'user' must be a string", param="user")
     return model, bool(stream), include_usage, _stop(body.get("stop"))
@@ -109,22 +124,59 @@ def _stop(stop: Any) -> list[str]:
     return [s for s in stop if s]
 
 
+def _logit_bias(value: Any) -> list | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidRequest("'logit_bias' must be an object mapping token ids to biases", param="logit_bias")
+    pairs = []
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isdigit()) or not is_number(bias) or not -100 <= bias <= 100:
+            raise InvalidRequest("'logit_bias' maps token ids (as strings) to numbers from -100 to 100",
+                                 param="logit_bias")
+        pairs.append([int(key), float(bias)])
+    return pairs or None
+
+
 def _sampling(body: dict) -> dict:
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise InvalidRequest("'ignore_eos' must be a boolean", param="ignore_eos")
+    seed = body.get("seed")
+    if seed is not None and not is_number(seed, integer=True):
+        raise InvalidRequest("'seed' must be an integer", param="seed")
     return {
         "temperature": _number(body, "temperature", 1.0, 0.0, 2.0),
         "top_p": _number(body, "top_p", 1.0, 0.0, 1.0),
         "top_k": _integer(body, "top_k", 0, 0, MAX_TOKENS_LIMIT),
         "min_p": _number(body, "min_p", 0.0, 0.0, 1.0),
         "ignore_eos": ignore_eos,
+        "seed": None if seed is None else seed % 2**63,
+        "presence_penalty": _number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        "frequency_penalty": _number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        "repetition_penalty": _number(body, "repetition_penalty", 1.0, 0.01, 10.0),
+        "logit_bias": _logit_bias(body.get("logit_bias")),
     }
 
 
-def _content(message: dict, i: int) -> str:
-    content = message.get("content")
-    if content is None and message.get("role") == "assistant":
+def _n(body: dict) -> int:
+    return _integer(body, "n", 1, 1, MAX_N) or 1
+
+
+def fan_out(first: Submit, n: int, prompts: int = 1) -> list[Submit]:
+    """One Submit per choice: `first` and its copies, each its own request id and, when seeded, its own seed."""
+    out = []
+    for i in range(n * prompts):
+        seed = None if first.seed is None else (first.seed + i % n) % 2**63
+        out.append(dataclasses.replace(first, rid=f"{first.rid}-{i}" if i else first.rid, seed=seed))
+    return out
+
+
+# --- chat ----------------------------------------------------------------------------------
+
+
+def _text(content: Any, where: str, allow_none: bool) -> str:
+    if content is None and allow_none:
         return ""
     if isinstance(content, str):
         return content
@@ -132,102 +184,207 @@ def _content(message: dict, i: int) -> str:
         parts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise InvalidRequest(f"messages[{i}].content: only text parts are supported",
-                                     param=f"messages[{i}].content")
+                raise InvalidRequest(f"{where}: only text parts are supported", param=where)
             parts.append(part["text"])
         return "".join(parts)
-    raise InvalidRequest(f"messages[{i}].content must be a string or a list of text parts",
-                         param=f"messages[{i}].content")
+    raise InvalidRequest(f"{where} must be a string or a list of text parts", param=where)
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict]:
+    if not isinstance(calls, list):
+        raise InvalidRequest(f"{where} must be a list", param=where)
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise InvalidRequest(f"{where}[{j}] must have a function with a name", param=f"{where}[{j}]")
+        args = fn.get("arguments", "{}")
+        if not isinstance(args, (str, dict)):
+            raise InvalidRequest(f"{where}[{j}].function.arguments must be a JSON string",
+                                 param=f"{where}[{j}].function.arguments")
+        out.append({"id": str(call.get("id") or f"call_{j}"), "type": "function",
+                    "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+def _message(m: Any, i: int) -> dict:
+    """One message as the chat template takes it: role, text content, and the tool fields kept."""
+    where = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise InvalidRequest(f"{where} must be an object", param=where)
+    role = m.get("role")
+    if role not in ROLES:
+        raise InvalidRequest(f"{where}.role must be one of {', '.join(ROLES)}", param=f"{where}.role")
+    out: dict = {"role": role, "content": _text(m.get("content"), f"{where}.content", role == "assistant")}
+    if role == "assistant":
+        if m.get("tool_calls"):
+            out["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
+        reasoning = m.get("reasoning_content", m.get("reasoning"))
+        if isinstance(reasoning, str) and reasoning:
+            out["reasoning_content"] = reasoning
+    if role == "tool":
+        if m.get("tool_call_id") is not None:
+            out["tool_call_id"] = str(m["tool_call_id"])
+    if isinstance(m.get("name"), str) and m["name"]:
+        out["name"] = m["name"]
+    return out
+
+
+def _tools(body: dict) -> list[dict] | None:
+    """`tools` (or the legacy `functions`) as neutral function definitions."""
+    tools = body.get("tools")
+    if tools is None and body.get("functions") is not None:
+        tools = [{"type": "function", "function": f} for f in body["functions"]] \
+            if isinstance(body["functions"], list) else body["functions"]
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise InvalidRequest("'tools' must be a list of function tools", param="tools")
+    out = []
+    for j, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise InvalidRequest(f"tools[{j}] must be {{'type': 'function', 'function': {{'name': ...}}}}",
+                                 param=f"tools[{j}]")
+        params = fn.get("parameters") or {"type": "object", "properties": {}}
+        if not isinstance(params, dict):
+            raise InvalidRequest(f"tools[{j}].function.parameters must be a JSON schema object",
+                                 param=f"tools[{j}].function.parameters")
+        out.append({"name": fn["name"], "description": str(fn.get("description") or ""), "parameters": params})
+    return out or None
+
+
+def _tool_choice(body: dict, tools: list[dict] | None) -> tuple[list[dict] | None, dict | None]:
+    """(the tools the template and parser get, the decoding constraint) for tool_choice."""
+    choice = body.get("tool_choice", body.get("function_call"))
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise InvalidRequest("'parallel_tool_calls' must be a boolean", param="parallel_tool_calls")
+    if choice is None or choice == "auto":
+        return tools, None
+    if choice == "none":
+        return None, None
+    if not tools:
+        raise InvalidRequest("'tool_choice' needs 'tools'", param="tool_choice")
+    names = [t["name"] for t in tools]
+    if choice == "required":
+        return tools, {"type": "tool", "names": names, "parallel": parallel}
+    name = None
+    if isinstance(choice, dict):
+        fn = choice.get("function") if choice.get("type", "function") == "function" else None
+        name = fn.get("name") if isinstance(fn, dict) else choice.get("name")
+    if not isinstance(name, str):
+        raise InvalidRequest("'tool_choice' must be 'none', 'auto', 'required' or "
+                             "{'type': 'function', 'function': {'name': ...}}", param="tool_choice")
+    if name not in names:
+        raise InvalidRequest(f"'tool_choice' names function '{name}', which is not in 'tools'", param="tool_choice")
+    return tools, {"type": "tool", "names": [name], "parallel": False}
+
+
+def _response_format(fmt: Any) -> dict | None:
+    if fmt is None or fmt == {"type": "text"}:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "json_object":
+        return {"type": "json", "schema": None}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("name", ""), str):
+            raise InvalidRequest("response_format.json_schema must be an object with a 'name' and a 'schema'",
+                                 param="response_format.json_schema")
+        schema = spec.get("schema", {})
+        if not isinstance(schema, dict):
+            raise InvalidRequest("response_format.json_schema.schema must be a JSON schema object",
+                                 param="response_format.json_schema.schema")
+        return {"type": "json", "schema": schema, "name": spec.get("name", "")}
+    raise InvalidRequest("'response_format' type must be 'text', 'json_object' or 'json_schema'",
+                         param="response_format")
+
+
+def _template_kwargs(body: dict) -> dict:
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise InvalidRequest("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
+    if "enable_thinking" in kwargs and not isinstance(kwargs["enable_thinking"], bool):
+        raise InvalidRequest("chat_template_kwargs.enable_thinking must be a boolean",
+                             param="chat_template_kwargs.enable_thinking")
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise InvalidRequest(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}",
+                                 param="reasoning_effort")
+        kwargs = {"reasoning_effort": "low" if effort == "minimal" else effort, **kwargs}
+    return kwargs
+
+
+def _chat_logprobs(body: dict) -> int:
+    top = _integer(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise InvalidRequest("'logprobs' must be a boolean", param="logprobs")
+    if top is not None and not wanted:
+        raise InvalidRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    return (top or 0) if wanted else -1
 
 
 def parse_chat(body: Any) -> Parsed:
     model, stream, include_usage, stop = _common(body, CHAT_PARAMS)
-    for key in ("tools", "tool_choice"):
-        if body.get(key):
-            raise InvalidRequest(f"'{key}' is not supported", param=key)
-    if body.get("logprobs") or body.get("top_logprobs"):
-        raise InvalidRequest("'logprobs' is not supported", param="logprobs")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise InvalidRequest("only response_format {'type': 'text'} is supported", param="response_format")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty list", param="messages")
-    clean = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise InvalidRequest(f"messages[{i}] must be an object", param=f"messages[{i}]")
-        if m.get("role") not in ROLES:
-            raise InvalidRequest(f"messages[{i}].role must be one of {', '.join(ROLES)}", param=f"messages[{i}].role")
-        clean.append({"role": m["role"], "content": _content(m, i)})
+    clean = [_message(m, i) for i, m in enumerate(messages)]
+    tools, constraint = _tool_choice(body, _tools(body))
+    json_format = _response_format(body.get("response_format"))
+    if constraint is None:
+        constraint = json_format
     max_tokens = _integer(body, "max_completion_tokens", None, 1, MAX_TOKENS_LIMIT)
     if max_tokens is None:
         max_tokens = _integer(body, "max_tokens", 0, 1, MAX_TOKENS_LIMIT) or 0  # 0: up to the context
-    submit = Submit(rid=new_id("chatcmpl"), max_tokens=max_tokens, messages=clean, stop=stop, **_sampling(body))
-    return Parsed(model, submit, stream, include_usage)
+    submit = Submit(rid=new_id("chatcmpl"), max_tokens=max_tokens, messages=clean, stop=stop, tools=tools,
+                    template_kwargs=_template_kwargs(body), constraint=constraint, logprobs=_chat_logprobs(body),
+                    **_sampling(body))
+    n = _n(body)
+    return Parsed(model, submit, stream, include_usage, fan_out(submit, n), submit.logprobs >= 0, n)
+
+
+# --- completions ---------------------------------------------------------------------------
+
+
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    """`prompt` as OpenAI allows it: a string, a list of strings, token ids, or a list of token-id lists."""
+    def token_ids(p: Any) -> bool:
+        return isinstance(p, list) and all(is_number(t, integer=True) and t >= 0 for t in p)
+
+    if isinstance(prompt, str) or token_ids(prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or token_ids(p) for p in prompt):
+        prompts = list(prompt)
+    else:
+        raise InvalidRequest("'prompt' must be a string, a list of strings, a list of token ids or a list of "
+                             "token-id lists", param="prompt")
+    if not prompts or any(not p for p in prompts):
+        raise InvalidRequest("'prompt' must not be empty", param="prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise InvalidRequest(f"'prompt' may hold at most {MAX_PROMPTS} prompts", param="prompt")
+    return prompts
 
 
 def parse_completion(body: Any) -> Parsed:
     model, stream, include_usage, stop = _common(body, COMPLETION_PARAMS)
-    for key in ("echo", "logprobs", "suffix"):
+    for key in ("echo", "suffix"):
         if body.get(key):
             raise InvalidRequest(f"'{key}' is not supported", param=key)
     if body.get("best_of", 1) not in (1, None):
         raise InvalidRequest("only best_of=1 is supported", param="best_of")
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str):
-        raise InvalidRequest("'prompt' must be a string (batched and token prompts are not supported)",
-                             param="prompt")
-    if not prompt:
-        raise InvalidRequest("'prompt' must not be empty", param="prompt")
+    logprobs = _integer(body, "logprobs", None, 0, MAX_COMPLETION_LOGPROBS)
+    prompts = _prompts(body.get("prompt"))
     max_tokens = _integer(body, "max_tokens", 16, 1, MAX_TOKENS_LIMIT) or 16
-    submit = Submit(rid=new_id("cmpl"), max_tokens=max_tokens, prompt=prompt, stop=stop, **_sampling(body))
-    return Parsed(model, submit, stream, include_usage)
-
-
-# --- responses ----------------------------------------------------------------------------
-
-
-def usage(fin: Finished) -> dict:
-    return {
-        "prompt_tokens": fin.prompt_tokens,
-        "completion_tokens": fin.completion_tokens,
-        "total_tokens": fin.prompt_tokens + fin.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": fin.cached_tokens},
-    }
-
-
-class Shaper:
-    """Builds the response objects of one request, chat or completion, streamed or whole."""
-
-    def __init__(self, parsed: Parsed, model: str) -> None:
-        self.chat = parsed.submit.messages is not None
-        self.id = parsed.submit.rid
-        self.model = model
-        self.created = int(time.time())
-        self.object = "chat.completion" if self.chat else "text_completion"
-
-    def _envelope(self, obj: str, choices: list) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
-
-    def chunk(self, text: str, finish_reason: str | None = None, first: bool = False) -> dict:
-        if self.chat:
-            delta: dict = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            return self._envelope("chat.completion.chunk", [choice])
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return self._envelope("text_completion", [choice])
-
-    def usage_chunk(self, fin: Finished) -> dict:
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self._envelope(obj, []), "usage": usage(fin)}
-
-    def whole(self, text: str, fin: Finished) -> dict:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": fin.finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": fin.finish_reason}
-        return {**self._envelope(self.object, [choice]), "usage": usage(fin)}
+    n = _n(body)
+    first = Submit(rid=new_id("cmpl"), max_tokens=max_tokens, stop=stop,
+                   logprobs=-1 if logprobs is None else logprobs, **_sampling(body))
+    choices = []
+    for i, sub in enumerate(fan_out(first, n, len(prompts))):
+        p = prompts[i // n]
+        choices.append(dataclasses.replace(sub, prompt=p if isinstance(p, str) else None,
+                                           prompt_ids=None if isinstance(p, str) else list(p)))
+    return Parsed(model, choices[0], stream, include_usage, choices, logprobs is not None, n)

@@ -21,6 +21,7 @@ import pytest
 from mlx_lm import load, stream_generate
 
 from tests.conftest import Daemon, start_daemon, wait_for
+from worker.chat_format import family_of, parser_for, starts_in_think
 from worker.mlx_engine.engine import special_token_ids
 
 SERVED = ["llama", "qwen3", "qwen3_moe", "gemma3", "gpt_oss", "qwen3_5", "qwen3-4bit", "qwen3_5-4bit"]
@@ -46,14 +47,19 @@ def served(request: pytest.FixtureRequest, families_daemon: Daemon, family_model
 
 
 def reference(model: object, tok: object, messages: list[dict]) -> tuple[str, int, str]:
-    """mlx_lm's greedy chat completion: (its text less special tokens, generated tokens, finish reason)."""
+    """mlx_lm's greedy chat completion: (its answer text, generated tokens, finish reason). The answer is its text
+    less special tokens, read by the family's output parser as the worker reads it (reasoning and harmony's
+    headers are not answer)."""
     prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
     responses = list(stream_generate(model, tok, prompt, max_tokens=MAX_TOKENS))
     text = "".join(r.text for r in responses)
-    for name in {tok.convert_ids_to_tokens(i) for i in special_token_ids(tok)}:
+    family = family_of(tok)
+    for name in {tok.convert_ids_to_tokens(i) for i in special_token_ids(tok) - family.visible_specials}:
         text = text.replace(name, "")
+    parser = parser_for(family, chat=True, tools=False, in_think=starts_in_think(family, tok.decode(prompt[-4:])))
+    answer = parser.feed(text).content + parser.finish().content
     finish = responses[-1].finish_reason
-    return text, len(responses) - (finish == "stop"), finish
+    return answer, len(responses) - (finish == "stop"), finish
 
 
 def as_served(completion: object) -> tuple[str, int, str]:

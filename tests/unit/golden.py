@@ -1,16 +1,18 @@
 """Golden sha256 of each sample message in test_codec.py. Regenerate only with a PROTOCOL_VERSION bump."""
 
 GOLDEN_SHA256 = {
-    "submit:r1": "40e6043e20a87e0dc8841954fd75225f48de4afc17a5d4c76e53d40ecbf05b32",
-    "submit:r2": "a902c51c2ab3340ddf6aecdd9c9a61dff50dc488e4d9a6733272cc35897388d4",
+    "submit:r1": "788caf0e4e5d0eeffd30acfeea55f2e87671e10acbf9f4d1f0703aee08ea893c",
+    "submit:r2": "71bc93c27ca65062f509b109c84a4e4975debb9bdbe285af51de68cc8552b4b8",
+    "submit:r3": "19e762a504760f7e749bf162a82cd9100dbfa5bed9368633c83527957f6c1038",
+    "submit:r4": "66209155084ed3f45406a706298f70fc17190be7403a1fce6e4d867efb7d32de",
     "abort": "1f8e06dcd1558f5749e0a58b14081a448514f89be6de7805e8add6b39f08e933",
     "evict": "473691bd8ed45e4694ffdbf9d71b294eda86fb6d683ed13fc570485954e10b32",
     "progress": "aa9c951787d272720dcb6c260272e066bf126d5a20308b7153160d4423a21ba9",
     "standby": "9916448b639df6e794e2462d8ef0bacd5a72cccf5456ab3cd86777762d562c17",
     "load": "345adf8f9a199103d9427cb86c50aa7e4671984cf11c2a82dd56faca0f520548",
     "ready": "33ad074689fb88859b51c000ffe5f0b33b1004c8fda147971633a77f0f900754",
-    "tokens": "35df10972382787135dfa059e863a70efb5674d67286a53c75f0a85cc5cb79bd",
-    "finished": "2564078e7b8347da2f3cee70aa7b28f8f60dca9fccfd2a66f5dbdd7d0b6459ef",
+    "tokens": "69377fb6600635c6a13cff9d3f1bc954aa94eab04b021ed9eaa0a73e0fb531ca",
+    "finished": "1ee2adc8ca616032f2b7bcf44076a5a9553a2f1dde01a048001facc076fea301",
     "failed": "eafb869970b9290ad0784dbaea86670841f6e6fd9b64fd9565da7e5d90784c8d",
     "heartbeat": "9eeb71c25656dbbe271e9876c576f653566867457968e5b04e031946e57a6f12",
     "step_started": "9bda59a4868ca73f5e8cb151785fa260035a5c27fbb71f069b0f13dbcd957e60",

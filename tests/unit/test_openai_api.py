@@ -8,6 +8,8 @@ from supervisor.errors import InvalidRequest
 from supervisor.gateway.openai_api import parse_chat, parse_completion
 
 MSGS = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "get_weather", "description": "d",
+                                         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
 
 
 def chat(**kw) -> dict:
@@ -55,12 +57,31 @@ def test_completion_defaults() -> None:
     (chat(min_p=2), "min_p"),
     (chat(stop=["a", "b", "c", "d", "e"]), "stop"),
     (chat(stop=[1]), "stop"),
-    (chat(n=2), "n"),
+    (chat(n=17), "n"),
+    (chat(n=0), "n"),
     (chat(stream="yes"), "stream"),
     (chat(stream_options={"include_usage": True}), "stream_options"),
-    (chat(logprobs=True), "logprobs"),
-    (chat(tools=[{"type": "function"}]), "tools"),
-    (chat(frequency_penalty=1.0), "frequency_penalty"),
+    (chat(logprobs="yes"), "logprobs"),
+    (chat(top_logprobs=2), "top_logprobs"),
+    (chat(logprobs=True, top_logprobs=21), "top_logprobs"),
+    (chat(tools=[{"type": "function"}]), "tools[0]"),
+    (chat(tools={"type": "function"}), "tools"),
+    (chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "other"}}), "tool_choice"),
+    (chat(tool_choice="required"), "tool_choice"),
+    (chat(tools=[TOOL], tool_choice="sometimes"), "tool_choice"),
+    (chat(tools=[TOOL], parallel_tool_calls="yes"), "parallel_tool_calls"),
+    (chat(response_format={"type": "xml"}), "response_format"),
+    (chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": []}}),
+     "response_format.json_schema.schema"),
+    (chat(chat_template_kwargs={"enable_thinking": "no"}), "chat_template_kwargs.enable_thinking"),
+    (chat(reasoning_effort="extreme"), "reasoning_effort"),
+    (chat(logit_bias={"x": 1}), "logit_bias"),
+    (chat(logit_bias={"5": 101}), "logit_bias"),
+    (chat(frequency_penalty=3.0), "frequency_penalty"),
+    (chat(repetition_penalty=0), "repetition_penalty"),
+    (chat(seed="7"), "seed"),
+    (chat(messages=[{"role": "assistant", "content": None, "tool_calls": [{"function": {}}]}]),
+     "messages[0].tool_calls[0]"),
     (chat(wibble=1), "wibble"),
     (chat(ignore_eos="no"), "ignore_eos"),
 ])
@@ -74,8 +95,11 @@ def test_chat_rejections(body, param) -> None:
 @pytest.mark.parametrize("body, param", [
     ({"model": "m"}, "prompt"),
     ({"model": "m", "prompt": ""}, "prompt"),
-    ({"model": "m", "prompt": [1, 2, 3]}, "prompt"),
-    ({"model": "m", "prompt": ["a", "b"]}, "prompt"),
+    ({"model": "m", "prompt": [1.5, 2]}, "prompt"),
+    ({"model": "m", "prompt": [-1]}, "prompt"),
+    ({"model": "m", "prompt": []}, "prompt"),
+    ({"model": "m", "prompt": ["a", []]}, "prompt"),
+    ({"model": "m", "prompt": "x", "logprobs": 6}, "logprobs"),
     ({"model": "m", "prompt": "x", "echo": True}, "echo"),
     ({"model": "m", "prompt": "x", "best_of": 3}, "best_of"),
 ])
@@ -83,3 +107,54 @@ def test_completion_rejections(body, param) -> None:
     with pytest.raises(InvalidRequest) as err:
         parse_completion(body)
     assert err.value.param == param
+
+
+def test_fields_clients_send_by_default_are_accepted_and_ignored() -> None:
+    body = chat(service_tier="auto", prompt_cache_key="k", safety_identifier="s", store=False, metadata={"a": "b"},
+                user="u", verbosity="low", parallel_tool_calls=True)
+    assert parse_chat(body).submit.messages == MSGS
+
+
+def test_tools_tool_choice_and_response_format_become_a_neutral_submit() -> None:
+    neutral = [{"name": "get_weather", "description": "d", "parameters": TOOL["function"]["parameters"]}]
+    s = parse_chat(chat(tools=[TOOL])).submit
+    assert (s.tools, s.constraint) == (neutral, None)
+    assert parse_chat(chat(tools=[TOOL], tool_choice="none")).submit.tools is None
+    s = parse_chat(chat(tools=[TOOL], tool_choice="required", parallel_tool_calls=False)).submit
+    assert s.constraint == {"type": "tool", "names": ["get_weather"], "parallel": False}
+    s = parse_chat(chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}})).submit
+    assert s.constraint == {"type": "tool", "names": ["get_weather"], "parallel": False}
+    assert parse_chat(chat(response_format={"type": "json_object"})).submit.constraint == {"type": "json", "schema": None}
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}, "strict": True}}
+    assert parse_chat(chat(response_format=fmt)).submit.constraint == {"type": "json", "schema": {"type": "object"},
+                                                                       "name": "n"}
+
+
+def test_earlier_turns_keep_their_tool_calls_ids_and_names() -> None:
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "P"}'}}
+    msgs = [{"role": "user", "content": "w?"}, {"role": "assistant", "content": None, "tool_calls": [call],
+                                               "reasoning": "think"},
+            {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "sunny"}]
+    s = parse_chat(chat(messages=msgs)).submit
+    assert s.messages[1] == {"role": "assistant", "content": "", "tool_calls": [call], "reasoning_content": "think"}
+    assert s.messages[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1", "name": "get_weather"}
+
+
+def test_options_reach_the_submit() -> None:
+    p = parse_chat(chat(logprobs=True, top_logprobs=3, seed=5, n=3, presence_penalty=0.5, frequency_penalty=-0.5,
+                        repetition_penalty=1.2, logit_bias={"7": -100}, chat_template_kwargs={"enable_thinking": False},
+                        reasoning_effort="high"))
+    s = p.submit
+    assert (s.logprobs, s.seed, s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.logit_bias) == \
+        (3, 5, 0.5, -0.5, 1.2, [[7, -100.0]])
+    assert s.template_kwargs == {"enable_thinking": False, "reasoning_effort": "high"}
+    assert [c.seed for c in p.choices] == [5, 6, 7] and len({c.rid for c in p.choices}) == 3 and p.logprobs
+    assert parse_chat(chat(logprobs=True)).submit.logprobs == 0 and parse_chat(chat()).submit.logprobs == -1
+
+
+def test_completion_prompts_as_token_ids_and_lists() -> None:
+    p = parse_completion({"model": "m", "prompt": [[1, 2], "text"], "n": 2, "logprobs": 2})
+    assert [(c.prompt, c.prompt_ids) for c in p.choices] == [(None, [1, 2]), (None, [1, 2]), ("text", None),
+                                                               ("text", None)]
+    assert p.n == 2 and p.logprobs and p.submit.logprobs == 2
+    assert parse_completion({"model": "m", "prompt": [5, 6]}).submit.prompt_ids == [5, 6]

@@ -49,7 +49,7 @@ async def test_a_crash_suspends_the_stream_and_the_next_worker_gets_the_continua
     first = w.worker("m")
     stream = lease.submit(Submit("r1", max_tokens=10, prompt="hi", temperature=0.0, stop=["!"]))
     tokens(w, first, "r1", ("He", [5, 6]), ("llo", [7]))
-    assert drain(stream) == [("He", 2), ("llo", 1)]
+    assert drain(stream) == [("He", 2, None), ("llo", 1, None)]
     first.process.exit(-9)  # type: ignore[attr-defined]
     await settle()
     assert stream.queue.empty(), "the client must see a pause, not an error"
@@ -69,7 +69,7 @@ async def test_a_crash_suspends_the_stream_and_the_next_worker_gets_the_continua
     w.clock.advance(0.25)
     tokens(w, second, "r1", (" there", [8]))
     w.transport.deliver(second.identity, Finished("r1", "", "length", 2, 10))
-    assert drain(stream) == [(" there", 1), Finished("r1", "", "length", 2, 10)]
+    assert drain(stream) == [(" there", 1, None), Finished("r1", "", "length", 2, 10)]
     assert w.sample("mlxsup_resume_pause_seconds_count", model="m") == 1
     assert w.sample("mlxsup_resume_pause_seconds_sum", model="m") == 1.25  # suspended until its next token
     lease.release()
@@ -179,7 +179,7 @@ async def test_hard_pressure_suspends_and_resumes_only_once_the_pressure_is_over
     await settle()
     second = w.ready("m")
     await settle()
-    assert drain(stream) == [("a", 1)]
+    assert drain(stream) == [("a", 1, None)]
     (resubmitted,) = w.transport.to(second, Submit)
     assert resubmitted.resume_tokens == [1]
 

@@ -695,11 +695,12 @@ async def test_messages_reach_their_streams_and_the_worker_record(tmp_path: Path
     stream = lease.submit(Submit("r1", max_tokens=8, prompt="hi"))
     w.clock.advance(3.0)
     deliver = functools.partial(w.transport.deliver, worker.identity)
-    deliver(Tokens([["r1", "Hel", 1, [7]], ["other", "x", 1, [8]], "garbage"]))
+    deliver(Tokens([["r1", "Hel", 1, [7]], ["other", "x", 1, [8]], "garbage", ["r1", "", 1, [9], {"reasoning": "hm"}]]))
     deliver(Heartbeat(active=1, waiting=2, batch_size=1, max_batch_size=4, generated_tokens=7, memory_bytes=1))
     deliver(Finished("r1", "lo", "stop", 3, 2))
-    assert [next_event(stream), next_event(stream)] == [("Hel", 1), Finished("r1", "lo", "stop", 3, 2)]
-    assert stream.queue.empty() and stream.token_ids == [7]  # what a resume would continue from
+    assert [next_event(stream), next_event(stream), next_event(stream)] == [
+        ("Hel", 1, None), ("", 1, {"reasoning": "hm"}), Finished("r1", "lo", "stop", 3, 2)]
+    assert stream.queue.empty() and stream.token_ids == [7, 9]  # what a resume would continue from
     assert worker.last_seen == w.clock.now and worker.streams == {}
     status = w.router.model_status("m").to_dict()
     assert status["queued"] == 2 and status["generated_tokens"] == 7 and status["context_length"] == 8192

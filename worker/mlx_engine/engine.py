@@ -51,9 +51,12 @@ from protocol.messages import (
     Finished,
     Submit,
 )
+from worker.chat_format import ConstraintError, family_of, grammar_for, parser_for, starts_in_think
 from worker.engine_api import RequestRejected
 from worker.memory import process_memory_bytes
+from worker.mlx_engine.guided import Grammars, logprob_entries, penalty_processors, seeded_sampler
 from worker.mlx_engine.prompt_cache import CacheOptions, PromptCaches
+from worker.request_output import RequestOutput
 from worker.step_cost import PrefillSeq, StepCostModel, StepPlan, StepWork
 from worker.textstream import TextStream
 
@@ -65,7 +68,7 @@ class Request:
     rid: str
     uid: int
     prompt_tokens: int
-    text: TextStream
+    out: RequestOutput
     completion_tokens: int = 0
     cached_tokens: int = 0
     prefill_left: int = 0  # prompt tokens still to prefill (the last one is decoded, not prefilled)
@@ -84,6 +87,30 @@ def special_token_ids(tokenizer) -> frozenset[int]:
     added = getattr(tokenizer, "added_tokens_decoder", None) or {}
     ids.update(i for i, tok in added.items() if getattr(tok, "special", False))
     return frozenset(ids)
+
+
+def template_tools(tools: list | None) -> list | None:
+    """Neutral function definitions as chat templates take them (OpenAI's shape, which they all read)."""
+    return [{"type": "function", "function": t} for t in tools] if tools else None
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """Earlier calls' arguments as mappings (Hugging Face's convention; a JSON string that is not an object stays)."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = []
+            for call in m["tool_calls"]:
+                fn = dict(call["function"])
+                try:
+                    args = json.loads(fn["arguments"]) if isinstance(fn.get("arguments"), str) else fn.get("arguments")
+                except ValueError:
+                    args = fn["arguments"]
+                fn["arguments"] = args if isinstance(args, dict) else fn.get("arguments")
+                calls.append({**call, "function": fn})
+            m = {**m, "tool_calls": calls}
+        out.append(m)
+    return out
 
 
 def load_with_progress(model_path: Path, report: Callable[[str, float], None]) -> tuple:
@@ -123,7 +150,9 @@ class Engine:
         self.vocab_size = int(text_config.get("vocab_size") or 0)
         self.weights_bytes = sum(p.stat().st_size for p in model_path.glob("*.safetensors"))
         eos = sorted(self.tokenizer.eos_token_ids)
-        self._special = special_token_ids(self.tokenizer)
+        self.family = family_of(self.tokenizer)
+        self._special = special_token_ids(self.tokenizer) - self.family.visible_specials
+        self.grammars = Grammars(self.tokenizer._tokenizer, eos, self.vocab_size)
         self._eos = set(eos)
         self._stop_eos = StopSequences([[t] for t in eos])
         self._stop_none = StopSequences(None)
@@ -140,7 +169,7 @@ class Engine:
         self._prefilling: dict[str, Request] = {}  # requests with prompt left to prefill, in arrival order
         self._plan: StepPlan | None = None
         self._in_flight = 0  # sequences of the last step's decode: launched, and what the next step waits for
-        self._samplers: dict[tuple, object] = {}
+        self._samplers: dict[tuple, Callable] = {}
         self._by_uid: dict[int, Request] = {}
         self._by_rid: dict[str, Request] = {}
         self.generated_tokens = 0
@@ -166,25 +195,59 @@ class Engine:
     def encode_prompt(self, msg: Submit) -> list[int]:
         if msg.messages is not None:
             try:
-                return list(self.tokenizer.apply_chat_template(msg.messages, add_generation_prompt=True))
+                return list(self.tokenizer.apply_chat_template(
+                    template_messages(msg.messages), tools=template_tools(msg.tools), add_generation_prompt=True,
+                    **msg.template_kwargs))
             except Exception as exc:  # a template can reject roles or shapes it does not know
                 raise RequestRejected(INVALID_REQUEST, f"chat template rejected the messages: {exc}") from None
+        if msg.prompt_ids is not None:
+            if any(not 0 <= t < self.vocab_size for t in msg.prompt_ids if self.vocab_size):
+                raise RequestRejected(INVALID_REQUEST, f"a prompt token id is outside the vocabulary "
+                                                       f"(0-{self.vocab_size - 1})")
+            return list(msg.prompt_ids)
         prompt = msg.prompt or ""
         bos = self.tokenizer.bos_token
         add_special = bos is None or not prompt.startswith(bos)
         return list(self.tokenizer.encode(prompt, add_special_tokens=add_special))
 
-    def _sampler(self, msg: Submit):
+    def _top_k(self, msg: Submit) -> int:
+        return msg.top_k if self.vocab_size <= 0 or msg.top_k < self.vocab_size else 0
+
+    def _sampler(self, msg: Submit) -> Callable | None:
         if msg.temperature == 0:
             return None  # the generator's greedy fallback; shared, so the batch samples in one call
         # top_k at or past the vocabulary keeps every token, as OpenAI-compatible servers read it; mlx-lm
         # raises on it inside the batched step instead, failing the whole batch (and the generator after it)
-        top_k = msg.top_k if self.vocab_size <= 0 or msg.top_k < self.vocab_size else 0
+        top_k = self._top_k(msg)
         key = (msg.temperature, msg.top_p, top_k, msg.min_p)
         if key not in self._samplers:
             top_p = msg.top_p if msg.top_p < 1.0 else 0.0
             self._samplers[key] = make_sampler(msg.temperature, top_p=top_p, min_p=msg.min_p, top_k=top_k)
         return self._samplers[key]
+
+    def _decoding(self, msg: Submit, tokens: list[int]) -> tuple[Callable | None, list, RequestOutput]:
+        """A request's sampler, logits processors and output (parser, logprobs), from its options; `tokens` is
+        its prompt (without a resumed request's earlier tokens, which its output and grammar are replayed through)."""
+        chat = msg.messages is not None
+        in_think = chat and starts_in_think(self.family, self.tokenizer.decode(tokens[-4:]))
+        processors = penalty_processors(msg.presence_penalty, msg.frequency_penalty, msg.repetition_penalty,
+                                        msg.logit_bias)
+        if msg.constraint is not None:
+            try:
+                grammar = self.grammars.processor(grammar_for(self.family, msg.constraint, msg.tools, in_think))
+                grammar.advance(msg.resume_tokens)  # a resumed request's grammar is past what it generated
+                processors.append(grammar)
+            except ConstraintError as exc:
+                what = msg.constraint.get("name") or ("the tool call" if msg.constraint.get("type") == "tool"
+                                                      else "the response format")
+                raise RequestRejected(INVALID_REQUEST, f"cannot constrain decoding to {what}: {exc}") from None
+        sampler = self._sampler(msg) if msg.seed is None else seeded_sampler(
+            msg.temperature, msg.top_p, msg.min_p, self._top_k(msg), msg.seed)
+        logprobs = logprob_entries(self.tokenizer.decode, msg.logprobs) if msg.logprobs >= 0 else None
+        parser = parser_for(self.family, chat, bool(msg.tools), in_think)
+        out = RequestOutput(TextStream(self.tokenizer.detokenizer, msg.stop, self._special), parser, logprobs)
+        out.replay(msg.resume_tokens)  # a resumed request's output continues exactly where its client's stopped
+        return sampler, processors, out
 
     def submit(self, msg: Submit) -> None:
         if msg.rid in self._by_rid:
@@ -201,6 +264,7 @@ class Engine:
                 f"this model's maximum context length is {self.context_length} tokens; the prompt has "
                 f"{len(tokens)} tokens and max_tokens asks for {msg.max_tokens or 'the rest'}",
             )
+        sampler, processors, out = self._decoding(msg, tokens[:prompt_tokens])
         cached, prefix = self._lookup(msg.rid, tokens)
         points = self.caches.snapshot_points(len(tokens), cached) if self.caches is not None else []
         cuts = [0] + [p - cached for p in points] + [len(tokens) - cached]
@@ -209,10 +273,11 @@ class Engine:
             max_tokens=[max_tokens],
             caches=[prefix] if prefix is not None else None,
             all_tokens=[tokens[:cached]],
-            samplers=[self._sampler(msg)],
+            samplers=[sampler],  # type: ignore[list-item]  # None: the greedy fallback
+            logits_processors=[processors],
             stop_sequences=[self._stop_none if msg.ignore_eos else self._stop_eos],
         )
-        req = Request(msg.rid, uid, prompt_tokens, self._text_stream(msg), completion_tokens=len(msg.resume_tokens),
+        req = Request(msg.rid, uid, prompt_tokens, out, completion_tokens=len(msg.resume_tokens),
                       cached_tokens=min(cached, prompt_tokens), prefill_left=len(tokens) - cached - 1, position=cached,
                       snapshot_at=frozenset(points))
         self._by_uid[uid] = req
@@ -226,13 +291,6 @@ class Engine:
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 or 0 < self.vocab_size <= t for t in ids):
             raise RequestRejected(INVALID_REQUEST, "resume_tokens must be token ids of this model's vocabulary")
         return list(ids)
-
-    def _text_stream(self, msg: Submit) -> TextStream:
-        """The request's text stream; a resumed one replayed through its earlier tokens (their text was sent)."""
-        text = TextStream(self.tokenizer.detokenizer, msg.stop, self._special)
-        for token in msg.resume_tokens:
-            text.push(token)
-        return text
 
     def _lookup(self, rid: str, tokens: list[int]) -> tuple[int, list | None]:
         if self.caches is None:
@@ -328,22 +386,21 @@ class Engine:
             if req is None:
                 continue
             reason = r.finish_reason
-            delta = ""
             if not (reason == "stop" and r.token in self._eos):
                 req.completion_tokens += 1
                 self.generated_tokens += 1
                 req.unsent.append(r.token)
-                delta = req.text.push(r.token)
-                if req.text.stopped:
+                req.out.push(r.token, r.logprobs)
+                if req.out.stopped:
                     reason = "stop"
             if reason is None:
-                if delta:
-                    chunks.append([req.rid, delta, len(req.unsent), req.unsent])
+                if (chunk := req.out.take()) is not None:  # the ids of the tokens behind what it says go with it
+                    chunks.append([req.rid, chunk[0], chunk[1], req.unsent, *chunk[2:]])
                     req.unsent = []
                 continue
-            delta += req.text.flush()
-            finished.append(Finished(req.rid, delta, reason, req.prompt_tokens, req.completion_tokens,
-                                     req.cached_tokens, req.unsent))
+            text, extra, reason = req.out.finish(reason)
+            finished.append(Finished(req.rid, text, reason, req.prompt_tokens, req.completion_tokens,
+                                     req.cached_tokens, req.unsent, extra))
             del self._by_uid[req.uid]
             del self._by_rid[req.rid]
             self._prefilling.pop(req.rid, None)

@@ -1,0 +1,147 @@
+"""Per-request decoding in the batch: grammar constraints (llguidance), seeded samplers, penalties, logprobs.
+
+Everything here is per sequence and plugs into mlx-lm's BatchGenerator as it is: a logits processor
+list and a sampler given to `insert` for each request, so a constrained, seeded or penalised request
+shares the batch with plain ones and costs them nothing but its own row's work.
+
+llguidance was chosen over xgrammar and outlines-core (bench/ section `constrained` measures it):
+its wheels are abi3 for macOS arm64 and Linux with no dependencies (xgrammar's pull in torch;
+outlines-core's are per Python version), one Lark grammar holds a family's call syntax, its special
+tokens and the arguments' JSON schema together (outlines-core takes a regex, no special tokens), and
+it builds masks lazily, with no per-schema index to compile before the first token.
+
+Invariants: a grammar processor advances its matcher by exactly the tokens its sequence sampled
+(the one before each call, none before the first); a seeded sampler draws from its own key, split
+once per token, so its choices do not depend on what else is in the batch; logprobs are finite
+(a masked token's -inf is written as -9999.0, as OpenAI does).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, cast
+
+import llguidance
+import llguidance.hf
+import llguidance.numpy as llg_numpy
+import mlx.core as mx
+import numpy as np
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
+
+from worker.chat_format import ConstraintError
+
+log = logging.getLogger(__name__)
+
+MIN_LOGPROB = -9999.0
+PENALTY_CONTEXT = 1024  # tokens the presence and frequency penalties look back over
+
+
+class Grammars:
+    """Compiles constraints for one tokenizer; the llguidance tokenizer is built on first use (~1 s for 150k tokens)."""
+
+    def __init__(self, hf_tokenizer: Any, eos_ids: list[int], model_vocab: int) -> None:
+        self._hf = hf_tokenizer
+        self._eos = eos_ids
+        self._model_vocab = model_vocab
+        self._tok: llguidance.LLTokenizer | None = None
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        if self._tok is None:
+            self._tok = llguidance.hf.from_tokenizer(self._hf, eos_token=self._eos)
+        return self._tok
+
+    def processor(self, lark: str) -> GrammarProcessor:
+        grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        if error:
+            raise ConstraintError(error)
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise ConstraintError(matcher.get_error())
+        return GrammarProcessor(matcher, self.tokenizer.vocab_size, self._model_vocab)
+
+
+class GrammarProcessor:
+    """A logits processor that masks every token the grammar does not allow next."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, vocab: int, model_vocab: int) -> None:
+        self.matcher = matcher
+        self._vocab = vocab
+        self._width = max(vocab, model_vocab)
+        self._bitmask = llg_numpy.allocate_token_bitmask(1, vocab)
+        self._started = False
+        self._failed = False
+
+    def advance(self, tokens: list[int]) -> None:
+        """The grammar moved past tokens already generated (a resumed request's earlier ones)."""
+        for token in tokens:
+            self.matcher.consume_token(token)
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        if self._started and not self._failed:
+            # Launch this step's forward pass first, then wait only for the token this sequence sampled the step
+            # before (computed ahead of it): the mask is made on the host while the batch's forward runs.
+            mx.async_eval(logits)
+            self.matcher.consume_token(cast(int, tokens[-1].item()))
+        self._started = True
+        if self._failed or self.matcher.is_error():
+            if not self._failed:
+                log.warning("[grammar] matcher failed, the rest is unconstrained: %s", self.matcher.get_error())
+                self._failed = True
+            return logits
+        llg_numpy.fill_next_token_bitmask(self.matcher, self._bitmask, 0)
+        allowed = np.unpackbits(self._bitmask[0].view(np.uint8), bitorder="little")[: self._vocab]
+        width = logits.shape[-1]
+        if width != len(allowed):
+            allowed = np.pad(allowed, (0, max(0, width - len(allowed))))[:width]
+        return mx.where(mx.array(allowed.astype(np.bool_)), logits, mx.array(-np.inf, dtype=logits.dtype))
+
+
+def penalty_processors(presence: float, frequency: float, repetition: float,
+                       logit_bias: list | None) -> list[Callable]:
+    bias = {int(t): float(b) for t, b in logit_bias} if logit_bias else None
+    return make_logits_processors(
+        logit_bias=bias,
+        repetition_penalty=repetition if repetition != 1.0 else None,
+        presence_penalty=presence or None, presence_context_size=PENALTY_CONTEXT,
+        frequency_penalty=frequency or None, frequency_context_size=PENALTY_CONTEXT,
+    )
+
+
+def seeded_sampler(temperature: float, top_p: float, min_p: float, top_k: int, seed: int) -> Callable:
+    """A sampler with its own random stream: the n-th token it draws depends on the seed and n only."""
+    key = mx.random.key(seed)
+
+    def sample(logprobs: mx.array) -> mx.array:
+        nonlocal key
+        key, draw = mx.random.split(key)
+        if temperature == 0:
+            return mx.argmax(logprobs, axis=-1)
+        if 0 < top_p < 1.0:
+            logprobs = apply_top_p(logprobs, top_p)
+        if min_p > 0:
+            logprobs = apply_min_p(logprobs, min_p)
+        if top_k > 0:
+            logprobs = apply_top_k(logprobs, top_k)
+        return mx.random.categorical(logprobs * (1 / temperature), key=draw)
+
+    return sample
+
+
+def logprob_entries(decode: Callable[[list[int]], str], top: int) -> Callable[[int, Any], list]:
+    """A function of (token, its step's logprobs vector) -> [token_text, logprob, [[alt_text, alt_logprob]...]]."""
+    def finite(value: float) -> float:
+        return value if value > MIN_LOGPROB else MIN_LOGPROB
+
+    def entry(token: int, logprobs: mx.array) -> list:
+        alts: list[list] = []
+        if top > 0:
+            order = mx.argsort(-logprobs)[:top]
+            ids = cast(list[int], order.tolist())
+            values = cast(list[float], logprobs[order].tolist())
+            alts = [[decode([i]), finite(v)] for i, v in zip(ids, values)]
+        return [decode([token]), finite(cast(float, logprobs[token].item())), alts]
+
+    return entry
