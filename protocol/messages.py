@@ -171,7 +171,7 @@ class Finished(Message):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
-    extra: dict | None = None  # the last deltas' typed extras, as in a Tokens chunk
+    extra: dict | None = None  # the last deltas' typed extras, as in a Tokens chunk; "stop_sequence": the stop hit
 
 
 @dataclass(slots=True)

@@ -346,20 +346,28 @@ async def _admin_body(request: Request, keys: set[str]) -> dict:
 
 
 class RequireApiKey:
-    """ASGI middleware: every HTTP route but /health needs `Authorization: Bearer <key>`."""
+    """ASGI middleware: every HTTP route but /health needs `Authorization: Bearer <key>` or, as Anthropic's
+    clients send it, `x-api-key: <key>`."""
 
     OPEN = ("/health",)
 
     def __init__(self, app: ASGIApp, key: str) -> None:
         self.app = app
         self.expected = f"Bearer {key}".encode()
+        self.key = key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in self.OPEN:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                err = errors.Unauthorized("a valid API key is required: send 'Authorization: Bearer <key>'")
-                await error_response(err)(scope, receive, send)
+            headers = dict(scope["headers"])
+            bearer = hmac.compare_digest(headers.get(b"authorization", b""), self.expected)
+            if not bearer and not hmac.compare_digest(headers.get(b"x-api-key", b""), self.key):
+                err = errors.Unauthorized("a valid API key is required: send 'Authorization: Bearer <key>' "
+                                          "or 'x-api-key: <key>'")
+                if scope["path"].startswith("/v1/messages"):
+                    from supervisor.gateway.anthropic_api import anthropic_error_body
+                    await JSONResponse(anthropic_error_body(err), status_code=err.status)(scope, receive, send)
+                else:
+                    await error_response(err)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -377,6 +385,8 @@ async def _on_error(request: Request, exc: Exception) -> Response:
 
 
 def build_app(router: Router, settings: Settings) -> ASGIApp:
+    from supervisor.gateway.agent_routes import agent_routes  # it builds on this module's SSE and body helpers
+
     gw = Gateway(router, settings)
     routes = [
         Route("/v1/chat/completions", gw.chat, methods=["POST"]),
@@ -390,6 +400,7 @@ def build_app(router: Router, settings: Settings) -> ASGIApp:
         Route("/api/models/{model:path}/evict", gw.evict, methods=["POST"]),
         Route("/api/hot-cache/clear", gw.clear_hot_cache, methods=["POST"]),
         Route("/api/ssd-cache/clear", gw.clear_ssd_cache, methods=["POST"]),
+        *agent_routes(router, settings),  # /v1/messages (Anthropic), /v1/responses (OpenAI Responses)
     ]
     handlers = {errors.MlxsupError: _on_error, HTTPException: _on_error, Exception: _on_error}
     app: ASGIApp = Starlette(routes=routes, exception_handlers=handlers)

@@ -1,0 +1,239 @@
+"""HTTP routes of the coding agents' APIs: Anthropic Messages (Claude Code) and OpenAI Responses (Codex).
+
+Both run on the chat API's request path (a `Calls` with the lease released in `close()` on every
+path, the same Submit, parsing and constraints); only the shapes differ (anthropic_shape.py,
+responses_shape.py). An `Api` adapter gives a route its shapes: the events that open a stream, those
+of each delta and of the end, a ping, the events of a failure and the whole response. Invariants,
+as for chat: an error before the first token is the response's HTTP status (in the API's own error
+body); after it, an error event (Anthropic's `error`, Responses' `error` and `response.failed`),
+never a cut stream; a stream waiting on a cold load or a slow step gets the API's ping (or an SSE
+comment) every `sse_keepalive_s`.
+
+Model names: the agents ask for their vendors' names (claude-sonnet-..., gpt-5-codex); a name no
+model has is mapped by `model_aliases` (glob patterns, first match) and then `default_model`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fnmatch
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from protocol.messages import Finished
+from supervisor import errors
+from supervisor.config import Settings
+from supervisor.gateway.anthropic_api import anthropic_error_body, parse_messages
+from supervisor.gateway.anthropic_shape import MessageShaper, sse_event
+from supervisor.gateway.app import SSEResponse, client_gone, read_json
+from supervisor.gateway.call import Calls
+from supervisor.gateway.openai_api import Parsed
+from supervisor.router import Router
+
+log = logging.getLogger(__name__)
+
+
+class Api(Protocol):
+    """One response's shapes, streamed (bytes of SSE events) or whole."""
+
+    def opening(self) -> list[bytes]: ...
+
+    def delta(self, text: str, extra: dict | None) -> list[bytes]: ...
+
+    def end(self, fin: Finished) -> list[bytes]: ...
+
+    def ping(self) -> bytes: ...
+
+    def failed(self, exc: errors.MlxsupError) -> list[bytes]: ...
+
+    def whole(self, fin: Finished) -> dict: ...
+
+
+class AnthropicApi:
+    def __init__(self, parsed: Parsed, model: str) -> None:
+        self.shaper = MessageShaper(parsed.submit.rid, model)
+
+    def opening(self) -> list[bytes]:
+        return [sse_event(e) for e in self.shaper.start()]
+
+    def delta(self, text: str, extra: dict | None) -> list[bytes]:
+        return [sse_event(e) for e in self.shaper.feed(text, extra)]
+
+    def end(self, fin: Finished) -> list[bytes]:
+        return [sse_event(e) for e in self.shaper.finish(fin)]
+
+    def ping(self) -> bytes:
+        return sse_event({"type": "ping"})
+
+    def failed(self, exc: errors.MlxsupError) -> list[bytes]:
+        return [sse_event(anthropic_error_body(exc))]
+
+    def whole(self, fin: Finished) -> dict:
+        return self.shaper.whole(fin)
+
+
+async def ticking(events: AsyncGenerator, every: float) -> AsyncIterator[Any]:
+    """`events`' items, and None whenever `every` seconds pass without one (time for a ping)."""
+    pending: asyncio.Future | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(events))
+            done, _ = await asyncio.wait({pending}, timeout=every)
+            if not done:
+                yield None
+                continue
+            ready, pending = pending, None
+            try:
+                item = ready.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        if pending is not None:
+            pending.cancel()
+            await asyncio.gather(pending, return_exceptions=True)
+        await events.aclose()
+
+
+class AgentRoutes:
+    def __init__(self, router: Router, settings: Settings) -> None:
+        self.router = router
+        self.settings = settings
+
+    def local_model(self, name: str) -> str:
+        """The local model for a requested name: itself, a `model_aliases` pattern's, or `default_model`."""
+        try:
+            return self.router.registry.resolve(name).id
+        except errors.ModelNotFound:
+            for pattern, target in self.settings.model_aliases.items():
+                if fnmatch.fnmatchcase(name, pattern):
+                    return target
+            if self.settings.default_model:
+                return self.settings.default_model
+            raise
+
+    # --- Anthropic ---------------------------------------------------------------------------
+
+    async def messages(self, request: Request) -> Response:
+        return await _anthropic_errors(self._messages(request))
+
+    async def _messages(self, request: Request) -> Response:
+        parsed = parse_messages(await read_json(request, self.settings.max_body_bytes))
+        requested, parsed.model = parsed.model, self.local_model(parsed.model)
+        return await self.serve(request, parsed, AnthropicApi(parsed, requested))
+
+    async def count_tokens(self, request: Request) -> Response:
+        return await _anthropic_errors(self._count_tokens(request))
+
+    async def _count_tokens(self, request: Request) -> Response:
+        """The prompt's tokens, by the model's own chat template and tokenizer: the prompt is prefilled and
+        one token generated (which also leaves the prompt in the prefix caches for the turn that follows)."""
+        parsed = parse_messages(await read_json(request, self.settings.max_body_bytes), counting=True)
+        parsed.model = self.local_model(parsed.model)
+        fin = await self.run_whole(request, parsed, lambda text, extra: None)
+        return JSONResponse({"input_tokens": fin.prompt_tokens})
+
+    # --- the request path --------------------------------------------------------------------
+
+    async def serve(self, request: Request, parsed: Parsed, api: Api,
+                    on_done: Callable[[dict], None] | None = None) -> Response:
+        """Run a request and answer in `api`'s shapes; `on_done` gets the whole response once it is complete."""
+        if not parsed.stream:
+            fin = await self.run_whole(request, parsed, api.delta)
+            body = api.whole(fin)
+            if on_done is not None:
+                on_done(body)
+            return JSONResponse(body)
+        call = Calls(self.router, parsed, request.url.path)
+        starting = asyncio.create_task(call.start(), name=f"start[{parsed.submit.rid}]")
+        try:
+            done, _ = await asyncio.wait({starting}, timeout=self.settings.sse_keepalive_s)
+        except asyncio.CancelledError:
+            starting.cancel()
+            call.close()
+            raise
+        if done and starting.exception() is not None:
+            call.close()
+            raise starting.exception()  # type: ignore[misc]
+        return SSEResponse(self._stream(call, starting, api, on_done), call.close)
+
+    async def _stream(self, call: Calls, starting: asyncio.Task, api: Api,
+                      on_done: Callable[[dict], None] | None) -> AsyncIterator[bytes]:
+        every = self.settings.sse_keepalive_s
+        for event in api.opening():
+            yield event
+        try:
+            while not starting.done():  # a cold load
+                await asyncio.wait({starting}, timeout=every)
+                if not starting.done():
+                    yield api.ping()
+            starting.result()
+            async for item in ticking(call.events(), every):
+                if item is None:
+                    yield api.ping()
+                    continue
+                _, event = item
+                if isinstance(event, Finished):
+                    for chunk in [*api.delta(event.text, event.extra), *api.end(event)]:
+                        yield chunk
+                    if on_done is not None:
+                        on_done(api.whole(event))
+                    return
+                for chunk in api.delta(event[0], event[2]):
+                    yield chunk
+        except errors.MlxsupError as exc:
+            log.info("[agents] stream failed rid=%s code=%s", call.parsed.submit.rid, exc.code)
+            for chunk in api.failed(exc):
+                yield chunk
+        finally:
+            if not starting.done():
+                starting.cancel()
+
+    async def run_whole(self, request: Request, parsed: Parsed, feed: Callable[[str, dict | None], Any]) -> Finished:
+        """Run a request to its end, feeding each delta; a client that leaves aborts it."""
+        call = Calls(self.router, parsed, request.url.path)
+
+        async def collect() -> Finished:
+            await call.start()
+            async for _, event in call.events():
+                if isinstance(event, Finished):
+                    feed(event.text, event.extra)
+                    return event
+                feed(event[0], event[2])
+            raise errors.MlxsupError("the generation ended without finishing")
+
+        work = asyncio.create_task(collect(), name=f"collect[{parsed.submit.rid}]")
+        gone = asyncio.create_task(client_gone(request.receive), name="watch-disconnect")
+        try:
+            await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+            call.close()
+        if work.cancelled():
+            raise errors.RequestAborted("the client disconnected")
+        return work.result()
+
+
+async def _anthropic_errors(handling: Awaitable[Response]) -> Response:
+    """Any error of a Messages route in Anthropic's error body."""
+    try:
+        return await handling
+    except errors.MlxsupError as exc:
+        return JSONResponse(anthropic_error_body(exc), status_code=exc.status)
+
+
+def agent_routes(router: Router, settings: Settings) -> list[Route]:
+    routes = AgentRoutes(router, settings)
+    return [
+        Route("/v1/messages", routes.messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", routes.count_tokens, methods=["POST"]),
+    ]

@@ -1,0 +1,189 @@
+"""The coding agents' APIs end to end through their unmodified SDKs: Anthropic Messages (`anthropic`, as Claude
+Code talks) and OpenAI Responses (`openai`'s responses.create, as Codex talks), with the tiny random-weight qwen3.
+
+One daemon for the module, with an API key (the anthropic SDK sends it as x-api-key, openai's as a Bearer
+token), Claude and Codex model names mapped onto qwen3 by `model_aliases` and `default_model`, and a response
+store of 3. Random weights say nothing sensible: what is checked is what the shapes, constrained decoding and
+the store must guarantee whatever the weights.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import anthropic
+import httpx
+import jsonschema
+import pytest
+
+from tests.conftest import Daemon, start_daemon
+
+KEY = "sk-local-test"
+WEATHER_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
+                  "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
+                                 "days": {"type": "integer", "minimum": 1, "maximum": 7}}}
+A_TOOLS = [{"name": "get_weather", "description": "The weather in a city", "input_schema": WEATHER_SCHEMA},
+           {"name": "get_time", "description": "The time", "input_schema": {"type": "object", "properties": {}}}]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+GREEDY = {"temperature": 0}  # the anthropic SDK of 2026 no longer has the argument; the API still takes it
+CLAUDE = "claude-sonnet-5-5"  # mapped by the pattern
+MARKUP = ("<tool_call>", "</tool_call>", "<think>", "</think>")
+# A long agent prefix (well past two cache blocks) that a second turn repeats.
+PREFIX = "You are a coding agent. Rules: " + " ".join(f"rule{i * 7919 % 997} applies" for i in range(120))
+
+
+@pytest.fixture(scope="module")
+def coding_daemon(family_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    state = tmp_path_factory.mktemp("coding-state")
+    config = state / "mlxsup.toml"
+    config.write_text(f'[server]\napi_key = "{KEY}"\ndefault_model = "qwen3"\nresponse_store_count = 3\n'
+                      '[server.model_aliases]\n"claude-*" = "qwen3"\n')
+    d = start_daemon(state, "--model-dir", str(family_models), "--config", str(config))
+    yield d
+    assert d.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def claude(coding_daemon: Daemon) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=coding_daemon.url, api_key=KEY, max_retries=0, timeout=120)
+
+
+def text_of(message: anthropic.types.Message) -> str:
+    return "".join(b.text for b in message.content if b.type == "text")
+
+
+def test_a_plain_message_and_its_stream_say_the_same(claude: anthropic.Anthropic) -> None:
+    whole = claude.messages.create(model=CLAUDE, max_tokens=12, messages=ASK, extra_body=GREEDY,
+                                   system="Answer briefly.")
+    assert whole.type == "message" and whole.role == "assistant" and whole.model == CLAUDE
+    assert whole.stop_reason in ("end_turn", "max_tokens") and whole.usage.output_tokens > 0
+    assert whole.usage.input_tokens + whole.usage.cache_read_input_tokens > 10
+    assert not any(m in text_of(whole) for m in MARKUP)
+
+    kinds = []
+    with claude.messages.stream(model=CLAUDE, max_tokens=12, messages=ASK, extra_body=GREEDY,
+                                system="Answer briefly.") as stream:
+        for event in stream:
+            kinds.append(event.type)
+        streamed = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "message_delta" in kinds
+    assert [b.model_dump() for b in streamed.content] == [b.model_dump() for b in whole.content]
+    assert (streamed.stop_reason, streamed.usage.output_tokens) == (whole.stop_reason, whole.usage.output_tokens)
+
+
+def test_a_forced_tool_call_validates_streams_alike_and_its_result_goes_back(claude: anthropic.Anthropic) -> None:
+    forced = {"type": "tool", "name": "get_weather"}
+    first = claude.messages.create(model=CLAUDE, max_tokens=80, messages=ASK, tools=A_TOOLS, tool_choice=forced,
+                                   extra_body=GREEDY)
+    assert first.stop_reason == "tool_use"
+    calls = [b for b in first.content if b.type == "tool_use"]
+    assert len(calls) == 1 and calls[0].name == "get_weather" and calls[0].id
+    jsonschema.validate(calls[0].input, WEATHER_SCHEMA)
+    assert not any(m in text_of(first) for m in MARKUP)
+
+    with claude.messages.stream(model=CLAUDE, max_tokens=80, messages=ASK, tools=A_TOOLS, tool_choice=forced,
+                                extra_body=GREEDY) as stream:
+        pieces = [e.delta.partial_json for e in stream if e.type == "content_block_delta"
+                  and e.delta.type == "input_json_delta"]
+        streamed = stream.get_final_message()
+    assert json.loads("".join(pieces)) == calls[0].input
+    assert [b.input for b in streamed.content if b.type == "tool_use"] == [calls[0].input]
+
+    turn = [*ASK, {"role": "assistant", "content": [b.model_dump() for b in first.content]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": calls[0].id,
+                                          "content": [{"type": "text", "text": "Sunny, 21 C, light wind"}]}]}]
+    after = claude.messages.create(model=CLAUDE, max_tokens=4, messages=turn, tools=A_TOOLS, extra_body=GREEDY)
+    prompt = lambda m: m.usage.input_tokens + m.usage.cache_read_input_tokens  # noqa: E731
+    assert prompt(after) > prompt(first) + 10  # the call and its result are in the prompt
+
+    any_call = claude.messages.create(model=CLAUDE, max_tokens=80, messages=ASK, tools=A_TOOLS, extra_body=GREEDY,
+                                      tool_choice={"type": "any", "disable_parallel_tool_use": True})
+    assert any_call.stop_reason == "tool_use" and [b.type for b in any_call.content][-1] == "tool_use"
+
+
+def test_count_tokens_and_the_tolerant_cases(claude: anthropic.Anthropic) -> None:
+    counted = claude.messages.count_tokens(model=CLAUDE, messages=ASK, system="Answer briefly.")
+    made = claude.messages.create(model=CLAUDE, max_tokens=2, messages=ASK, system="Answer briefly.")
+    assert counted.input_tokens == made.usage.input_tokens + made.usage.cache_read_input_tokens > 10
+
+    # Claude Code's newer habits: a system message inside `messages`, cache_control, fields this server has no
+    # use for, a block type it does not know in an old turn. All accepted; the system message is folded.
+    folded = [{"role": "system", "content": "Answer briefly."}, *ASK]
+    assert claude.messages.count_tokens(model=CLAUDE, messages=folded).input_tokens == counted.input_tokens
+    tolerant = claude.messages.create(
+        model=CLAUDE, max_tokens=3,
+        system=[{"type": "text", "text": "Answer briefly.", "cache_control": {"type": "ephemeral"}}],
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral"}}]},
+                  {"role": "assistant", "content": [{"type": "server_tool_use_v9", "id": "x", "whatever": 1},
+                                                    {"type": "text", "text": "Hello."}]},
+                  {"role": "system", "content": "Be kind."}, *ASK],
+        metadata={"user_id": "u1"}, extra_body={"context_management": {"edits": []}, "brand_new_field": True})
+    assert tolerant.stop_reason in ("end_turn", "max_tokens")
+
+
+@pytest.mark.parametrize("body, says", [
+    ({"model": CLAUDE, "messages": ASK}, "max_tokens"),
+    ({"model": CLAUDE, "max_tokens": 5, "messages": [{"role": "robot", "content": "hi"}]}, "role"),
+    ({"model": CLAUDE, "max_tokens": 5, "messages": [
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_nope", "content": "x"}]}]},
+     "tool_use"),
+    ({"model": CLAUDE, "max_tokens": 5, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]}, "image"),
+    ({"model": CLAUDE, "max_tokens": 5, "messages": ASK, "tool_choice": {"type": "tool", "name": "nope"},
+      "tools": A_TOOLS}, "nope"),
+])
+def test_bad_requests_get_anthropic_s_error_body(coding_daemon: Daemon, body: dict, says: str) -> None:
+    r = httpx.post(coding_daemon.url + "/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()
+    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+    assert says in error["error"]["message"]
+
+
+def test_an_api_key_by_x_api_key_or_bearer(coding_daemon: Daemon) -> None:
+    wrong = anthropic.Anthropic(base_url=coding_daemon.url, api_key="wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as refused:
+        wrong.messages.create(model=CLAUDE, max_tokens=2, messages=ASK)
+    assert refused.value.body["error"]["type"] == "authentication_error"
+    bearer = anthropic.Anthropic(base_url=coding_daemon.url, auth_token=KEY, max_retries=0, timeout=120)
+    assert bearer.messages.count_tokens(model=CLAUDE, messages=ASK).input_tokens > 0
+    unknown = httpx.post(coding_daemon.url + "/v1/messages/count_tokens", headers={"x-api-key": KEY}, timeout=30,
+                         json={"model": "claude-haiku-4-5", "messages": ASK})  # the pattern's, not the default's
+    assert unknown.status_code == 200
+
+
+def test_a_stop_sequence_is_reported(claude: anthropic.Anthropic) -> None:
+    plain = text_of(claude.messages.create(model=CLAUDE, max_tokens=16, messages=ASK, extra_body=GREEDY,
+                                           thinking={"type": "disabled"}))
+    stop = plain.strip()[3:6]
+    assert len(stop) == 3, plain
+    cut = claude.messages.create(model=CLAUDE, max_tokens=16, messages=ASK, extra_body=GREEDY, stop_sequences=[stop],
+                                 thinking={"type": "disabled"})
+    assert (cut.stop_reason, cut.stop_sequence) == ("stop_sequence", stop)
+    assert stop not in text_of(cut) and plain.startswith(text_of(cut))
+
+
+def test_a_repeated_long_prefix_reads_the_prompt_cache(claude: anthropic.Anthropic) -> None:
+    first = claude.messages.create(model=CLAUDE, max_tokens=2, system=PREFIX, messages=ASK, extra_body=GREEDY)
+    again = claude.messages.create(model=CLAUDE, max_tokens=2, system=PREFIX, extra_body=GREEDY,
+                                   messages=[{"role": "user", "content": "And in Oslo?"}])
+    assert first.usage.input_tokens + first.usage.cache_read_input_tokens > 200
+    assert again.usage.cache_read_input_tokens > 128
+
+
+def test_an_eviction_mid_stream_is_an_error_event_not_a_cut_stream(claude: anthropic.Anthropic,
+                                                                   coding_daemon: Daemon) -> None:
+    """Last in the module: the model is evicted under a long stream (the next request loads it again)."""
+    seen = []
+    with pytest.raises(anthropic.APIStatusError) as failed:
+        with claude.messages.stream(model=CLAUDE, max_tokens=4000, messages=ASK, extra_body=GREEDY,
+                                    thinking={"type": "disabled"}) as stream:
+            for event in stream:
+                seen.append(event.type)
+                if event.type == "content_block_delta" and seen.count("content_block_delta") == 1:
+                    httpx.post(f"{coding_daemon.url}/api/models/qwen3/evict", json={"mode": "now"},
+                               headers={"Authorization": f"Bearer {KEY}"}, timeout=30).raise_for_status()
+    assert failed.value.body["type"] == "error" and failed.value.body["error"]["type"] == "overloaded_error"
+    assert "message_stop" not in seen and "content_block_delta" in seen
