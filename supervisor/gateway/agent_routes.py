@@ -33,6 +33,10 @@ from supervisor.gateway.anthropic_shape import MessageShaper, sse_event
 from supervisor.gateway.app import SSEResponse, client_gone, read_json
 from supervisor.gateway.call import Calls
 from supervisor.gateway.openai_api import Parsed
+from supervisor.gateway.response_store import ResponseStore
+from supervisor.gateway.responses_api import ResponsesRequest, parse_responses
+from supervisor.gateway.responses_shape import ResponseShaper
+from supervisor.gateway.responses_shape import sse_event as responses_event
 from supervisor.router import Router
 
 log = logging.getLogger(__name__)
@@ -101,10 +105,34 @@ async def ticking(events: AsyncGenerator, every: float) -> AsyncIterator[Any]:
         await events.aclose()
 
 
+class ResponsesApi:
+    def __init__(self, request: ResponsesRequest, model: str) -> None:
+        self.shaper = ResponseShaper(request.parsed.submit.rid, model, request.echo)
+
+    def opening(self) -> list[bytes]:
+        return [responses_event(e) for e in self.shaper.start()]
+
+    def delta(self, text: str, extra: dict | None) -> list[bytes]:
+        return [responses_event(e) for e in self.shaper.feed(text, extra)]
+
+    def end(self, fin: Finished) -> list[bytes]:
+        return [responses_event(e) for e in self.shaper.finish(fin)]
+
+    def ping(self) -> bytes:
+        return b": keep-alive\n\n"  # the Responses API has no ping event: an SSE comment
+
+    def failed(self, exc: errors.MlxsupError) -> list[bytes]:
+        return [responses_event(e) for e in self.shaper.failed(exc)]
+
+    def whole(self, fin: Finished) -> dict:
+        return self.shaper.whole(fin)
+
+
 class AgentRoutes:
     def __init__(self, router: Router, settings: Settings) -> None:
         self.router = router
         self.settings = settings
+        self.store = ResponseStore(settings.response_store_count, settings.response_store_bytes)
 
     def local_model(self, name: str) -> str:
         """The local model for a requested name: itself, a `model_aliases` pattern's, or `default_model`."""
@@ -138,6 +166,39 @@ class AgentRoutes:
         parsed.model = self.local_model(parsed.model)
         fin = await self.run_whole(request, parsed, lambda text, extra: None)
         return JSONResponse({"input_tokens": fin.prompt_tokens})
+
+    # --- OpenAI Responses ---------------------------------------------------------------------
+
+    def _history(self, response_id: str) -> list[dict]:
+        stored = self.store.get(response_id)
+        if stored is None:
+            raise errors.NotFound(f"Previous response with id '{response_id}' not found (never stored, deleted, "
+                                  "or dropped from the daemon's bounded store).", param="previous_response_id")
+        return stored.conversation
+
+    async def responses(self, request: Request) -> Response:
+        wanted = parse_responses(await read_json(request, self.settings.max_body_bytes), self._history)
+        parsed = wanted.parsed
+        requested, parsed.model = parsed.model, self.local_model(parsed.model)
+        api = ResponsesApi(wanted, requested)
+
+        def keep(body: dict) -> None:
+            if wanted.store and body["status"] in ("completed", "incomplete"):
+                self.store.put(body, [*wanted.conversation, api.shaper.turn()])
+
+        return await self.serve(request, parsed, api, keep)
+
+    async def get_response(self, request: Request) -> Response:
+        stored = self.store.get(request.path_params["response_id"])
+        if stored is None:
+            raise errors.NotFound(f"Response with id '{request.path_params['response_id']}' not found.")
+        return JSONResponse(stored.response)
+
+    async def delete_response(self, request: Request) -> Response:
+        response_id = request.path_params["response_id"]
+        if not self.store.delete(response_id):
+            raise errors.NotFound(f"Response with id '{response_id}' not found.")
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
     # --- the request path --------------------------------------------------------------------
 
@@ -236,4 +297,7 @@ def agent_routes(router: Router, settings: Settings) -> list[Route]:
     return [
         Route("/v1/messages", routes.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", routes.count_tokens, methods=["POST"]),
+        Route("/v1/responses", routes.responses, methods=["POST"]),
+        Route("/v1/responses/{response_id}", routes.get_response, methods=["GET"]),
+        Route("/v1/responses/{response_id}", routes.delete_response, methods=["DELETE"]),
     ]

@@ -16,6 +16,7 @@ from pathlib import Path
 import anthropic
 import httpx
 import jsonschema
+import openai
 import pytest
 
 from tests.conftest import Daemon, start_daemon
@@ -173,7 +174,90 @@ def test_a_repeated_long_prefix_reads_the_prompt_cache(claude: anthropic.Anthrop
     assert again.usage.cache_read_input_tokens > 128
 
 
-def test_an_eviction_mid_stream_is_an_error_event_not_a_cut_stream(claude: anthropic.Anthropic,
+# --- OpenAI Responses ------------------------------------------------------------------------------------------
+
+CODEX = "gpt-5-codex"  # no such model here: `default_model` answers it
+R_TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather in a city",
+            "parameters": WEATHER_SCHEMA, "strict": True},
+           {"type": "function", "name": "get_time", "parameters": {"type": "object", "properties": {}}}]
+
+
+@pytest.fixture(scope="module")
+def codex(coding_daemon: Daemon) -> openai.OpenAI:
+    return openai.OpenAI(base_url=coding_daemon.v1, api_key=KEY, max_retries=0, timeout=120)
+
+
+def test_a_plain_response_streams_alike_and_is_stored(codex: openai.OpenAI) -> None:
+    whole = codex.responses.create(model=CODEX, input="What is the weather in Paris?", instructions="Be brief.",
+                                   max_output_tokens=12, temperature=0, reasoning={"effort": "none"})
+    assert whole.object == "response" and whole.model == CODEX and whole.status in ("completed", "incomplete")
+    assert whole.output_text and whole.usage.output_tokens > 0 and whole.usage.input_tokens > 10
+    assert codex.responses.retrieve(whole.id).output_text == whole.output_text
+
+    events = list(codex.responses.create(model=CODEX, input="What is the weather in Paris?", instructions="Be brief.",
+                                         max_output_tokens=12, temperature=0, reasoning={"effort": "none"},
+                                         stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == f"response.{whole.status}"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+    assert events[-1].response.output_text == whole.output_text
+
+    codex.responses.delete(whole.id)
+    with pytest.raises(openai.NotFoundError):
+        codex.responses.retrieve(whole.id)
+
+
+def test_a_forced_function_call_then_a_follow_up_by_previous_response_id(codex: openai.OpenAI) -> None:
+    forced = {"type": "function", "name": "get_weather"}
+    first = codex.responses.create(model=CODEX, input="Weather in Paris?", tools=R_TOOLS, tool_choice=forced,
+                                   max_output_tokens=80, temperature=0)
+    calls = [item for item in first.output if item.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather" and calls[0].call_id
+    jsonschema.validate(json.loads(calls[0].arguments), WEATHER_SCHEMA)
+
+    events = list(codex.responses.create(model=CODEX, input="Weather in Paris?", tools=R_TOOLS, tool_choice=forced,
+                                         max_output_tokens=80, temperature=0, stream=True, store=False))
+    pieces = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert pieces == calls[0].arguments
+    added = [e.item.type for e in events if e.type == "response.output_item.added"]
+    assert added[-1] == "function_call"
+    with pytest.raises(openai.NotFoundError):  # store=False: not kept
+        codex.responses.retrieve(events[-1].response.id)
+
+    follow = codex.responses.create(model=CODEX, previous_response_id=first.id, tools=R_TOOLS, max_output_tokens=4,
+                                    temperature=0, input=[{"type": "function_call_output", "call_id": calls[0].call_id,
+                                                           "output": "Sunny, 21 C, light wind"}])
+    assert follow.previous_response_id == first.id
+    assert follow.usage.input_tokens > first.usage.input_tokens + 10  # the earlier turn and the call are in it
+    with pytest.raises(openai.BadRequestError):  # without the earlier turn, the output answers no call
+        codex.responses.create(model=CODEX, max_output_tokens=4, input=[
+            {"type": "function_call_output", "call_id": calls[0].call_id, "output": "Sunny"}])
+
+    fmt = {"type": "json_schema", "name": "weather", "schema": WEATHER_SCHEMA, "strict": True}
+    answer = codex.responses.create(model=CODEX, input="Weather?", text={"format": fmt}, max_output_tokens=40,
+                                    temperature=0, reasoning={"effort": "none"})
+    jsonschema.validate(json.loads(answer.output_text), WEATHER_SCHEMA)
+
+
+def test_the_store_is_bounded_and_forgets_the_least_recently_used(codex: openai.OpenAI) -> None:
+    made = [codex.responses.create(model=CODEX, input=f"Say {i}", max_output_tokens=1) for i in range(4)]
+    with pytest.raises(openai.NotFoundError):  # the store holds 3
+        codex.responses.retrieve(made[0].id)
+    with pytest.raises(openai.NotFoundError) as gone:
+        codex.responses.create(model=CODEX, previous_response_id=made[0].id, input="And?", max_output_tokens=1)
+    assert "previous_response_id" in str(gone.value)
+    assert [codex.responses.retrieve(m.id).id for m in made[1:]] == [m.id for m in made[1:]]
+
+
+def test_a_repeated_long_prefix_reads_the_prompt_cache_in_responses(codex: openai.OpenAI) -> None:
+    first = codex.responses.create(model=CODEX, instructions=PREFIX, input="Hello", max_output_tokens=2, store=False)
+    again = codex.responses.create(model=CODEX, instructions=PREFIX, input="Hi there", max_output_tokens=2,
+                                   store=False)
+    assert first.usage.input_tokens > 200 and again.usage.input_tokens_details.cached_tokens > 128
+
+
+def test_an_eviction_mid_stream_is_an_error_event_not_a_cut_stream(claude: anthropic.Anthropic, codex: openai.OpenAI,
                                                                    coding_daemon: Daemon) -> None:
     """Last in the module: the model is evicted under a long stream (the next request loads it again)."""
     seen = []
@@ -187,3 +271,14 @@ def test_an_eviction_mid_stream_is_an_error_event_not_a_cut_stream(claude: anthr
                                headers={"Authorization": f"Bearer {KEY}"}, timeout=30).raise_for_status()
     assert failed.value.body["type"] == "error" and failed.value.body["error"]["type"] == "overloaded_error"
     assert "message_stop" not in seen and "content_block_delta" in seen
+
+    kinds = []  # the same under a Responses stream: `error`, then `response.failed`
+    for event in codex.responses.create(model=CODEX, input="Weather in Paris?", max_output_tokens=4000,
+                                        temperature=0, reasoning={"effort": "none"}, stream=True):
+        kinds.append(event.type)
+        if kinds.count("response.output_text.delta") == 1 and event.type == "response.output_text.delta":
+            httpx.post(f"{coding_daemon.url}/api/models/qwen3/evict", json={"mode": "now"},
+                       headers={"Authorization": f"Bearer {KEY}"}, timeout=30).raise_for_status()
+        if event.type == "response.failed":
+            assert event.response.status == "failed" and event.response.error.code == "server_error"
+    assert kinds[-2:] == ["error", "response.failed"] and "response.completed" not in kinds
