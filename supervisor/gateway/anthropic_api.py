@@ -88,7 +88,7 @@ def _blocks(content: Any, where: str) -> list[dict]:
         if kind in IGNORED_BLOCKS:
             continue
         if kind not in ("text", "tool_use", "tool_result", "thinking"):
-            log.warning("[anthropic] skipped a content block of unknown type=%s at=%s.%d", kind, where, j)
+            log.warning("[anthropic] skipped a content block of unknown type=%.40r at=%s.%d", kind, where, j)
             continue
         if kind == "text" and not isinstance(block.get("text"), str):
             raise _bad(f"{where}.{j}.text: must be a string")
@@ -193,7 +193,7 @@ def _tools(body: dict) -> list[dict] | None:
         if not isinstance(tool, dict):
             raise _bad(f"tools.{j}: must be an object")
         if tool.get("type") not in (None, "custom"):  # Anthropic's server tools (web_search, bash_2025...)
-            log.warning("[anthropic] skipped tool of type=%s name=%s: only custom tools run here",
+            log.warning("[anthropic] skipped tool of type=%.40r name=%.40r: only custom tools run here",
                         tool.get("type"), tool.get("name"))
             continue
         name, schema = tool.get("name"), tool.get("input_schema")
@@ -256,7 +256,7 @@ def _output_config(body: dict) -> tuple[dict | None, dict]:
     kwargs = {}
     effort = config.get("effort")
     if effort is not None:
-        if effort not in EFFORTS:
+        if not isinstance(effort, str) or effort not in EFFORTS:
             raise _bad(f"output_config.effort: must be one of {', '.join(EFFORTS)}")
         kwargs["reasoning_effort"] = EFFORTS[effort]
     fmt = config.get("format")

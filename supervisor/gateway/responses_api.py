@@ -58,12 +58,14 @@ def _text(content: Any, where: str) -> str:
     parts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        if not isinstance(kind, str):
+            raise _bad(f"{where}[{j}] must be a content part with a 'type'", where)
         if kind in ("input_image", "input_file", "input_audio"):
             raise _bad(f"{where}[{j}]: '{kind}' is not supported (this server has no vision or files yet)", where)
         if kind in TEXT_PARTS and isinstance(part.get("text", part.get("refusal")), str):
             parts.append(part.get("text", part.get("refusal")))
         else:
-            log.warning("[responses] skipped a content part of type=%s at=%s[%d]", kind, where, j)
+            log.warning("[responses] skipped a content part of type=%.40r at=%s[%d]", kind, where, j)
     return "".join(parts)
 
 
@@ -85,6 +87,8 @@ def _messages(items: Any, known_calls: set[str]) -> list[dict]:
         if not isinstance(item, dict):
             raise _bad(f"{where} must be an object", where)
         kind = item.get("type", "message")
+        if not isinstance(kind, str):
+            raise _bad(f"{where}.type must be a string", f"{where}.type")
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
@@ -103,7 +107,7 @@ def _messages(items: Any, known_calls: set[str]) -> list[dict]:
                 {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}})
         elif kind == "function_call_output":
             call_id = item.get("call_id")
-            if call_id not in known_calls:
+            if not isinstance(call_id, str) or call_id not in known_calls:
                 raise _bad(f"{where}: no tool call found for function call output with call_id {call_id!r}",
                            f"{where}.call_id")
             output = item.get("output", "")
@@ -115,7 +119,7 @@ def _messages(items: Any, known_calls: set[str]) -> list[dict]:
                 message = assistant()
                 message["reasoning_content"] = message.get("reasoning_content", "") + text
         else:
-            log.warning("[responses] skipped an input item of type=%s at=%s", kind, where)
+            log.warning("[responses] skipped an input item of type=%.40r at=%s", kind, where)
     return out
 
 
@@ -130,7 +134,7 @@ def _tools(body: dict) -> list[dict] | None:
         if not isinstance(tool, dict):
             raise _bad(f"tools[{j}] must be an object", f"tools[{j}]")
         if tool.get("type") != "function":
-            log.warning("[responses] skipped tool of type=%s: only function tools run here", tool.get("type"))
+            log.warning("[responses] skipped tool of type=%.40r: only function tools run here", tool.get("type"))
             continue
         name, params = tool.get("name"), tool.get("parameters") or {"type": "object", "properties": {}}
         if not isinstance(name, str) or not name:

@@ -107,14 +107,17 @@ class ResponseShaper:
     def _append(self, kind: str, text: str) -> list[dict]:
         events = []
         if self._open is None or self.items[self._open]["type"] != kind:
-            item = {"type": "reasoning", "id": _item_id("rs"), "summary": [], "text": "", "status": "in_progress"} \
-                if kind == "reasoning" else \
-                {"type": "message", "id": _item_id("msg"), "status": "in_progress", "role": "assistant", "text": ""}
-            events += self._begin(item)
+            fresh: dict[str, Any] = {"type": kind, "id": _item_id("rs" if kind == "reasoning" else "msg"),
+                                     "status": "in_progress", "text": ""}
+            if kind == "reasoning":
+                fresh["summary"] = []
+            else:
+                fresh["role"] = "assistant"
+            events += self._begin(fresh)
         item = self.items[self._open]  # type: ignore[index]
         item["text"] += text
         name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
-        extra = {"logprobs": []} if kind == "message" else {}
+        extra: dict[str, list] = {"logprobs": []} if kind == "message" else {}
         return events + [self._event(name, item_id=item["id"], output_index=self._open, content_index=0,
                                      delta=text, **extra)]
 
