@@ -18,19 +18,20 @@ from __future__ import annotations
 import asyncio
 import fnmatch
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Receive
 
 from protocol.messages import Finished
 from supervisor import errors
 from supervisor.config import Settings
 from supervisor.gateway.anthropic_api import anthropic_error_body, parse_messages
 from supervisor.gateway.anthropic_shape import MessageShaper, sse_event
-from supervisor.gateway.app import SSEResponse, client_gone, read_json
 from supervisor.gateway.call import Calls
 from supervisor.gateway.openai_api import Parsed
 from supervisor.gateway.response_store import ResponseStore
@@ -40,6 +41,15 @@ from supervisor.gateway.responses_shape import sse_event as responses_event
 from supervisor.router import Router
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HttpKit:
+    """What these routes use of app.py (given by it, so that neither module imports the other)."""
+
+    sse_response: Callable[[AsyncIterator[bytes], Callable[[], None]], Response]
+    client_gone: Callable[[Receive], Coroutine[Any, Any, None]]
+    read_json: Callable[[Request, int], Awaitable[Any]]
 
 
 class Api(Protocol):
@@ -129,9 +139,10 @@ class ResponsesApi:
 
 
 class AgentRoutes:
-    def __init__(self, router: Router, settings: Settings) -> None:
+    def __init__(self, router: Router, settings: Settings, kit: HttpKit) -> None:
         self.router = router
         self.settings = settings
+        self.kit = kit
         self.store = ResponseStore(settings.response_store_count, settings.response_store_bytes)
 
     def local_model(self, name: str) -> str:
@@ -152,7 +163,7 @@ class AgentRoutes:
         return await _anthropic_errors(self._messages(request))
 
     async def _messages(self, request: Request) -> Response:
-        parsed = parse_messages(await read_json(request, self.settings.max_body_bytes))
+        parsed = parse_messages(await self.kit.read_json(request, self.settings.max_body_bytes))
         requested, parsed.model = parsed.model, self.local_model(parsed.model)
         return await self.serve(request, parsed, AnthropicApi(parsed, requested))
 
@@ -162,7 +173,7 @@ class AgentRoutes:
     async def _count_tokens(self, request: Request) -> Response:
         """The prompt's tokens, by the model's own chat template and tokenizer: the prompt is prefilled and
         one token generated (which also leaves the prompt in the prefix caches for the turn that follows)."""
-        parsed = parse_messages(await read_json(request, self.settings.max_body_bytes), counting=True)
+        parsed = parse_messages(await self.kit.read_json(request, self.settings.max_body_bytes), counting=True)
         parsed.model = self.local_model(parsed.model)
         fin = await self.run_whole(request, parsed, lambda text, extra: None)
         return JSONResponse({"input_tokens": fin.prompt_tokens})
@@ -177,7 +188,7 @@ class AgentRoutes:
         return stored.conversation
 
     async def responses(self, request: Request) -> Response:
-        wanted = parse_responses(await read_json(request, self.settings.max_body_bytes), self._history)
+        wanted = parse_responses(await self.kit.read_json(request, self.settings.max_body_bytes), self._history)
         parsed = wanted.parsed
         requested, parsed.model = parsed.model, self.local_model(parsed.model)
         api = ResponsesApi(wanted, requested)
@@ -222,7 +233,7 @@ class AgentRoutes:
         if done and starting.exception() is not None:
             call.close()
             raise starting.exception()  # type: ignore[misc]
-        return SSEResponse(self._stream(call, starting, api, on_done), call.close)
+        return self.kit.sse_response(self._stream(call, starting, api, on_done), call.close)
 
     async def _stream(self, call: Calls, starting: asyncio.Task, api: Api,
                       on_done: Callable[[dict], None] | None) -> AsyncIterator[bytes]:
@@ -270,7 +281,7 @@ class AgentRoutes:
             raise errors.MlxsupError("the generation ended without finishing")
 
         work = asyncio.create_task(collect(), name=f"collect[{parsed.submit.rid}]")
-        gone = asyncio.create_task(client_gone(request.receive), name="watch-disconnect")
+        gone = asyncio.create_task(self.kit.client_gone(request.receive), name="watch-disconnect")
         try:
             await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -292,8 +303,8 @@ async def _anthropic_errors(handling: Awaitable[Response]) -> Response:
         return JSONResponse(anthropic_error_body(exc), status_code=exc.status)
 
 
-def agent_routes(router: Router, settings: Settings) -> list[Route]:
-    routes = AgentRoutes(router, settings)
+def agent_routes(router: Router, settings: Settings, kit: HttpKit) -> list[Route]:
+    routes = AgentRoutes(router, settings, kit)
     return [
         Route("/v1/messages", routes.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", routes.count_tokens, methods=["POST"]),

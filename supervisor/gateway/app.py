@@ -30,6 +30,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from protocol.messages import Finished
 from supervisor import __version__, errors
 from supervisor.config import Settings
+from supervisor.gateway.agent_routes import HttpKit, agent_routes
+from supervisor.gateway.anthropic_api import anthropic_error_body
 from supervisor.gateway.body import decode_json
 from supervisor.gateway.call import Calls
 from supervisor.gateway.guard import WebGuard
@@ -364,7 +366,6 @@ class RequireApiKey:
                 err = errors.Unauthorized("a valid API key is required: send 'Authorization: Bearer <key>' "
                                           "or 'x-api-key: <key>'")
                 if scope["path"].startswith("/v1/messages"):
-                    from supervisor.gateway.anthropic_api import anthropic_error_body
                     await JSONResponse(anthropic_error_body(err), status_code=err.status)(scope, receive, send)
                 else:
                     await error_response(err)(scope, receive, send)
@@ -385,8 +386,6 @@ async def _on_error(request: Request, exc: Exception) -> Response:
 
 
 def build_app(router: Router, settings: Settings) -> ASGIApp:
-    from supervisor.gateway.agent_routes import agent_routes  # it builds on this module's SSE and body helpers
-
     gw = Gateway(router, settings)
     routes = [
         Route("/v1/chat/completions", gw.chat, methods=["POST"]),
@@ -400,7 +399,8 @@ def build_app(router: Router, settings: Settings) -> ASGIApp:
         Route("/api/models/{model:path}/evict", gw.evict, methods=["POST"]),
         Route("/api/hot-cache/clear", gw.clear_hot_cache, methods=["POST"]),
         Route("/api/ssd-cache/clear", gw.clear_ssd_cache, methods=["POST"]),
-        *agent_routes(router, settings),  # /v1/messages (Anthropic), /v1/responses (OpenAI Responses)
+        # /v1/messages (Anthropic), /v1/responses (OpenAI Responses), on this module's SSE and body helpers
+        *agent_routes(router, settings, HttpKit(SSEResponse, client_gone, read_json)),
     ]
     handlers = {errors.MlxsupError: _on_error, HTTPException: _on_error, Exception: _on_error}
     app: ASGIApp = Starlette(routes=routes, exception_handlers=handlers)
