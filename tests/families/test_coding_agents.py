@@ -174,6 +174,30 @@ def test_a_repeated_long_prefix_reads_the_prompt_cache(claude: anthropic.Anthrop
     assert again.usage.cache_read_input_tokens > 128
 
 
+def test_thinking_comes_as_thinking_blocks_and_reasoning_items_and_switches_off(claude: anthropic.Anthropic,
+                                                                              codex: openai.OpenAI) -> None:
+    """Qwen3.5's generation prompt opens a think block: a random model's output is all thought until it closes it."""
+    thinking = {"type": "enabled", "budget_tokens": 8}  # Anthropic's floor of 1024 is not enforced here
+    whole = claude.messages.create(model="qwen3_5", max_tokens=12, messages=ASK, extra_body=GREEDY,
+                                   thinking=thinking)
+    assert whole.content[0].type == "thinking" and whole.content[0].thinking
+    assert not any(m in whole.content[0].thinking for m in MARKUP)
+    with claude.messages.stream(model="qwen3_5", max_tokens=12, messages=ASK, extra_body=GREEDY,
+                                thinking=thinking) as stream:
+        pieces = [e.delta.thinking for e in stream if e.type == "content_block_delta" and e.delta.type ==
+                  "thinking_delta"]
+    assert "".join(pieces) == whole.content[0].thinking
+    off = claude.messages.create(model="qwen3_5", max_tokens=8, messages=ASK, extra_body=GREEDY,
+                                 thinking={"type": "disabled"})
+    assert [b.type for b in off.content] == ["text"]
+
+    reasoned = codex.responses.create(model="qwen3_5", input="Weather?", max_output_tokens=8, temperature=0)
+    assert reasoned.output[0].type == "reasoning" and reasoned.output[0].content[0].text
+    plain = codex.responses.create(model="qwen3_5", input="Weather?", max_output_tokens=8, temperature=0,
+                                   reasoning={"effort": "none"})
+    assert [item.type for item in plain.output] == ["message"]
+
+
 # --- OpenAI Responses ------------------------------------------------------------------------------------------
 
 CODEX = "gpt-5-codex"  # no such model here: `default_model` answers it
@@ -246,7 +270,7 @@ def test_the_store_is_bounded_and_forgets_the_least_recently_used(codex: openai.
         codex.responses.retrieve(made[0].id)
     with pytest.raises(openai.NotFoundError) as gone:
         codex.responses.create(model=CODEX, previous_response_id=made[0].id, input="And?", max_output_tokens=1)
-    assert "previous_response_id" in str(gone.value)
+    assert gone.value.body["param"] == "previous_response_id" and "not found" in gone.value.body["message"]
     assert [codex.responses.retrieve(m.id).id for m in made[1:]] == [m.id for m in made[1:]]
 
 

@@ -4,6 +4,7 @@ A sweep of odd values through every place of a valid body proves the parsers ans
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 from typing import Any
@@ -12,6 +13,7 @@ import pytest
 
 from protocol.messages import Finished
 from supervisor.errors import InvalidRequest, MlxsupError, ModelEvicted, NotFound
+from supervisor.gateway.agent_routes import ticking
 from supervisor.gateway.anthropic_api import AnthropicInvalid, anthropic_error_body, parse_messages
 from supervisor.gateway.anthropic_shape import MessageShaper
 from supervisor.gateway.response_store import ResponseStore
@@ -202,3 +204,30 @@ def test_odd_values_anywhere_get_a_4xx_never_a_crash(parse: Any, base: dict) -> 
 
 def _not_found(rid: str) -> list[dict]:
     raise NotFound(f"no {rid}")
+
+
+def test_a_quiet_stream_ticks_for_pings_and_closes_its_source() -> None:
+    """`ticking` yields None while its source is quiet (the route writes a ping then), the items in order, and
+    closes the source however it ends."""
+    async def run() -> tuple[list, bool]:
+        release = asyncio.Event()
+        closed = False
+
+        async def source() -> Any:
+            nonlocal closed
+            try:
+                yield "a"
+                await release.wait()
+                yield "b"
+            finally:
+                closed = True
+
+        seen: list = []
+        async for item in ticking(source(), every=0.01):
+            seen.append(item)
+            if seen.count(None) == 3:
+                release.set()
+        return seen, closed
+
+    seen, closed = asyncio.run(run())
+    assert seen[0] == "a" and seen[-1] == "b" and seen.count(None) >= 3 and closed
