@@ -303,7 +303,7 @@ def parse_messages(body: Any, counting: bool = False) -> Parsed:
     tools, constraint = _tool_choice(body, _tools(body))
     json_format, kwargs = _output_config(body)
     constraint = constraint or json_format
-    kwargs.update(_thinking(body, max_tokens) if not counting else {})
+    kwargs.update(_thinking(body, MAX_TOKENS_LIMIT + 1 if counting else max_tokens))  # it shapes the prompt too
     temperature = _number(body, "temperature", 0.0, 1.0)
     top_p = _number(body, "top_p", 0.0, 1.0)
     top_k = body.get("top_k")
