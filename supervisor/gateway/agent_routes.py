@@ -19,6 +19,7 @@ import asyncio
 import fnmatch
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -91,7 +92,7 @@ class AnthropicApi:
         return self.shaper.whole(fin)
 
 
-async def ticking(events: AsyncGenerator, every: float) -> AsyncIterator[Any]:
+async def ticking(events: AsyncGenerator, every: float) -> AsyncGenerator[Any, None]:
     """`events`' items, and None whenever `every` seconds pass without one (time for a ping)."""
     pending: asyncio.Future | None = None
     try:
@@ -246,19 +247,20 @@ class AgentRoutes:
                 if not starting.done():
                     yield api.ping()
             starting.result()
-            async for item in ticking(call.events(), every):
-                if item is None:
-                    yield api.ping()
-                    continue
-                _, event = item
-                if isinstance(event, Finished):
-                    for chunk in [*api.delta(event.text, event.extra), *api.end(event)]:
+            async with aclosing(ticking(call.events(), every)) as items:
+                async for item in items:
+                    if item is None:
+                        yield api.ping()
+                        continue
+                    _, event = item
+                    if isinstance(event, Finished):
+                        for chunk in [*api.delta(event.text, event.extra), *api.end(event)]:
+                            yield chunk
+                        if on_done is not None:
+                            on_done(api.whole(event))
+                        return
+                    for chunk in api.delta(event[0], event[2]):
                         yield chunk
-                    if on_done is not None:
-                        on_done(api.whole(event))
-                    return
-                for chunk in api.delta(event[0], event[2]):
-                    yield chunk
         except errors.MlxsupError as exc:
             log.info("[agents] stream failed rid=%s code=%s", call.parsed.submit.rid, exc.code)
             for chunk in api.failed(exc):
@@ -273,11 +275,12 @@ class AgentRoutes:
 
         async def collect() -> Finished:
             await call.start()
-            async for _, event in call.events():
-                if isinstance(event, Finished):
-                    feed(event.text, event.extra)
-                    return event
-                feed(event[0], event[2])
+            async with aclosing(call.events()) as events:
+                async for _, event in events:
+                    if isinstance(event, Finished):
+                        feed(event.text, event.extra)
+                        return event
+                    feed(event[0], event[2])
             raise errors.MlxsupError("the generation ended without finishing")
 
         work = asyncio.create_task(collect(), name=f"collect[{parsed.submit.rid}]")
