@@ -19,7 +19,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.conftest import Daemon, start_daemon
+from tests.conftest import Daemon, start_daemon, wait_for
 
 KEY = "sk-local-test"
 WEATHER_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
@@ -279,6 +279,44 @@ def test_a_repeated_long_prefix_reads_the_prompt_cache_in_responses(codex: opena
     again = codex.responses.create(model=CODEX, instructions=PREFIX, input="Hi there", max_output_tokens=2,
                                    store=False)
     assert first.usage.input_tokens > 200 and again.usage.input_tokens_details.cached_tokens > 128
+
+
+def _admin(daemon: Daemon, path: str) -> httpx.Response:
+    return httpx.get(daemon.url + path, headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+
+
+def _disconnected(daemon: Daemon, endpoint: str) -> float:
+    lines = dict(line.rsplit(" ", 1) for line in _admin(daemon, "/metrics").text.splitlines()
+                 if line and not line.startswith("#"))
+    return float(lines.get(f'mlxsup_requests_total{{endpoint="{endpoint}",model="qwen3",outcome="disconnected"}}', 0))
+
+
+def test_a_client_that_leaves_aborts_its_generation(coding_daemon: Daemon) -> None:
+    """Streamed (Messages and Responses) and whole (Responses): the lease goes back and the worker stops, at once,
+    not after the 4000 tokens asked for."""
+    headers = {"x-api-key": KEY}
+    streams = [("/v1/messages", {"model": CLAUDE, "max_tokens": 4000, "messages": ASK, "stream": True,
+                                 "thinking": {"type": "disabled"}}, "content_block_delta"),
+               ("/v1/responses", {"model": CODEX, "max_output_tokens": 4000, "input": ASK, "stream": True,
+                                  "reasoning": {"effort": "none"}}, "response.output_text.delta")]
+
+    def idle() -> bool:
+        model = next(m for m in _admin(coding_daemon, "/api/status").json()["models"] if m["id"] == "qwen3")
+        return model["in_flight"] == 0 and model["leases"] == 0 and model["batch_size"] == 0
+
+    for endpoint, body, first_delta in streams:
+        before = _disconnected(coding_daemon, endpoint)
+        with httpx.stream("POST", coding_daemon.url + endpoint, json=body, headers=headers, timeout=60) as resp:
+            assert next(line for line in resp.iter_lines() if first_delta in line)
+        wait_for(lambda: _disconnected(coding_daemon, endpoint) == before + 1, 10, what=f"{endpoint} to end")
+        wait_for(idle, 10, what="the worker to stop generating for it")
+
+    before = _disconnected(coding_daemon, "/v1/responses")
+    with pytest.raises(httpx.ReadTimeout):  # a whole response the client stops waiting for
+        httpx.post(coding_daemon.url + "/v1/responses", json={**streams[1][1], "stream": False, "temperature": 0}, headers=headers,
+                   timeout=httpx.Timeout(60, read=2))
+    wait_for(lambda: _disconnected(coding_daemon, "/v1/responses") == before + 1, 10, what="the response to end")
+    wait_for(idle, 10, what="the worker to stop generating for it")
 
 
 def test_an_eviction_mid_stream_is_an_error_event_not_a_cut_stream(claude: anthropic.Anthropic, codex: openai.OpenAI,
