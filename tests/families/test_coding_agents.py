@@ -308,7 +308,7 @@ def test_a_client_that_leaves_aborts_its_generation(coding_daemon: Daemon) -> No
         before = _disconnected(coding_daemon, endpoint)
         with httpx.stream("POST", coding_daemon.url + endpoint, json=body, headers=headers, timeout=60) as resp:
             assert next(line for line in resp.iter_lines() if first_delta in line)
-        wait_for(lambda: _disconnected(coding_daemon, endpoint) == before + 1, 10, what=f"{endpoint} to end")
+        wait_for(lambda e=endpoint, n=before + 1: _disconnected(coding_daemon, e) == n, 10, what=f"{endpoint} to end")
         wait_for(idle, 10, what="the worker to stop generating for it")
 
     before = _disconnected(coding_daemon, "/v1/responses")
