@@ -184,7 +184,7 @@ class Finished(Message):
     completion_tokens: int
     cached_tokens: int = 0
     token_ids: list = field(default_factory=list)  # generated since the request's last Tokens chunk
-    extra: dict | None = None  # the last deltas' typed extras, as in a Tokens chunk
+    extra: dict | None = None  # the last deltas' typed extras, as in a Tokens chunk; "stop_sequence": the stop hit
 
 
 @dataclass(slots=True)

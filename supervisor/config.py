@@ -104,6 +104,12 @@ class Settings:
     spare_workers: int = 1  # a process with its imports done, waiting for the next load (0: none)
     cache: CacheConfig = CACHE_DEFAULTS  # prompt caches: the [cache] section over the defaults
     config_file: Path | None = None  # the file these settings were read from (set by resolve)
+    # names clients ask for that no model has (Claude Code's, Codex's): glob pattern -> model id, first match
+    # wins; then `default_model` for any name left unknown (None: a 404 names the models there are)
+    model_aliases: dict[str, str] = field(default_factory=dict)
+    default_model: str | None = None
+    response_store_count: int = 1000  # /v1/responses kept for previous_response_id, least recently used out
+    response_store_bytes: int = 64 * 2**20
 
     def model_cache(self, spec: ModelSpec) -> CacheConfig:
         """A model's effective cache settings: its own overrides, then [cache], then the defaults."""
@@ -144,6 +150,7 @@ _SERVER_KEYS: dict[str, type | tuple[type, ...]] = {
     "api_key": str, "sse_keepalive_s": (int, float), "hf_cache": str, "spare_workers": int,
     "allowed_hosts": list, "allowed_origins": list, "step_target_s": (int, float),
     "max_resumes": int, "resume_timeout_s": (int, float),
+    "model_aliases": dict, "default_model": str, "response_store_count": int, "response_store_bytes": int,
 }
 _MEMORY_KEYS = {
     "ceiling": "memory_ceiling_bytes", "reserve": "memory_reserve_bytes", "worker_overhead": "worker_overhead_bytes",
@@ -192,6 +199,8 @@ def load_file(path: Path, settings: Settings) -> Settings:
             value = [Path(v).expanduser() for v in cast(list, value)]
         elif key in ("allowed_hosts", "allowed_origins"):
             value = _web_names(key, cast(list, value), path)
+        elif key == "model_aliases" and not all(isinstance(v, str) and v for v in cast(dict, value).values()):
+            raise ConfigError(f"{path}: server.model_aliases: expected {{pattern = model id}}, got {value!r}")
         setattr(settings, key, value)
     _apply_memory(data.get("memory", {}), settings, path)
     try:
@@ -237,6 +246,7 @@ _ENV: dict[str, tuple[str, Callable[[str], object]]] = {
     "MLXSUP_MODEL_DIRS": ("model_dirs", lambda v: [Path(p) for p in v.split(os.pathsep) if p]),
     "MLXSUP_LOG_LEVEL": ("log_level", str),
     "MLXSUP_API_KEY": ("api_key", str),
+    "MLXSUP_DEFAULT_MODEL": ("default_model", str),
     "MLXSUP_MEMORY_CEILING": ("memory_ceiling_bytes", parse_size),
     "MLXSUP_MAX_LOADED_MODELS": ("max_loaded_models", int),
     "MLXSUP_DEFAULT_TTL_S": ("default_ttl_s", float),

@@ -68,7 +68,10 @@ class RequestOutput:
         assert chunk is not None
         if self.parser.calls_made and reason == "stop":
             reason = "tool_calls"
-        return chunk[0], chunk[2] if len(chunk) > 2 else None, reason
+        extra = chunk[2] if len(chunk) > 2 else None
+        if self.text.stop_hit is not None:  # which stop string ended it (Anthropic's stop_sequence)
+            extra = {**(extra or {}), "stop_sequence": self.text.stop_hit}
+        return chunk[0], extra, reason
 
     def _chunk(self, out: Out, always: bool = False) -> list | None:
         extra: dict = {}

@@ -27,6 +27,7 @@ class TextStream:
         self._stop = [s for s in stop if s]
         self._pending = ""
         self.stopped = False
+        self.stop_hit: str | None = None  # the stop string that ended the text
 
     def push(self, token: int) -> str:
         """Add a token; return the text that is now safe to emit. Sets `stopped` on a stop string."""
@@ -49,11 +50,12 @@ class TextStream:
         if not self._stop:
             self._pending = ""
             return pending
-        hits = [i for i in (pending.find(s) for s in self._stop) if i >= 0]
+        hits = [(i, s) for s in self._stop if (i := pending.find(s)) >= 0]
         if hits:
+            at, self.stop_hit = min(hits)
             self.stopped = True
             self._pending = ""
-            return pending[: min(hits)]
+            return pending[:at]
         hold = 0 if final else self._partial_stop_suffix(pending)
         cut = len(pending) - hold
         self._pending = pending[cut:]

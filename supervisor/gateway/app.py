@@ -32,6 +32,8 @@ from protocol.messages import Finished
 from supervisor import __version__, errors
 from supervisor.config import Settings
 from supervisor.config_view import effective
+from supervisor.gateway.agent_routes import HttpKit, agent_routes
+from supervisor.gateway.anthropic_api import anthropic_error_body
 from supervisor.gateway.body import decode_json
 from supervisor.gateway.call import Calls
 from supervisor.gateway.guard import WebGuard
@@ -374,7 +376,8 @@ async def _admin_body(request: Request, keys: set[str]) -> dict:
 
 
 class RequireApiKey:
-    """ASGI middleware: every HTTP route but /health and the dashboard's bare page needs `Authorization: Bearer <key>`.
+    """ASGI middleware: every HTTP route but /health and the dashboard's bare page needs `Authorization: Bearer
+    <key>` or, as Anthropic's clients send it, `x-api-key: <key>`.
 
     The dashboard's page (and `/`, which redirects to it) is open too: it holds no state, and a
     browser cannot send a header when it navigates; the page asks for the key and sends it with
@@ -385,13 +388,19 @@ class RequireApiKey:
     def __init__(self, app: ASGIApp, key: str) -> None:
         self.app = app
         self.expected = f"Bearer {key}".encode()
+        self.key = key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in self.OPEN:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                err = errors.Unauthorized("a valid API key is required: send 'Authorization: Bearer <key>'")
-                await error_response(err)(scope, receive, send)
+            headers = dict(scope["headers"])
+            bearer = hmac.compare_digest(headers.get(b"authorization", b""), self.expected)
+            if not bearer and not hmac.compare_digest(headers.get(b"x-api-key", b""), self.key):
+                err = errors.Unauthorized("a valid API key is required: send 'Authorization: Bearer <key>' "
+                                          "or 'x-api-key: <key>'")
+                if scope["path"].startswith("/v1/messages"):
+                    await JSONResponse(anthropic_error_body(err), status_code=err.status)(scope, receive, send)
+                else:
+                    await error_response(err)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -426,6 +435,8 @@ def build_app(router: Router, settings: Settings) -> ASGIApp:
         Route("/api/models/{model:path}/evict", gw.evict, methods=["POST"]),
         Route("/api/hot-cache/clear", gw.clear_hot_cache, methods=["POST"]),
         Route("/api/ssd-cache/clear", gw.clear_ssd_cache, methods=["POST"]),
+        # /v1/messages (Anthropic), /v1/responses (OpenAI Responses), on this module's SSE and body helpers
+        *agent_routes(router, settings, HttpKit(SSEResponse, client_gone, read_json)),
     ]
     handlers = {errors.MlxsupError: _on_error, HTTPException: _on_error, Exception: _on_error}
     app: ASGIApp = Starlette(routes=routes, exception_handlers=handlers)

@@ -1,0 +1,314 @@
+"""Anthropic Messages request validation (`POST /v1/messages`, `/v1/messages/count_tokens`). Pure: no I/O.
+
+parse_messages turns a body into a `Parsed` whose Submit is the same API-neutral one the chat API
+builds (openai_api.py): messages in the chat template's shape (`tool_use` blocks become an assistant's
+`tool_calls`, `tool_result` blocks `tool` messages, `thinking` blocks `reasoning_content`), tools as
+{"name", "description", "parameters"}, tool_choice as a decoding constraint, thinking as the
+template's `enable_thinking`. So a Messages request differs from a chat one only in shape.
+
+Tolerant where Anthropic's own API is, because Claude Code and the SDKs evolve faster than this
+server: top-level fields it has no use for (`metadata`, `cache_control`, `service_tier`, betas' new
+fields) are ignored; a `system` message inside `messages` is folded into the system prompt; a content
+block of a type it does not know is skipped with a logged warning. What matters is still refused with
+Anthropic's error body (`anthropic_error_body`): a missing `max_tokens`, a bad role, a `tool_result`
+whose `tool_use` no earlier assistant turn made, an image (no vision yet).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from protocol.messages import Submit
+from supervisor.errors import MlxsupError
+from supervisor.gateway.openai_api import MAX_STOP_LEN, MAX_TOKENS_LIMIT, Parsed, new_id
+from supervisor.units import is_number
+
+log = logging.getLogger(__name__)
+
+MAX_STOP_SEQUENCES = 16
+TOOL_CHOICES = ("auto", "any", "tool", "none")
+MEDIA_BLOCKS = ("image", "document", "search_result")
+IGNORED_BLOCKS = ("redacted_thinking",)
+EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}  # kept by Anthropic for its own models; nothing to give a local one
+
+# Anthropic's error types by HTTP status (https://docs.anthropic.com/en/api/errors).
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
+                507: "overloaded_error"}
+
+
+class AnthropicInvalid(MlxsupError):
+    """A Messages request refused (400), with Anthropic's error type."""
+
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+
+
+def anthropic_error_body(exc: MlxsupError) -> dict:
+    """`{"type": "error", "error": {"type", "message"}}` for any of the server's errors."""
+    kind = _ERROR_TYPES.get(exc.status, "invalid_request_error" if 400 <= exc.status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": exc.message}}
+
+
+def _bad(message: str) -> AnthropicInvalid:
+    return AnthropicInvalid(message)
+
+
+def _number(body: dict, key: str, lo: float, hi: float) -> float | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not is_number(value) or not lo <= value <= hi:
+        raise _bad(f"{key}: must be a number from {lo} to {hi}, got {value!r}")
+    return float(value)
+
+
+def _integer(value: Any, where: str, lo: int, hi: int) -> int:
+    if not is_number(value, integer=True) or not lo <= value <= hi:
+        raise _bad(f"{where}: must be an integer from {lo} to {hi}, got {value!r}")
+    return int(value)
+
+
+def _blocks(content: Any, where: str) -> list[dict]:
+    """Content as a list of blocks (a string is one text block); blocks of unknown types skipped."""
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise _bad(f"{where}: must be a string or a list of content blocks")
+    out = []
+    for j, block in enumerate(content):
+        if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+            raise _bad(f"{where}.{j}: a content block must be an object with a 'type'")
+        kind = block["type"]
+        if kind in MEDIA_BLOCKS:
+            raise _bad(f"{where}.{j}: '{kind}' blocks are not supported (this server has no vision yet)")
+        if kind in IGNORED_BLOCKS:
+            continue
+        if kind not in ("text", "tool_use", "tool_result", "thinking"):
+            log.warning("[anthropic] skipped a content block of unknown type=%.40r at=%s.%d", kind, where, j)
+            continue
+        if kind == "text" and not isinstance(block.get("text"), str):
+            raise _bad(f"{where}.{j}.text: must be a string")
+        out.append(block)
+    return out
+
+
+def _text_of(content: Any, where: str) -> str:
+    return "".join(b["text"] for b in _blocks(content, where) if b["type"] == "text")
+
+
+def _tool_result(block: dict, where: str, known_calls: set[str]) -> dict:
+    call_id = block.get("tool_use_id")
+    if not isinstance(call_id, str) or call_id not in known_calls:
+        raise _bad(f"{where}: tool_result block(s) provided for tool_use id {call_id!r}, which no earlier "
+                   "assistant turn's tool_use block has")
+    content = block.get("content", "")
+    text = "" if content is None else _text_of(content, f"{where}.content")
+    if block.get("is_error"):
+        text = f"Error: {text}"
+    return {"role": "tool", "tool_call_id": call_id, "content": text}
+
+
+def _assistant(blocks: list[dict], where: str, known_calls: set[str]) -> dict:
+    text, reasoning, calls = [], [], []
+    for j, block in enumerate(blocks):
+        if block["type"] == "text":
+            text.append(block["text"])
+        elif block["type"] == "thinking":
+            if isinstance(block.get("thinking"), str):
+                reasoning.append(block["thinking"])
+        elif block["type"] == "tool_use":
+            call_id, name, args = block.get("id"), block.get("name"), block.get("input", {})
+            if not isinstance(call_id, str) or not isinstance(name, str) or not isinstance(args, dict):
+                raise _bad(f"{where}.{j}: a tool_use block needs a string 'id' and 'name' and an object 'input'")
+            known_calls.add(call_id)
+            calls.append({"id": call_id, "type": "function",
+                          "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}})
+        else:
+            raise _bad(f"{where}.{j}: an assistant turn cannot hold a '{block['type']}' block")
+    out: dict = {"role": "assistant", "content": "".join(text)}
+    if calls:
+        out["tool_calls"] = calls
+    if reasoning:
+        out["reasoning_content"] = "".join(reasoning)
+    return out
+
+
+def _user(blocks: list[dict], where: str, known_calls: set[str]) -> list[dict]:
+    """A user turn: its tool results as `tool` messages (in order), then its text as one user message."""
+    out, text = [], []
+    for j, block in enumerate(blocks):
+        if block["type"] == "tool_result":
+            out.append(_tool_result(block, f"{where}.{j}", known_calls))
+        elif block["type"] == "text":
+            text.append(block["text"])
+        else:
+            raise _bad(f"{where}.{j}: a user turn cannot hold a '{block['type']}' block")
+    if text or not out:
+        out.append({"role": "user", "content": "".join(text)})
+    return out
+
+
+def _conversation(body: dict) -> list[dict]:
+    """The chat template's messages: the system prompt first (with any system messages folded in)."""
+    system = body.get("system")
+    parts = [] if system is None else [_text_of(system, "system")]
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages: must be a non-empty list")
+    out: list[dict] = []
+    known_calls: set[str] = set()
+    for i, m in enumerate(messages):
+        where = f"messages.{i}"
+        if not isinstance(m, dict):
+            raise _bad(f"{where}: must be an object with 'role' and 'content'")
+        role = m.get("role")
+        if role == "system":  # not Anthropic's API, but clients send it: fold it, as its API does
+            parts.append(_text_of(m.get("content", ""), f"{where}.content"))
+            continue
+        if role not in ("user", "assistant"):
+            raise _bad(f"{where}.role: must be 'user' or 'assistant', got {role!r}")
+        if "content" not in m:
+            raise _bad(f"{where}.content: Field required")
+        blocks = _blocks(m["content"], f"{where}.content")
+        if role == "assistant":
+            out.append(_assistant(blocks, f"{where}.content", known_calls))
+        else:
+            out.extend(_user(blocks, f"{where}.content", known_calls))
+    system_text = "\n\n".join(p for p in parts if p)
+    return ([{"role": "system", "content": system_text}] if system_text else []) + out
+
+
+def _tools(body: dict) -> list[dict] | None:
+    tools = body.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise _bad("tools: must be a list")
+    out = []
+    for j, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+            raise _bad(f"tools.{j}: must be an object")
+        if tool.get("type") not in (None, "custom"):  # Anthropic's server tools (web_search, bash_2025...)
+            log.warning("[anthropic] skipped tool of type=%.40r name=%.40r: only custom tools run here",
+                        tool.get("type"), tool.get("name"))
+            continue
+        name, schema = tool.get("name"), tool.get("input_schema")
+        if not isinstance(name, str) or not name:
+            raise _bad(f"tools.{j}.name: Field required")
+        if not isinstance(schema, dict):
+            raise _bad(f"tools.{j}.input_schema: must be a JSON schema object")
+        out.append({"name": name, "description": str(tool.get("description") or ""), "parameters": schema})
+    return out or None
+
+
+def _tool_choice(body: dict, tools: list[dict] | None) -> tuple[list[dict] | None, dict | None]:
+    choice = body.get("tool_choice")
+    if choice is None:
+        return tools, None
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind not in TOOL_CHOICES:
+        raise _bad(f"tool_choice.type: must be one of {', '.join(TOOL_CHOICES)}")
+    parallel = not choice.get("disable_parallel_tool_use", False)
+    if kind == "auto":
+        return tools, None
+    if kind == "none":
+        return None, None
+    if not tools:
+        raise _bad(f"tool_choice: type '{kind}' needs 'tools'")
+    names = [t["name"] for t in tools]
+    if kind == "any":
+        return tools, {"type": "tool", "names": names, "parallel": parallel}
+    name = choice.get("name")
+    if name not in names:
+        raise _bad(f"tool_choice.name: {name!r} is not one of the tools ({', '.join(names)})")
+    return tools, {"type": "tool", "names": [name], "parallel": False}
+
+
+def _thinking(body: dict, max_tokens: int) -> dict:
+    """`thinking` as the chat template's switch; absent, the model's own default."""
+    thinking = body.get("thinking")
+    if thinking is None:
+        return {}
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if kind == "disabled":
+        return {"enable_thinking": False}
+    if kind in ("adaptive", "between_tools"):
+        return {"enable_thinking": True}
+    if kind != "enabled":
+        raise _bad("thinking.type: must be 'enabled', 'adaptive', 'between_tools' or 'disabled'")
+    budget = _integer(thinking.get("budget_tokens"), "thinking.budget_tokens", 1, MAX_TOKENS_LIMIT)
+    if budget >= max_tokens:
+        raise _bad("`max_tokens` must be greater than `thinking.budget_tokens`")
+    return {"enable_thinking": True}
+
+
+def _output_config(body: dict) -> tuple[dict | None, dict]:
+    """`output_config`: a JSON-schema answer (`format`) as a decoding constraint, `effort` as reasoning_effort."""
+    config = body.get("output_config")
+    if config is None:
+        return None, {}
+    if not isinstance(config, dict):
+        raise _bad("output_config: must be an object")
+    kwargs = {}
+    effort = config.get("effort")
+    if effort is not None:
+        if not isinstance(effort, str) or effort not in EFFORTS:
+            raise _bad(f"output_config.effort: must be one of {', '.join(EFFORTS)}")
+        kwargs["reasoning_effort"] = EFFORTS[effort]
+    fmt = config.get("format")
+    if fmt is None:
+        return None, kwargs
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise _bad("output_config.format: must be {'type': 'json_schema', 'schema': {...}}")
+    return {"type": "json", "schema": fmt["schema"]}, kwargs
+
+
+def _stop_sequences(body: dict) -> list[str]:
+    stops = body.get("stop_sequences")
+    if stops is None:
+        return []
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise _bad("stop_sequences: must be a list of strings")
+    if len(stops) > MAX_STOP_SEQUENCES or any(len(s) > MAX_STOP_LEN for s in stops):
+        raise _bad(f"stop_sequences: at most {MAX_STOP_SEQUENCES}, each at most {MAX_STOP_LEN} characters")
+    return [s for s in stops if s.strip()]
+
+
+def _model(body: Any) -> str:
+    if not isinstance(body, dict):
+        raise _bad("the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad("model: Field required")
+    return model
+
+
+def parse_messages(body: Any, counting: bool = False) -> Parsed:
+    """A Messages request as a Submit; `counting` (count_tokens) needs no max_tokens and never streams."""
+    model = _model(body)
+    if counting:
+        max_tokens = 1  # count_tokens prefills the prompt and stops at once (see agent_routes.py)
+    elif "max_tokens" not in body:
+        raise _bad("max_tokens: Field required")
+    else:
+        max_tokens = _integer(body["max_tokens"], "max_tokens", 1, MAX_TOKENS_LIMIT)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise _bad("stream: must be a boolean")
+    messages = _conversation(body)
+    tools, constraint = _tool_choice(body, _tools(body))
+    json_format, kwargs = _output_config(body)
+    constraint = constraint or json_format
+    kwargs.update(_thinking(body, MAX_TOKENS_LIMIT + 1 if counting else max_tokens))  # it shapes the prompt too
+    temperature = _number(body, "temperature", 0.0, 1.0)
+    top_p = _number(body, "top_p", 0.0, 1.0)
+    top_k = body.get("top_k")
+    submit = Submit(rid=new_id("msg"), max_tokens=max_tokens, messages=messages, stop=_stop_sequences(body),
+                    tools=tools, constraint=None if counting else constraint, template_kwargs=kwargs,
+                    temperature=1.0 if temperature is None else temperature, top_p=1.0 if top_p is None else top_p,
+                    top_k=0 if top_k is None else _integer(top_k, "top_k", 0, MAX_TOKENS_LIMIT))
+    return Parsed(model, submit, stream and not counting, False)

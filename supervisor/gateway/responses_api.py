@@ -1,0 +1,258 @@
+"""OpenAI Responses request validation (`POST /v1/responses`). Pure: no I/O, no state.
+
+parse_responses turns a body into a `ResponsesRequest`: a `Parsed` whose Submit is the chat API's
+API-neutral one (openai_api.py), and what the response echoes. `input` items become the chat
+template's messages: `message` items by role (`developer` as `system`), `function_call` items an
+assistant's `tool_calls`, `function_call_output` items `tool` messages, `reasoning` items the
+assistant's `reasoning_content`; consecutive assistant items make one assistant turn. Function tools
+become {"name", "description", "parameters"}; tool_choice and `text.format` a decoding constraint;
+`reasoning.effort` the template's reasoning_effort ("none": thinking off).
+
+With `previous_response_id`, the stored conversation (response_store.py, looked up by the caller's
+`history`) comes first and only the new turn is in `input`; `instructions` are the new request's
+only, as OpenAI does. A `function_call_output` must answer a call made earlier in the conversation.
+Unknown fields get a 400 naming them, those OpenAI's clients send by default are ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from protocol.messages import Submit
+from supervisor.errors import InvalidRequest
+from supervisor.gateway.openai_api import MAX_TOKENS_LIMIT, Parsed, new_id
+from supervisor.units import is_number
+
+log = logging.getLogger(__name__)
+
+IGNORED = {"metadata", "user", "include", "truncation", "service_tier", "prompt_cache_key", "safety_identifier",
+           "prompt_cache_retention", "max_tool_calls", "top_logprobs", "stream_options"}
+PARAMS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text", "reasoning",
+          "max_output_tokens", "temperature", "top_p", "stream", "store", "previous_response_id",
+          "background"} | IGNORED
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+TEXT_PARTS = ("input_text", "output_text", "text", "refusal", "summary_text", "reasoning_text")
+
+
+@dataclass
+class ResponsesRequest:
+    parsed: Parsed
+    conversation: list[dict]  # the messages before `instructions`: the stored history and this turn's input
+    store: bool
+    previous_id: str | None
+    echo: dict = field(default_factory=dict)  # request fields the response object repeats
+
+
+def _bad(message: str, param: str | None = None) -> InvalidRequest:
+    return InvalidRequest(message, param=param)
+
+
+def _text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _bad(f"{where} must be a string or a list of content parts", where)
+    parts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if not isinstance(kind, str):
+            raise _bad(f"{where}[{j}] must be a content part with a 'type'", where)
+        if kind in ("input_image", "input_file", "input_audio"):
+            raise _bad(f"{where}[{j}]: '{kind}' is not supported (this server has no vision or files yet)", where)
+        if kind in TEXT_PARTS and isinstance(part.get("text", part.get("refusal")), str):
+            parts.append(part.get("text", part.get("refusal")))
+        else:
+            log.warning("[responses] skipped a content part of type=%.40r at=%s[%d]", kind, where, j)
+    return "".join(parts)
+
+
+def _messages(items: Any, known_calls: set[str]) -> list[dict]:
+    """`input` as chat messages; the ids of the calls it makes are added to `known_calls`."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not isinstance(items, list):
+        raise _bad("'input' must be a string or a list of items", "input")
+    out: list[dict] = []
+
+    def assistant() -> dict:
+        if not out or out[-1]["role"] != "assistant":
+            out.append({"role": "assistant", "content": ""})
+        return out[-1]
+
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise _bad(f"{where} must be an object", where)
+        kind = item.get("type", "message")
+        if not isinstance(kind, str):
+            raise _bad(f"{where}.type must be a string", f"{where}.type")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise _bad(f"{where}.role must be one of user, system, developer, assistant", f"{where}.role")
+            text = _text(item.get("content", ""), f"{where}.content")
+            if role == "assistant":
+                assistant()["content"] += text
+            else:
+                out.append({"role": "system" if role == "developer" else role, "content": text})
+        elif kind == "function_call":
+            call_id, name, args = item.get("call_id"), item.get("name"), item.get("arguments", "{}")
+            if not isinstance(call_id, str) or not isinstance(name, str) or not isinstance(args, str):
+                raise _bad(f"{where}: a function_call needs string 'call_id', 'name' and 'arguments'", where)
+            known_calls.add(call_id)
+            assistant().setdefault("tool_calls", []).append(
+                {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}})
+        elif kind == "function_call_output":
+            call_id = item.get("call_id")
+            if not isinstance(call_id, str) or call_id not in known_calls:
+                raise _bad(f"{where}: no tool call found for function call output with call_id {call_id!r}",
+                           f"{where}.call_id")
+            output = item.get("output", "")
+            text = output if isinstance(output, str) else _text(output, f"{where}.output")
+            out.append({"role": "tool", "tool_call_id": call_id, "content": text})
+        elif kind == "reasoning":
+            text = _text(item.get("content") or item.get("summary") or [], f"{where}.content")
+            if text:
+                message = assistant()
+                message["reasoning_content"] = message.get("reasoning_content", "") + text
+        else:
+            log.warning("[responses] skipped an input item of type=%.40r at=%s", kind, where)
+    return out
+
+
+def _tools(body: dict) -> list[dict] | None:
+    tools = body.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise _bad("'tools' must be a list", "tools")
+    out = []
+    for j, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+            raise _bad(f"tools[{j}] must be an object", f"tools[{j}]")
+        if tool.get("type") != "function":
+            log.warning("[responses] skipped tool of type=%.40r: only function tools run here", tool.get("type"))
+            continue
+        name, params = tool.get("name"), tool.get("parameters") or {"type": "object", "properties": {}}
+        if not isinstance(name, str) or not name:
+            raise _bad(f"tools[{j}].name is required", f"tools[{j}].name")
+        if not isinstance(params, dict):
+            raise _bad(f"tools[{j}].parameters must be a JSON schema object", f"tools[{j}].parameters")
+        out.append({"name": name, "description": str(tool.get("description") or ""), "parameters": params})
+    return out or None
+
+
+def _tool_choice(body: dict, tools: list[dict] | None) -> tuple[list[dict] | None, dict | None]:
+    choice = body.get("tool_choice", "auto")
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise _bad("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
+    if choice in (None, "auto"):
+        return tools, None
+    if choice == "none":
+        return None, None
+    if not tools:
+        raise _bad("'tool_choice' needs function 'tools'", "tool_choice")
+    names = [t["name"] for t in tools]
+    if choice == "required":
+        return tools, {"type": "tool", "names": names, "parallel": parallel}
+    name = choice.get("name") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    if not isinstance(name, str):
+        raise _bad("'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'name': ...}",
+                   "tool_choice")
+    if name not in names:
+        raise _bad(f"'tool_choice' names function '{name}', which is not in 'tools'", "tool_choice")
+    return tools, {"type": "tool", "names": [name], "parallel": False}
+
+
+def _text_format(body: dict) -> tuple[dict | None, dict]:
+    """(the decoding constraint, the `text` the response echoes) of `text.format`."""
+    text = body.get("text") or {}
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if not isinstance(text, dict) or (fmt is not None and not isinstance(fmt, dict)):
+        raise _bad("'text' must be an object with a 'format' object", "text")
+    kind = (fmt or {}).get("type", "text")
+    echo = {"format": fmt or {"type": "text"}}
+    if kind == "text":
+        return None, echo
+    if kind == "json_object":
+        return {"type": "json", "schema": None}, echo
+    if kind == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):  # type: ignore[union-attr]
+            raise _bad("text.format.schema must be a JSON schema object", "text.format.schema")
+        return {"type": "json", "schema": fmt["schema"], "name": str(fmt.get("name") or "")}, echo  # type: ignore
+    raise _bad("text.format.type must be 'text', 'json_object' or 'json_schema'", "text.format.type")
+
+
+def _reasoning(body: dict) -> tuple[dict, dict | None]:
+    reasoning = body.get("reasoning")
+    if reasoning is None:
+        return {}, None
+    effort = reasoning.get("effort") if isinstance(reasoning, dict) else "?"
+    if effort is None:
+        return {}, reasoning
+    if effort not in EFFORTS:
+        raise _bad(f"reasoning.effort must be one of {', '.join(EFFORTS)}", "reasoning.effort")
+    if effort == "none":
+        return {"enable_thinking": False}, reasoning
+    return {"reasoning_effort": {"minimal": "low", "xhigh": "high"}.get(effort, effort)}, reasoning
+
+
+def _number(body: dict, key: str, default: float, hi: float) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not is_number(value) or not 0 <= value <= hi:
+        raise _bad(f"'{key}' must be a number from 0 to {hi}", key)
+    return float(value)
+
+
+def parse_responses(body: Any, history: Callable[[str], list[dict]]) -> ResponsesRequest:
+    """A Responses request; `history(id)` is a stored response's conversation (or raises NotFound)."""
+    if not isinstance(body, dict):
+        raise _bad("the request body must be a JSON object")
+    unknown = sorted(set(body) - PARAMS)
+    if unknown:
+        raise _bad(f"unrecognized request argument(s): {', '.join(unknown)}", unknown[0])
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad("'model' is required and must be a non-empty string", "model")
+    for key in ("stream", "store", "background"):
+        if body.get(key) is not None and not isinstance(body[key], bool):
+            raise _bad(f"'{key}' must be a boolean", key)
+    if body.get("background"):
+        raise _bad("'background' responses are not supported", "background")
+    previous = body.get("previous_response_id")
+    if previous is not None and not isinstance(previous, str):
+        raise _bad("'previous_response_id' must be a string", "previous_response_id")
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise _bad("'instructions' must be a string", "instructions")
+    if body.get("input") is None:
+        raise _bad("'input' is required", "input")
+    earlier = [dict(m) for m in history(previous)] if previous else []
+    known = {c["id"] for m in earlier for c in m.get("tool_calls") or []}
+    conversation = earlier + _messages(body["input"], known)
+    tools, constraint = _tool_choice(body, _tools(body))
+    json_format, text_echo = _text_format(body)
+    kwargs, reasoning_echo = _reasoning(body)
+    max_tokens = body.get("max_output_tokens")
+    if max_tokens is not None and (not is_number(max_tokens, integer=True) or not 1 <= max_tokens <= MAX_TOKENS_LIMIT):
+        raise _bad(f"'max_output_tokens' must be an integer from 1 to {MAX_TOKENS_LIMIT}", "max_output_tokens")
+    messages = ([{"role": "system", "content": instructions}] if instructions else []) + conversation
+    if not messages:
+        raise _bad("'input' must not be empty", "input")
+    submit = Submit(rid=new_id("resp"), max_tokens=max_tokens or 0, messages=messages, tools=tools,
+                    constraint=constraint or json_format, template_kwargs=kwargs,
+                    temperature=_number(body, "temperature", 1.0, 2.0), top_p=_number(body, "top_p", 1.0, 1.0))
+    echo = {"instructions": instructions, "max_output_tokens": max_tokens, "previous_response_id": previous,
+            "parallel_tool_calls": body.get("parallel_tool_calls", True), "tool_choice": body.get("tool_choice", "auto"),
+            "tools": body.get("tools") or [], "temperature": submit.temperature, "top_p": submit.top_p,
+            "text": text_echo, "reasoning": reasoning_echo or {"effort": None, "summary": None},
+            "metadata": body.get("metadata") or {}, "store": body.get("store", True), "truncation": "disabled"}
+    return ResponsesRequest(Parsed(model, submit, bool(body.get("stream")), False), conversation,
+                            body.get("store", True) is not False, previous, echo)
+
