@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from protocol.messages import Bye, CacheStats, Finished, Heartbeat, Progress, Ready, Submit
+from protocol.messages import Bye, CacheStats, Heartbeat, Progress, Ready, Submit
 from supervisor import errors
 from supervisor.config import Settings
 from supervisor.effects import WorkerHandle
@@ -75,12 +75,6 @@ class Stream:
     def fail(self, error: errors.MlxsupError) -> None:
         self.queue.put_nowait(error)
 
-    async def next(self) -> tuple[str, int, dict | None] | Finished:
-        """The next event (cancel-safe: a wait cancelled takes nothing from the queue); an error is raised."""
-        item = await self.queue.get()
-        if isinstance(item, errors.MlxsupError):
-            raise item
-        return item
 
 
 @dataclass(eq=False)

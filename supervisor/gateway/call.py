@@ -15,6 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator
+from typing import cast
 
 from protocol.messages import Finished, Submit
 from supervisor import errors
@@ -67,23 +68,32 @@ class Call:
         return item
 
     async def next_within(self, keepalive_s: float | None) -> Delta | Finished | None:
-        """The next event; None when none came within `keepalive_s` (it is still awaited by the next call)."""
-        assert self._stream is not None
+        """The next event; None when none came within `keepalive_s` (it is still awaited by the next call).
+
+        An event already queued, or a wait with no time limit, costs no task: this runs once per token."""
+        stream = self._stream
+        assert stream is not None
         if self._pending is None:
-            self._pending = asyncio.ensure_future(self._stream.next())
+            if not stream.queue.empty():
+                return self._took(stream.queue.get_nowait())
+            if keepalive_s is None:
+                return self._took(await stream.queue.get())
+            self._pending = asyncio.ensure_future(stream.queue.get())
         done, _ = await asyncio.wait({self._pending}, timeout=keepalive_s)
         if not done:
             return None
         pending, self._pending = self._pending, None
-        try:
-            item = pending.result()
-        except errors.MlxsupError as exc:
-            self.outcome, self.status = exc.code, exc.status
-            raise
+        return self._took(pending.result())
+
+    def _took(self, item: object) -> Delta | Finished:
+        if isinstance(item, errors.MlxsupError):
+            self.outcome, self.status = item.code, item.status
+            raise item
         if isinstance(item, Finished):
             self.finished = item
             self.outcome, self.status = "completed", 200
-        return item
+            return item
+        return cast(Delta, item)
 
     def close(self) -> None:
         if self._closed:
@@ -135,6 +145,18 @@ class Calls:
     async def events(self, keepalive_s: float | None = None) -> AsyncGenerator[tuple[int, Delta | Finished | None], None]:
         """Every choice's events as they come, each choice's in order, starting with their first ones;
         (-1, None) when none came within `keepalive_s` (a choice suspended for a resume, or just slow)."""
+        if len(self.calls) == 1:  # the common case: no task per token
+            call = self.calls[0]
+            item = call.first
+            assert item is not None, "a request is read only after its first event"
+            yield 0, item
+            while not isinstance(item, Finished):
+                if (event := await call.next_within(keepalive_s)) is None:
+                    yield -1, None
+                    continue
+                item = event
+                yield 0, item
+            return
         pending: dict[asyncio.Task, int] = {}
         try:
             for i, call in enumerate(self.calls):
