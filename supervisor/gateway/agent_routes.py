@@ -49,7 +49,7 @@ class HttpKit:
     """What these routes use of app.py (given by it, so that neither module imports the other)."""
 
     sse_response: Callable[[AsyncIterator[bytes], Callable[[], None]], Response]
-    client_gone: Callable[[Receive], Coroutine[Any, Any, None]]
+    unless_client_leaves: Callable[[Coroutine[Any, Any, Finished], Receive, str], Awaitable[Finished]]
     read_json: Callable[[Request, int], Awaitable[Any]]
 
 
@@ -261,19 +261,10 @@ class AgentRoutes:
                     feed(event[0], event[2])
             raise errors.MlxsupError("the generation ended without finishing")
 
-        work = asyncio.create_task(collect(), name=f"collect[{parsed.submit.rid}]")
-        gone = asyncio.create_task(self.kit.client_gone(request.receive), name="watch-disconnect")
         try:
-            await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
+            return await self.kit.unless_client_leaves(collect(), request.receive, f"collect[{parsed.submit.rid}]")
         finally:
-            gone.cancel()
-            if not work.done():
-                work.cancel()
-                await asyncio.gather(work, return_exceptions=True)
             call.close()
-        if work.cancelled():
-            raise errors.RequestAborted("the client disconnected")
-        return work.result()
 
 
 async def _anthropic_errors(handling: Awaitable[Response]) -> Response:

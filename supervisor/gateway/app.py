@@ -17,9 +17,9 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -64,10 +64,29 @@ def error_response(exc: errors.MlxsupError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status)
 
 
+T = TypeVar("T")
+
+
 async def client_gone(receive: Receive) -> None:
     """Returns once the client has disconnected (the request body, if any, is already read)."""
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+async def unless_client_leaves(work: Coroutine[Any, Any, T], receive: Receive, name: str) -> T:
+    """`work`'s result; RequestAborted, with `work` cancelled and settled, when the client disconnects first."""
+    task = asyncio.create_task(work, name=name)
+    gone = asyncio.create_task(client_gone(receive), name="watch-disconnect")
+    try:
+        await asyncio.wait([task, gone], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise errors.RequestAborted("the client disconnected")
+    return task.result()
 
 
 class SSEResponse(Response):
@@ -231,17 +250,7 @@ class Gateway:
                     said[index].add(item[0], item[2])
             return JSONResponse(shaper.whole(said, [finished[i] for i in range(len(said))]))
 
-        work = asyncio.create_task(collect(), name="collect")
-        gone = asyncio.create_task(client_gone(request.receive), name="watch-disconnect")
-        try:
-            await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not work.done():
-                work.cancel()
-        if work.cancelled():
-            raise errors.RequestAborted("the client disconnected")
-        return work.result()
+        return await unless_client_leaves(collect(), request.receive, "collect")
 
     async def models(self, request: Request) -> Response:
         created = int(self.started)
@@ -436,7 +445,7 @@ def build_app(router: Router, settings: Settings) -> ASGIApp:
         Route("/api/hot-cache/clear", gw.clear_hot_cache, methods=["POST"]),
         Route("/api/ssd-cache/clear", gw.clear_ssd_cache, methods=["POST"]),
         # /v1/messages (Anthropic), /v1/responses (OpenAI Responses), on this module's SSE and body helpers
-        *agent_routes(router, settings, HttpKit(SSEResponse, client_gone, read_json)),
+        *agent_routes(router, settings, HttpKit(SSEResponse, unless_client_leaves, read_json)),
     ]
     handlers = {errors.MlxsupError: _on_error, HTTPException: _on_error, Exception: _on_error}
     app: ASGIApp = Starlette(routes=routes, exception_handlers=handlers)
