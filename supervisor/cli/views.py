@@ -74,12 +74,15 @@ def memory_line(status: dict[str, Any]) -> str:
 
 def status_table(status: dict[str, Any]) -> list[str]:
     rows = [("MODEL", "STATE", "PID", "MEMORY", "SIZE", "CONTEXT", "IN-FLIGHT", "BATCH", "UNTIL", "HOT CACHE",
-             "SSD CACHE", "LAST ERROR")]
+             "SSD CACHE", "RESUMED", "LAST ERROR")]
     for m in map(ModelStatus.from_dict, status["models"]):
         cache = m.cache or {}
+        in_flight = f"{m.in_flight} ({m.suspended} suspended)" if m.suspended else str(m.in_flight)
+        resumed = f"{m.resumed} ({m.resume_failed} failed)" if m.resume_failed else str(m.resumed)
         rows.append((m.id, m.state, str(m.pid or "-"), size(m.memory_bytes), size(m.weights_bytes or None),
-                     str(m.context_length or "-"), str(m.in_flight), str(m.batch_size), until(m),
-                     _cache(cache.get("hot"), False), _cache(cache.get("ssd"), True), (m.last_error or "")[:60]))
+                     str(m.context_length or "-"), in_flight, str(m.batch_size), until(m),
+                     _cache(cache.get("hot"), False), _cache(cache.get("ssd"), True), resumed,
+                     (m.last_error or "")[:60]))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
