@@ -245,3 +245,30 @@ def test_the_engine_continues_the_text_exactly_from_every_chunk(model_dir: Path)
             assert sent + "".join(t for t, _ in rest) + end.text == expected, (stop_strings, k)
             assert end.finish_reason == fin.finish_reason and end.prompt_tokens == fin.prompt_tokens
             assert end.completion_tokens == fin.completion_tokens
+
+
+def test_a_seeded_request_continues_its_random_stream(model_dir: Path) -> None:
+    """Sampled at temperature 1 with a seed: a continuation from any chunk boundary draws what the whole run
+    drew (its sampler skips the draws of the resumed tokens); without the skip it repeats the first draws."""
+    from protocol.messages import Submit
+    from worker.mlx_engine.engine import Engine
+
+    engine = Engine(model_dir / "tiny")
+
+    def run(rid: str, max_tokens: int, resume: list[int]) -> tuple[list[tuple[str, list]], object]:
+        engine.submit(Submit(rid, max_tokens, prompt=PROMPT, temperature=1.0, seed=7, ignore_eos=True,
+                             resume_tokens=resume))
+        chunks: list[tuple[str, list]] = []
+        while True:
+            out, finished = engine.step()
+            chunks += [(text, ids) for _, text, _, ids, *_ in out]
+            if finished:
+                return chunks, finished[0]
+
+    chunks, fin = run("ref", 24, [])
+    expected = "".join(t for t, _ in chunks) + fin.text
+    for k in (1, len(chunks) // 2, len(chunks) - 1):
+        ids = [i for _, chunk_ids in chunks[:k] for i in chunk_ids]
+        rest, end = run(f"r{k}", 24 - len(ids), ids)
+        assert "".join(t for t, _ in chunks[:k]) + "".join(t for t, _ in rest) + end.text == expected, k
+

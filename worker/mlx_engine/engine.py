@@ -242,7 +242,7 @@ class Engine:
                                                       else "the response format")
                 raise RequestRejected(INVALID_REQUEST, f"cannot constrain decoding to {what}: {exc}") from None
         sampler = self._sampler(msg) if msg.seed is None else seeded_sampler(
-            msg.temperature, msg.top_p, msg.min_p, self._top_k(msg), msg.seed)
+            msg.temperature, msg.top_p, msg.min_p, self._top_k(msg), msg.seed, skip=len(msg.resume_tokens))
         logprobs = logprob_entries(self.tokenizer.decode, msg.logprobs) if msg.logprobs >= 0 else None
         parser = parser_for(self.family, chat, bool(msg.tools), in_think)
         out = RequestOutput(TextStream(self.tokenizer.detokenizer, msg.stop, self._special), parser, logprobs)

@@ -110,9 +110,13 @@ def penalty_processors(presence: float, frequency: float, repetition: float,
     )
 
 
-def seeded_sampler(temperature: float, top_p: float, min_p: float, top_k: int, seed: int) -> Callable:
-    """A sampler with its own random stream: the n-th token it draws depends on the seed and n only."""
+def seeded_sampler(temperature: float, top_p: float, min_p: float, top_k: int, seed: int, skip: int = 0) -> Callable:
+    """A sampler with its own random stream: the n-th token it draws depends on the seed and n only.
+
+    `skip`: draws already made (a resumed request's earlier tokens), so its stream goes on where it was."""
     key = mx.random.key(seed)
+    for _ in range(skip):
+        key, _ = mx.random.split(key)
 
     def sample(logprobs: mx.array) -> mx.array:
         nonlocal key
