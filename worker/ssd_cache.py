@@ -285,17 +285,20 @@ class SsdCache:
                 raise
             with self._lock:
                 keep = self.enabled and job.epoch == self._epoch
+                victims: list[bytes] = []
                 if keep:
                     self.nbytes += size - self._index.get(block.key, 0)  # a block written again: its snapshot came
                     self._index[block.key] = size
                     if block.snapshot is not None:
                         self._snapshots.add(block.key)
+                    victims = self._over_cap()  # in the same hold of the lock: nbytes is never seen over the cap
+            for key in victims:
+                self._remove(self.path(key))
             if not keep:  # cleared (or turned off) while this block was being written
                 self._remove(final)
                 return
             written.append(block.key)
         self._touch(written)
-        self._evict_to_cap()
 
     def _write_file(self, tmp: Path, block: BlockData) -> int:
         self.faults.before_ssd_write()
@@ -307,15 +310,25 @@ class SsdCache:
         return size
 
     def _evict_to_cap(self) -> None:
-        victims = []
         with self._lock:
-            while self.nbytes > self.cap and self._index:
-                key, size = self._index.popitem(last=False)
-                self._snapshots.discard(key)
-                self.nbytes -= size
-                victims.append(key)
+            victims = self._over_cap()
         for key in victims:
             self._remove(self.path(key))
+
+    def _over_cap(self) -> list[bytes]:
+        """Drop the least recently used entries down to the cap (with `_lock` held); their files are the caller's."""
+        victims = []
+        while self.nbytes > self.cap and self._index:
+            key, size = self._index.popitem(last=False)
+            self._snapshots.discard(key)
+            self.nbytes -= size
+            victims.append(key)
+        return victims
+
+    def usage(self) -> tuple[int, int]:
+        """(entries, bytes), read together."""
+        with self._lock:
+            return len(self._index), self.nbytes
 
     # --- admin and teardown --------------------------------------------------------------
 

@@ -237,7 +237,7 @@ class PromptCaches:
             ssd_entries=0, ssd_bytes=0, ssd_cap_bytes=0, ssd_hits=self.hits_ssd, ssd_misses=self.misses_ssd,
             ssd_hit_tokens=self.hit_tokens_ssd)
         if self.ssd is not None:  # not `if self.ssd`: an SsdCache with no entries is falsy (len 0)
-            stats.ssd_entries, stats.ssd_bytes, stats.ssd_cap_bytes = len(self.ssd), self.ssd.nbytes, self.ssd.cap
+            (stats.ssd_entries, stats.ssd_bytes), stats.ssd_cap_bytes = self.ssd.usage(), self.ssd.cap
             stats.ssd_dir, stats.ssd_error = str(self.ssd.dir), self.ssd.error
         return stats
 
