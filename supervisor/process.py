@@ -209,7 +209,10 @@ def reap_stale(pid_dir: Path, timeout_s: float = 5.0) -> list[int]:
         try:
             pid = int(json.loads(pidfile.read_text())["pid"])
             proc = psutil.Process(pid)
-            if "worker" in proc.cmdline() and "--lifeline" in proc.cmdline():
+            # its process title ("mlxsup-worker MODEL: python -m worker ...") may be cut to the length of the
+            # spare's command line it replaced, so the title's head is checked, not an argument near its end
+            title = " ".join(proc.cmdline())
+            if title.startswith("mlxsup-worker") or ("-m worker" in title and "--lifeline" in title):
                 proc.kill()
                 stale.append(proc)
         except (OSError, ValueError, KeyError, psutil.Error):
