@@ -67,7 +67,7 @@ def test_evict_now_during_eight_streams(daemon: Daemon) -> None:
     assert report["aborted"] == 8 and report["exit"] == 0 and report["signals"] == []
     assert report["memory_before_bytes"] > 0 and set(report["phases_s"]) >= {"abort", "close_caches", "settle"}
     assert_gone([pid])
-    again = httpx.post(daemon.v1 + "/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 3},
+    again = httpx.post(daemon.v1 + "/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 3, "ignore_eos": True},
                        timeout=60)
     assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] >= 1
     assert daemon.model("tiny")["pid"] not in (None, pid)
