@@ -252,3 +252,21 @@ def test_model_directory_follows_the_weights(tmp_path: Path) -> None:
     (d / "keep.txt").write_bytes(b"1")
     assert clear_dir(d) == (1, 7)
     assert [p.name for p in d.iterdir()] == ["keep.txt"]
+
+
+def test_a_damaged_block_mid_chain_ends_the_hit_there_and_goes(tmp_path: Path) -> None:
+    # The chain's blocks are read at once by the reader pool; the hit is still the prefix before
+    # the first bad block, whose file goes, and the blocks after it are not part of the hit.
+    ssd = SsdCache(tmp_path, FP, 1 << 30)
+    blocks = chain(6)
+    assert ssd.enqueue(blocks) == 6
+    ssd.close(10)
+    again = SsdCache(tmp_path, FP, 1 << 30)
+    _damaged(again.path(blocks[3].key), "payload")
+    found = again.load_chain([b.key for b in blocks], [b.tokens for b in blocks])
+    assert [b.key for b in found] == [b.key for b in blocks[:3]]
+    assert [list(b.arrays) for b in found] == [list(b.arrays) for b in blocks[:3]]
+    assert all(np.array_equal(f.arrays[n], b.arrays[n]) for f, b in zip(found, blocks) for n in b.arrays)
+    assert not again.path(blocks[3].key).exists() and len(again) == 5
+    again.close(10)
+    assert again._pool is None
