@@ -125,9 +125,8 @@ class PromptCaches:
         self.hit_tokens_ssd += n - from_hot
         t1 = time.perf_counter()
         cache = join_blocks(blocks, n, self.layout, self.block)
-        log.log(logging.INFO if n > from_hot else logging.DEBUG,
-                "[cache] model=%s hit tokens=%d hot_tokens=%d ssd_tokens=%d find_s=%.4f join_s=%.4f", self.model_id, n,
-                from_hot, n - from_hot, t1 - t0, time.perf_counter() - t1)
+        log.info("[cache] model=%s hit tokens=%d hot_tokens=%d ssd_tokens=%d find_s=%.4f join_s=%.4f", self.model_id, n,
+                 from_hot, n - from_hot, t1 - t0, time.perf_counter() - t1)
         return n, cache
 
     def _to_a_snapshot(self, tokens: list[int], keys: list[bytes], hot: list[Block]) -> tuple[list[Block], int]:
