@@ -6,6 +6,10 @@ chain is always touched from its deepest block back to its root, which leaves th
 most recent, and eviction (oldest first) therefore takes the tails of old chains before their
 heads; a block whose parent went anyway is unreachable and simply ages out.
 
+The blocks are also known by their parent (`_children`), so that a prompt which shares only part
+of its next block with a cached one can pick up that part (`best_child`): requests that share
+a chat template's system prefix, shorter than a block, share its K/V.
+
 Invariants: `nbytes` is the sum of the held blocks' `nbytes` and never exceeds `budget` once
 a call returns; a budget of 0 turns the cache off. Main thread only (blocks are MLX arrays).
 """
@@ -23,6 +27,7 @@ class HotCache:
     def __init__(self, budget_bytes: int) -> None:
         self.budget = max(0, budget_bytes)
         self._blocks: OrderedDict[bytes, Block] = OrderedDict()
+        self._children: dict[bytes, set[bytes]] = {}  # parent key -> keys of the held blocks under it
         self.nbytes = 0
         self.hits = 0
         self.misses = 0
@@ -52,6 +57,23 @@ class HotCache:
         self.touch([b.key for b in found])
         return found
 
+    def best_child(self, parent: bytes, tokens: tuple[int, ...] | list[int]) -> tuple[Block | None, int]:
+        """The held block under `parent` whose tokens start with the longest run of `tokens`, and that
+        run's length (touched as used when > 0)."""
+        best, best_n = None, 0
+        for key in self._children.get(parent, ()):
+            block = self._blocks[key]
+            n = 0
+            for a, b in zip(block.tokens, tokens):
+                if a != b:
+                    break
+                n += 1
+            if n > best_n:
+                best, best_n = block, n
+        if best is not None:
+            self.touch([best.key])
+        return best, best_n
+
     def touch(self, keys: list[bytes]) -> None:
         for key in reversed(keys):  # deepest first, so the root ends up the most recent
             if key in self._blocks:
@@ -74,14 +96,21 @@ class HotCache:
             if block.nbytes <= self.budget:
                 self.nbytes += block.nbytes - (old.nbytes if old is not None else 0)
                 self._blocks[block.key] = block
+                self._children.setdefault(block.parent, set()).add(block.key)
         self.touch([b.key for b in blocks])
         while self.nbytes > self.budget and self._blocks:
             _, old = self._blocks.popitem(last=False)
             self.nbytes -= old.nbytes
+            siblings = self._children.get(old.parent)
+            if siblings is not None:
+                siblings.discard(old.key)
+                if not siblings:
+                    del self._children[old.parent]
 
     def clear(self) -> tuple[int, int]:
         """Drop every block; return (blocks, bytes) released."""
         released = (len(self._blocks), self.nbytes)
         self._blocks.clear()
+        self._children.clear()
         self.nbytes = 0
         return released

@@ -45,9 +45,16 @@ def complete(d: Daemon, prompt: str, max_tokens: int = 24, model: str = "tiny") 
     return out.choices[0].text, usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens
 
 
-def expected_hit(prompt_tokens: int) -> int:
-    """Whole blocks of the prompt, less the one token always left to compute."""
-    return min(prompt_tokens // BLOCK * BLOCK, prompt_tokens - 1)
+def expected_hit(prompt_tokens: int, generated: int | None = None) -> int:
+    """Whole blocks of the prompt, less the one token always left to compute; a repeat of a prompt
+    whose earlier run `generated` tokens in the hot cache picks up more: the part of the next block
+    that run cached (its prompt and completion, less the last token, which it never fed back)."""
+    whole = min(prompt_tokens // BLOCK * BLOCK, prompt_tokens - 1)
+    if generated is None:
+        return whole
+    stored = (prompt_tokens + generated - 1) // BLOCK * BLOCK
+    part = min(stored, prompt_tokens - 1)
+    return part if part - whole >= 8 else whole
 
 
 def cache(d: Daemon, model: str = "tiny") -> dict:
@@ -77,7 +84,7 @@ def test_hot_hit_is_token_for_token_the_same(daemon_factory: Factory, model_dir:
     cold_text, n, cold_cached = complete(d, prompt)
     assert n >= 5 * BLOCK and cold_cached == 0
     hot_text, _, hot_cached = complete(d, prompt)
-    assert hot_cached == expected_hit(n)
+    assert hot_cached == expected_hit(n, generated=24)
     assert hot_text == cold_text
 
     # a longer prompt sharing the prefix reuses it, and streaming reports it too
@@ -95,6 +102,30 @@ def test_hot_hit_is_token_for_token_the_same(daemon_factory: Factory, model_dir:
     stats = wait_for(lambda: (c := cache(d))["hot"]["hits"] >= 3 and c, 10, what="cache stats")
     assert stats["hot"]["hit_tokens"] >= 2 * expected_hit(n) - BLOCK
     assert 0 < stats["hot"]["bytes"] <= stats["hot"]["budget_bytes"]
+
+
+def test_a_shared_start_shorter_than_a_block_is_picked_up(daemon_factory: Factory, model_dir: Path,
+                                                          tmp_path: Path) -> None:
+    # Requests that share a system prompt shorter than one block (a chat template's head, an agent's
+    # instructions) share its K/V: the next one picks up the common part of a cached block.
+    d = daemon_factory("--config", str(write_config(tmp_path / "c.toml", model_dir)))
+    system = "Be brief and kind."
+
+    def chat(question: str, max_tokens: int) -> tuple[str, int, int]:
+        out = client(d).chat.completions.create(
+            model="tiny", messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+            max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True})
+        return out.choices[0].message.content, out.usage.prompt_tokens, out.usage.prompt_tokens_details.cached_tokens
+
+    cold_text, n, cached = chat("Where is the lighthouse?", BLOCK)
+    assert cached == 0 and n < BLOCK
+    post(d, "/api/hot-cache/clear", {"model": "tiny"})  # the same question's answer, computed whole
+    chat("How tall is the old mill by the river?", BLOCK)  # its first block: the system prompt and more
+    hot_text, n2, cached = chat("Where is the lighthouse?", BLOCK)
+    assert n2 == n and 8 <= cached < n - 4  # the shared head, not the different question
+    assert hot_text == cold_text
+    again_text, _, again = chat("Where is the lighthouse?", BLOCK)  # its own block now: all but the last token
+    assert again == n - 1 and again_text == cold_text
 
 
 def test_hit_joining_a_running_batch_is_the_same(daemon_factory: Factory, model_dir: Path, tmp_path: Path) -> None:
@@ -115,7 +146,7 @@ def test_hit_joining_a_running_batch_is_the_same(daemon_factory: Factory, model_
         return hit.choices[0].text, hit.usage.prompt_tokens_details.cached_tokens
 
     text, cached = asyncio.run(main())
-    assert cached == expected_hit(n)
+    assert cached == expected_hit(n, generated=40)
     assert text == cold_text
     assert wait_for(lambda: d.model("tiny")["peak_batch_size"] >= 2, 10, what="a heartbeat")
 
@@ -211,7 +242,7 @@ def test_full_disk_turns_the_ssd_cache_off_and_serving_goes_on(daemon_factory: F
     c = wait_for(lambda: (c := cache(d))["ssd"]["error"] and c, 10, what="the SSD cache to turn off")
     assert c["ssd"]["enabled"] is False and "No space left" in c["ssd"]["error"]
     again, _, cached = complete(d, prompt)
-    assert cached == expected_hit(n) and again == text  # the hot cache still serves
+    assert cached == expected_hit(n, generated=24) and again == text  # the hot cache still serves
 
 
 def test_unwritable_cache_dir_turns_the_ssd_cache_off(daemon_factory: Factory, model_dir: Path, tmp_path: Path) -> None:
@@ -221,7 +252,7 @@ def test_unwritable_cache_dir_turns_the_ssd_cache_off(daemon_factory: Factory, m
     text, n, _ = complete(d, long_prompt(9))
     c = wait_for(lambda: cache(d), 10, what="cache stats")
     assert c["ssd"]["enabled"] is False and "not writable" in c["ssd"]["error"]
-    assert complete(d, long_prompt(9)) == (text, n, expected_hit(n))
+    assert complete(d, long_prompt(9)) == (text, n, expected_hit(n, generated=24))
 
 
 def test_evict_flushes_queued_ssd_writes(daemon_factory: Factory, model_dir: Path, tmp_path: Path) -> None:

@@ -9,13 +9,17 @@ from worker.shutdown import run_best_effort
 
 
 @dataclass(eq=False)
-class Blk:  # what HotCache reads of a block: its key and its size
+class Blk:  # what HotCache reads of a block: its key, parent, tokens and size
     key: bytes
+    parent: bytes = b"root"
+    tokens: tuple[int, ...] = ()
     nbytes: int = 100
+    snapshot: None = None
 
 
 def chain(name: str, n: int) -> list[Blk]:
-    return [Blk(f"{name}{i}".encode()) for i in range(n)]
+    keys = [f"{name}{i}".encode() for i in range(n)]
+    return [Blk(k, keys[i - 1] if i else b"root") for i, k in enumerate(keys)]
 
 
 def test_prefix_walks_until_the_first_missing_block() -> None:
@@ -64,3 +68,24 @@ def test_best_effort_close_runs_every_step() -> None:
 
     assert run_best_effort("test", [("flush", fails), ("release", lambda: ran.append("release"))]) == ["flush"]
     assert ran == ["flush", "release"]
+
+
+def test_best_child_is_the_held_block_under_a_parent_that_starts_the_longest_way_alike() -> None:
+    hot = HotCache(300)
+    system = (1, 2, 3, 4, 5, 6)
+    a = Blk(b"a", tokens=system + (7, 7))
+    b = Blk(b"b", tokens=system[:3] + (9, 9, 9, 9, 9))
+    other = Blk(b"x", parent=b"elsewhere", tokens=system + (8, 8))
+    hot.put([a])
+    hot.put([b])
+    hot.put([other])
+    assert hot.best_child(b"root", system + (0, 0)) == (a, 6)
+    assert hot.best_child(b"root", (1, 2, 3, 9)) == (b, 4)
+    assert hot.best_child(b"root", (5,)) == (None, 0)
+    assert hot.best_child(b"nobody", system) == (None, 0)
+    hot.prefix([other.key])
+    hot.best_child(b"root", system)  # now b is the least recent
+    hot.put([Blk(b"c")])  # over the budget: the least recent goes, and the parent index forgets it
+    assert b.key not in hot and hot.best_child(b"root", (1, 2, 3, 9)) == (a, 3)
+    hot.clear()
+    assert hot.best_child(b"root", system) == (None, 0)

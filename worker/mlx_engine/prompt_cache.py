@@ -51,6 +51,7 @@ from worker.ssd_format import SNAPSHOT_PREFIX, BlockData
 log = logging.getLogger(__name__)
 
 KV_PREFIX = "kv:"
+MIN_PARTIAL_TOKENS = 8  # the least of a block worth picking up from a cached block that starts the same way
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +97,8 @@ class PromptCaches:
 
     def lookup(self, tokens: list[int]) -> tuple[int, list | None]:
         """(n, cache): a prompt cache holding the first n tokens of `tokens`, n < len(tokens); (0, None)."""
-        if not self.enabled or len(tokens) < self.block:
+        partial = not self.layout.snapshots and self.hot.enabled  # a snapshot cannot be cut inside a block
+        if not self.enabled or len(tokens) < (MIN_PARTIAL_TOKENS + 1 if partial else self.block):
             return 0, None
         t0 = time.perf_counter()
         keys = chain_keys(tokens, self.block)
@@ -111,16 +113,24 @@ class PromptCaches:
                 found = self._from_ssd(self.ssd, tokens, keys, n_hot, len(keys))
                 self.hot.put(found)  # promoted: the next hit on this prefix comes from memory
                 blocks += found
+        n = min(len(blocks) * self.block, len(tokens) - 1)
+        from_ssd = n - min(n_hot * self.block, n)
+        if partial and n < len(tokens) - 1:  # the next block, cut short: a cached one that starts the same way
+            j = len(blocks)
+            child, m = self.hot.best_child(parent_of(keys, j, self.block),
+                                           tokens[j * self.block:min((j + 1) * self.block, len(tokens) - 1)])
+            if child is not None and m >= MIN_PARTIAL_TOKENS:
+                blocks.append(child)
+                n = j * self.block + m
         if self.hot.enabled:
-            self.hot.hits += n_hot > 0
-            self.hot.misses += n_hot == 0
+            self.hot.hits += n - from_ssd > 0
+            self.hot.misses += n - from_ssd == 0
         if self.ssd_on:
-            self.hits_ssd += len(blocks) > n_hot
-            self.misses_ssd += len(blocks) == n_hot
+            self.hits_ssd += from_ssd > 0
+            self.misses_ssd += from_ssd == 0
         if not blocks:
             return 0, None
-        n = min(len(blocks) * self.block, len(tokens) - 1)
-        from_hot = min(n_hot * self.block, n)
+        from_hot = n - from_ssd
         self.hot.hit_tokens += from_hot
         self.hit_tokens_ssd += n - from_hot
         t1 = time.perf_counter()
