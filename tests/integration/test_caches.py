@@ -45,16 +45,12 @@ def complete(d: Daemon, prompt: str, max_tokens: int = 24, model: str = "tiny") 
     return out.choices[0].text, usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens
 
 
-def expected_hit(prompt_tokens: int, generated: int | None = None) -> int:
-    """Whole blocks of the prompt, less the one token always left to compute; a repeat of a prompt
-    whose earlier run `generated` tokens in the hot cache picks up more: the part of the next block
-    that run cached (its prompt and completion, less the last token, which it never fed back)."""
+def expected_hit(prompt_tokens: int, repeat: bool = False) -> int:
+    """Whole blocks of the prompt, less the one token always left to compute; a `repeat` of a prompt
+    whose earlier run left its blocks in the hot cache (its partial last one included) picks up all
+    but the last token, when what lies past the whole blocks is worth a partial pick-up (8 tokens)."""
     whole = min(prompt_tokens // BLOCK * BLOCK, prompt_tokens - 1)
-    if generated is None:
-        return whole
-    stored = (prompt_tokens + generated - 1) // BLOCK * BLOCK
-    part = min(stored, prompt_tokens - 1)
-    return part if part - whole >= 8 else whole
+    return prompt_tokens - 1 if repeat and prompt_tokens - 1 - whole >= 8 else whole
 
 
 def cache(d: Daemon, model: str = "tiny") -> dict:
@@ -84,7 +80,7 @@ def test_hot_hit_is_token_for_token_the_same(daemon_factory: Factory, model_dir:
     cold_text, n, cold_cached = complete(d, prompt)
     assert n >= 5 * BLOCK and cold_cached == 0
     hot_text, _, hot_cached = complete(d, prompt)
-    assert hot_cached == expected_hit(n, generated=24)
+    assert hot_cached == expected_hit(n, repeat=True)
     assert hot_text == cold_text
 
     # a longer prompt sharing the prefix reuses it, and streaming reports it too
@@ -117,14 +113,14 @@ def test_a_shared_start_shorter_than_a_block_is_picked_up(daemon_factory: Factor
             max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True})
         return out.choices[0].message.content, out.usage.prompt_tokens, out.usage.prompt_tokens_details.cached_tokens
 
-    cold_text, n, cached = chat("Where is the lighthouse?", BLOCK)
+    cold_text, n, cached = chat("Where is the lighthouse?", 8)
     assert cached == 0 and n < BLOCK
     post(d, "/api/hot-cache/clear", {"model": "tiny"})  # the same question's answer, computed whole
-    chat("How tall is the old mill by the river?", BLOCK)  # its first block: the system prompt and more
-    hot_text, n2, cached = chat("Where is the lighthouse?", BLOCK)
+    chat("How tall is the old mill by the river?", 8)  # less than a block: kept as a partial block
+    hot_text, n2, cached = chat("Where is the lighthouse?", 8)
     assert n2 == n and 8 <= cached < n - 4  # the shared head, not the different question
     assert hot_text == cold_text
-    again_text, _, again = chat("Where is the lighthouse?", BLOCK)  # its own block now: all but the last token
+    again_text, _, again = chat("Where is the lighthouse?", 8)  # its own partial block: all but the last token
     assert again == n - 1 and again_text == cold_text
 
 
@@ -146,7 +142,7 @@ def test_hit_joining_a_running_batch_is_the_same(daemon_factory: Factory, model_
         return hit.choices[0].text, hit.usage.prompt_tokens_details.cached_tokens
 
     text, cached = asyncio.run(main())
-    assert cached == expected_hit(n, generated=40)
+    assert cached == expected_hit(n, repeat=True)
     assert text == cold_text
     assert wait_for(lambda: d.model("tiny")["peak_batch_size"] >= 2, 10, what="a heartbeat")
 
@@ -164,8 +160,8 @@ def test_ssd_hit_after_evict_and_reload_is_the_same(daemon_factory: Factory, mod
     assert text == cold_text
     c = wait_for(lambda: (c := cache(d))["ssd"]["hits"] and c, 10, what="cache stats")
     assert c["ssd"]["hit_tokens"] == expected_hit(n) and c["hot"]["hit_tokens"] == 0
-    again, _, cached = complete(d, prompt)  # promoted: now from memory
-    assert again == cold_text and cached == expected_hit(n)
+    again, _, cached = complete(d, prompt)  # promoted: now from memory, with the partial block the hit kept
+    assert again == cold_text and cached == expected_hit(n, repeat=True)
     assert wait_for(lambda: cache(d)["hot"]["hits"] == 1, 10, what="a hot hit")
 
 
@@ -173,11 +169,12 @@ def test_clear_endpoints_reclaim_what_they_say(daemon_factory: Factory, model_di
     d = daemon_factory("--config", str(write_config(tmp_path / "c.toml", model_dir)), "--model-dir", str(model_dir))
     prompt = long_prompt(6)
     _, n, _ = complete(d, prompt)
-    blocks = (n + 24) // BLOCK
-    c = wait_for(lambda: (c := cache(d))["ssd"]["entries"] == blocks and c["hot"]["entries"] == blocks and c,
+    blocks = (n + 23) // BLOCK  # the sequence's whole blocks (its last token is never fed back)
+    hot_blocks = blocks + ((n + 23) % BLOCK >= 8)  # and in memory, its partial last block
+    c = wait_for(lambda: (c := cache(d))["ssd"]["entries"] == blocks and c["hot"]["entries"] == hot_blocks and c,
                  15, what="both tiers to hold the blocks")
     hot = post(d, "/api/hot-cache/clear", {"model": "tiny"})
-    assert hot["reclaimed_bytes"] == c["hot"]["bytes"] > 0 and hot["entries"] == blocks
+    assert hot["reclaimed_bytes"] == c["hot"]["bytes"] > 0 and hot["entries"] == hot_blocks
     assert complete(d, prompt)[2] == expected_hit(n)  # the SSD tier still has it
     assert wait_for(lambda: cache(d)["ssd"]["hits"] == 1, 10, what="an SSD hit")
 
@@ -242,7 +239,7 @@ def test_full_disk_turns_the_ssd_cache_off_and_serving_goes_on(daemon_factory: F
     c = wait_for(lambda: (c := cache(d))["ssd"]["error"] and c, 10, what="the SSD cache to turn off")
     assert c["ssd"]["enabled"] is False and "No space left" in c["ssd"]["error"]
     again, _, cached = complete(d, prompt)
-    assert cached == expected_hit(n, generated=24) and again == text  # the hot cache still serves
+    assert cached == expected_hit(n, repeat=True) and again == text  # the hot cache still serves
 
 
 def test_unwritable_cache_dir_turns_the_ssd_cache_off(daemon_factory: Factory, model_dir: Path, tmp_path: Path) -> None:
@@ -252,7 +249,7 @@ def test_unwritable_cache_dir_turns_the_ssd_cache_off(daemon_factory: Factory, m
     text, n, _ = complete(d, long_prompt(9))
     c = wait_for(lambda: cache(d), 10, what="cache stats")
     assert c["ssd"]["enabled"] is False and "not writable" in c["ssd"]["error"]
-    assert complete(d, long_prompt(9)) == (text, n, expected_hit(n, generated=24))
+    assert complete(d, long_prompt(9)) == (text, n, expected_hit(n, repeat=True))
 
 
 def test_evict_flushes_queued_ssd_writes(daemon_factory: Factory, model_dir: Path, tmp_path: Path) -> None:

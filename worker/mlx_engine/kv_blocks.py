@@ -1,6 +1,8 @@
 """KV blocks: the unit both prompt caches store, and the MLX code that cuts and joins them.
 
-A prompt's tokens are split into blocks of `block_tokens` tokens; only full blocks are cached.
+A prompt's tokens are split into blocks of `block_tokens` tokens; full blocks are cached in both
+tiers, and the hot cache also keeps a finished sequence's partial last block (`cut_tail`), which a
+later prompt can only pick up part of (a prefix walk never reaches it: its key is not a chain key).
 Block i is keyed by a chained hash, key_i = blake2b(key_{i-1} || tokens of block i), with
 key_{-1} a root that names the block size, so a key identifies the block's tokens *and every
 token before it*: two prompts share block i's key exactly when they share their first
@@ -110,6 +112,23 @@ def cut_blocks(cache: list, layout: CacheLayout, tokens: list[int], keys: list[b
     if blocks:
         mx.eval([a for b in blocks for a in b.kv.values()])
     return blocks
+
+
+def tail_key(parent: bytes, tokens: list[int] | tuple[int, ...]) -> bytes:
+    """The key of a partial last block: never on a chain of full blocks' keys, found only by its parent."""
+    h = hashlib.blake2b(parent + b"partial", digest_size=KEY_BYTES)
+    h.update(b"".join(t.to_bytes(4, "little") for t in tokens))
+    return h.digest()
+
+
+def cut_tail(cache: list, layout: CacheLayout, tokens: list[int], parent: bytes, block_tokens: int) -> Block:
+    """The partial block after the last full one of a finished sequence (block layers only, unquantized)."""
+    s = len(tokens) // block_tokens * block_tokens
+    layers = [cast(KVCache, cache[i]) for i in layout.block_layers]
+    k = mx.stack([cast(mx.array, c.keys)[0, :, s:len(tokens), :] for c in layers])
+    v = mx.stack([cast(mx.array, c.values)[0, :, s:len(tokens), :] for c in layers])
+    mx.eval(k, v)
+    return Block(tail_key(parent, tokens[s:]), parent, s // block_tokens, tuple(tokens[s:]), {"k": k, "v": v})
 
 
 def _block_kv(block: Block, layout: CacheLayout, block_tokens: int) -> tuple[mx.array, mx.array]:

@@ -42,7 +42,7 @@ from protocol.cachedir import model_fingerprint
 from protocol.messages import CacheStats
 from worker.faults import NO_FAULTS, Faults
 from worker.hot_cache import HotCache
-from worker.mlx_engine.kv_blocks import Block, chain_keys, cut_blocks, join_blocks, parent_of
+from worker.mlx_engine.kv_blocks import Block, chain_keys, cut_blocks, cut_tail, join_blocks, parent_of, root_key
 from worker.mlx_engine.layer_state import CacheLayout, Snapshot, dtype_name, from_numpy, take_snapshot, to_numpy
 from worker.shutdown import run_best_effort
 from worker.ssd_cache import SsdCache
@@ -195,6 +195,7 @@ class PromptCaches:
         if layout.snapshots:  # past its last snapshot a chain cannot be picked up: keep it only that far
             keys = keys[:max(snapshots) + 1] if snapshots else []
         if not keys:
+            self._store_tail(tokens, cache, keys)
             return
         block_bytes = 0
         if first is not None:
@@ -215,6 +216,19 @@ class PromptCaches:
         self.hot.put([chain[i] for i in range(hot_n)])
         if ssd is not None and to_disk:
             ssd.enqueue([self._numpy_block(chain[i], keys, i) for i in to_disk])
+        self._store_tail(tokens, cache, keys)
+
+    def _store_tail(self, tokens: list[int], cache: list, keys: list[bytes]) -> None:
+        """Keep a finished sequence's partial last block in the hot cache, under its chain: prompts shorter
+        than a block (a chat template's head and a short question) share their start through it."""
+        layout = self.layout
+        if layout.snapshots or layout.kv_bits or not layout.block_layers or not self.hot.enabled:
+            return
+        if len(tokens) - len(keys) * self.block < MIN_PARTIAL_TOKENS:
+            return
+        parent = keys[-1] if keys else root_key(self.block)
+        if not keys or parent in self.hot:
+            self.hot.put([cut_tail(cache, layout, tokens, parent, self.block)])
 
     def _numpy_block(self, block: Block, keys: list[bytes], i: int) -> BlockData:
         named = {KV_PREFIX + n: a for n, a in block.kv.items()}
