@@ -58,6 +58,7 @@ from worker.mlx_engine.guided import Grammars, logprob_entries, penalty_processo
 from worker.mlx_engine.prompt_cache import CacheOptions, PromptCaches
 from worker.request_output import RequestOutput
 from worker.step_cost import PrefillSeq, StepCostModel, StepPlan, StepWork
+from worker.template_input import special_token_ids, template_messages, template_tools
 from worker.textstream import TextStream
 
 log = logging.getLogger(__name__)
@@ -76,41 +77,6 @@ class Request:
     snapshot_at: frozenset[int] = frozenset()  # prompt positions where its prefill stops for a cache snapshot
     snapshots: dict = field(default_factory=dict)  # block index -> the snapshot taken at that block's end
     unsent: list[int] = field(default_factory=list)  # generated ids whose text has not gone out yet
-
-
-def special_token_ids(tokenizer) -> frozenset[int]:
-    """Tokens that are not text: the tokenizer's special tokens (BOS, EOS, padding) and the added
-    tokens marked special (turn markers such as <|im_start|>). Added tokens a format means to show
-    (Qwen's <think>, <tool_call>) are not marked special, so they stay text, as in
-    `decode(..., skip_special_tokens=True)`."""
-    ids = set(getattr(tokenizer, "all_special_ids", None) or [])
-    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    ids.update(i for i, tok in added.items() if getattr(tok, "special", False))
-    return frozenset(ids)
-
-
-def template_tools(tools: list | None) -> list | None:
-    """Neutral function definitions as chat templates take them (OpenAI's shape, which they all read)."""
-    return [{"type": "function", "function": t} for t in tools] if tools else None
-
-
-def template_messages(messages: list[dict]) -> list[dict]:
-    """Earlier calls' arguments as mappings (Hugging Face's convention; a JSON string that is not an object stays)."""
-    out = []
-    for m in messages:
-        if m.get("tool_calls"):
-            calls = []
-            for call in m["tool_calls"]:
-                fn = dict(call["function"])
-                try:
-                    args = json.loads(fn["arguments"]) if isinstance(fn.get("arguments"), str) else fn.get("arguments")
-                except ValueError:
-                    args = fn["arguments"]
-                fn["arguments"] = args if isinstance(args, dict) else fn.get("arguments")
-                calls.append({**call, "function": fn})
-            m = {**m, "tool_calls": calls}
-        out.append(m)
-    return out
 
 
 def load_with_progress(model_path: Path, report: Callable[[str, float], None]) -> tuple:
