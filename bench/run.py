@@ -577,7 +577,7 @@ class Bench:
         finally:
             res["py_spy_exit"] = [await s.stop() for s in spies]
             await self.stop(d)
-        res["worker"] = summarize_collapsed(pdir / "worker.txt", "run (worker/server.py)")
+        res["worker"] = summarize_collapsed(pdir / "worker.txt", "WorkerLoop.run (worker/")
         res["daemon"] = summarize_collapsed(pdir / "daemon.txt", "run_forever (asyncio/base_events.py)")
         for name in ("worker", "daemon"):
             src = pdir / f"{name}.txt"

@@ -295,6 +295,15 @@ class Engine:
         except Exception:
             log.exception("[cache] storing a finished sequence failed; going on")
 
+    def _hand_off(self) -> None:
+        """The blocks stored at earlier steps, evaluated meanwhile, go to the SSD writer without a wait."""
+        if self.caches is None:
+            return
+        try:
+            self.caches.hand_off()
+        except Exception:
+            log.exception("[cache] handing blocks to the SSD writer failed; going on")
+
     def abort(self, rid: str) -> bool:
         req = self._by_rid.pop(rid, None)
         if req is None:
@@ -341,6 +350,7 @@ class Engine:
         progress, responses = self.gen.next()
         self.cost.observe(plan, time.perf_counter() - t0)
         self._in_flight = plan.decoding  # their decode is computing; the next step waits for it
+        self._hand_off()
         for p in progress:
             self._on_prefill_progress(p.uid, *p.progress)
         self._take_snapshots(progress)
@@ -375,6 +385,8 @@ class Engine:
             else:
                 cache, tokens = r.prompt_cache, r.all_tokens
             self._store(tokens, cache, req.snapshots)
+        if not self._by_rid:
+            self._hand_off()  # idle next: no step would hand them off, and none is in flight to wait for
         return chunks, finished
 
     def fail_all(self, code: str, message: str) -> list[Failed]:
