@@ -42,6 +42,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the most prompt tokens of one sequence an engine step prefills (time bounds it below)")
     p.add_argument("--step-target-s", type=float, default=0.25,
                    help="an engine step's target duration: each prefill chunk is sized to it from measured speed")
+    p.add_argument("--warm-batch-shapes", choices=("auto", "on", "off"), default="auto",
+                   help="run every batch size once on dummy tokens before Ready (auto: on a GPU only)")
+    p.add_argument("--warm-budget-s", type=float, default=30.0, help="the most seconds the batch-shape warm-up takes")
     p.add_argument("--lifeline", action="store_true", help="exit when stdin reaches EOF")
     p.add_argument("--hot-cache-bytes", type=int, default=0, help="hot prefix cache budget (0: off)")
     p.add_argument("--ssd-cache-root", type=Path, default=None,
@@ -169,7 +172,8 @@ def serve_model(args: argparse.Namespace, sock: zmq.Socket, shutdown: Shutdown, 
                              args.cache_snapshot_every)
         engine = Engine(args.model_path, max_batch_size=args.max_batch_size,
                         prefill_step_size=args.prefill_step_size, report=report, cache=cache,
-                        model_id=args.model_id, step_target_s=args.step_target_s)
+                        model_id=args.model_id, step_target_s=args.step_target_s,
+                        warm=args.warm_batch_shapes, warm_budget_s=args.warm_budget_s)
     except Exception as exc:
         log.error("[load] model=%s path=%s failed: %s", args.model_id, args.model_path, exc)
         return EXIT_LOAD_FAILED

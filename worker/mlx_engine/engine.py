@@ -17,6 +17,9 @@ A resumed request (Submit.resume_tokens) joins with its earlier tokens as its pr
 its text stream replayed through them, so its text continues exactly where its client's stopped;
 every chunk carries the ids of the tokens behind its text, which is what a resume continues from.
 
+Before Ready, the batch shapes a ramp of arrivals meets can be run once on dummy tokens
+(worker/mlx_engine/warmup.py; `warm`: auto = on a GPU only), so first requests do not wait for kernels.
+
 Steps are bounded by time, not by a token count: before each step, the prefill chunk (the
 BatchGenerator's `prefill_step_size`, which it reads on every step) is sized by the step cost
 model (worker/step_cost.py) from what this model's steps measured on this machine, so a step
@@ -56,6 +59,7 @@ from worker.engine_api import RequestRejected
 from worker.memory import process_memory_bytes
 from worker.mlx_engine.guided import Grammars, logprob_entries, penalty_processors, seeded_sampler
 from worker.mlx_engine.prompt_cache import CacheOptions, PromptCaches
+from worker.mlx_engine.warmup import wants_warm_up, warm_batch_shapes
 from worker.request_output import RequestOutput
 from worker.step_cost import PrefillSeq, StepCostModel, StepPlan, StepWork
 from worker.template_input import special_token_ids, template_messages, template_tools
@@ -107,7 +111,8 @@ def time_one_token(model: nn.Module) -> float:
 class Engine:
     def __init__(self, model_path: Path, max_batch_size: int = 32, prefill_batch_size: int = 8,
                  prefill_step_size: int = 2048, report: Callable[[str, float], None] = lambda *_: None,
-                 cache: CacheOptions | None = None, model_id: str = "", step_target_s: float = 0.25) -> None:
+                 cache: CacheOptions | None = None, model_id: str = "", step_target_s: float = 0.25,
+                 warm: str = "auto", warm_budget_s: float = 30.0) -> None:
         t0 = time.perf_counter()
         self.model, self.tokenizer = load_with_progress(model_path, report)
         config = json.loads((model_path / "config.json").read_text())
@@ -132,6 +137,11 @@ class Engine:
         self.max_batch_size = max_batch_size
         self.prefill_batch_size = prefill_batch_size
         self.cost = StepCostModel(step_target_s, prefill_step_size, time_one_token(self.model))
+        self.warmed = warm_batch_shapes(self.model, max_batch_size, prefill_batch_size, prefill_step_size,
+                                        warm_budget_s, report) if wants_warm_up(warm) else None
+        if self.warmed is not None:
+            log.info("[load] model=%s warm_up=batch_shapes sizes=%d steps=%d s=%.2f complete=%s", model_id,
+                     len(self.warmed.decode_sizes), self.warmed.steps, self.warmed.seconds, self.warmed.complete)
         self._prefilling: dict[str, Request] = {}  # requests with prompt left to prefill, in arrival order
         self._plan: StepPlan | None = None
         self._in_flight = 0  # sequences of the last step's decode: launched, and what the next step waits for
