@@ -32,6 +32,7 @@ import psutil
 
 from bench import client as cl
 from bench import prefill_itl, resume_pause
+from bench.bound import bandwidth_gb_s, bound_lines, decode_bound, weight_bytes
 from bench.common import REPO, machine, median, now, percentile, ratio, rnd, write_json
 from bench.model import make_never_eos_view, make_source_model
 from bench.params import Params
@@ -316,6 +317,10 @@ class Bench:
             for proc in servers.values():
                 await self.stop(proc)
         res["summary"] = summarize_throughput(res["runs"], p)
+        gpus = self.results["meta"].get("machine", {}).get("gpus") or []
+        res["bound"] = decode_bound(res["summary"], weight_bytes(self.model_dir), *bandwidth_gb_s(gpus, p.bandwidth_gbs))
+        for line in bound_lines(res["bound"]):
+            self.log(line)
         for run in res["runs"]:  # the raw samples live in the summary's pooled percentiles
             run.pop("ttft", None)
             run.pop("itl", None)

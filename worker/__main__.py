@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="an engine step's target duration: each prefill chunk is sized to it from measured speed")
     p.add_argument("--warm-batch-shapes", choices=("auto", "on", "off"), default="auto",
                    help="run every batch size once on dummy tokens before Ready (auto: on a GPU only)")
-    p.add_argument("--warm-budget-s", type=float, default=30.0, help="the most seconds the batch-shape warm-up takes")
+    p.add_argument("--warm-budget-s", type=float, default=10.0, help="the most seconds the batch-shape warm-up takes")
     p.add_argument("--lifeline", action="store_true", help="exit when stdin reaches EOF")
     p.add_argument("--hot-cache-bytes", type=int, default=0, help="hot prefix cache budget (0: off)")
     p.add_argument("--ssd-cache-root", type=Path, default=None,
