@@ -86,6 +86,7 @@ class Solo:
                 self.model(mx.array(self.tokens[self.fed:self.fed + n])[None], cache=self.cache)
                 mx.eval([c.state for c in self.cache])
             self.fed += n
+            mx.clear_cache()  # as generate_step: a chunk's transient buffers go back, not to MLX's buffer cache
             return []
         if self._next is None:  # the prompt's last token: the first token out
             self._next = self._feed(mx.array(self.tokens[self.fed:self.prompt_len]))
@@ -96,6 +97,8 @@ class Solo:
             mx.async_eval(*self._next)
         else:
             self._next = None
+        if self.generated % 256 == 0:
+            mx.clear_cache()  # as generate_step
         return [self._out(cast(int, token.item()), logprobs)]
 
     def _out(self, token: int, logprobs: mx.array) -> SoloResponse:
