@@ -5,7 +5,7 @@
 imports  python -X importtime of what the worker imports: where a cold start's seconds go before load
 exit     a process that loaded the model and generated: time from the end of its work to being reaped,
          for a plain return, after gc + mx.clear_cache, and with os._exit(0) (eviction's tail)
-engine   one process, batch 1, ITL of: A mlx_lm.load + BatchGenerator loop (the bench's inproc_batch);
+engine   one process, batch 1, ITL of: S mlx_lm.stream_generate; A mlx_lm.load + BatchGenerator loop (the bench's inproc_batch);
          B the product's worker.mlx_engine.engine.Engine (its own loader) driven by submit/step, no sockets;
          C B's model under a plain BatchGenerator loop; D = B plus, per step, what WorkerLoop adds
          (msgpack-encode the Tokens message, zmq send, zmq poll(0)): which of these makes the worker slow
@@ -206,7 +206,14 @@ def part_engine(model_dir: str, tokens: int, rounds: int) -> dict:
     def itl(ts: list[float]) -> float:
         return percentile([b - a for a, b in zip(ts, ts[1:])], 50) * 1e3
 
+    def single(model, tok, msgs) -> list[float]:
+        from mlx_lm import stream_generate
+
+        return [time.perf_counter() for _ in stream_generate(model, tok, tok.apply_chat_template(
+            msgs, add_generation_prompt=True), max_tokens=tokens)]
+
     variants = {
+        "S_mlx_lm_stream_generate": lambda m, i: single(model_a, tok_a, m),
         "A_mlx_lm_load_batchgen": lambda m, i: plain(model_a, tok_a, m),
         "B_engine_submit_step": lambda m, i: engine(m, False, f"b{i}"),
         "C_engine_model_plain_batchgen": lambda m, i: plain(eng.model, eng.tokenizer, m),
