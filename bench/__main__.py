@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deadline", type=float, default=None, help="seconds; no new work starts after it")
     ap.add_argument("--cache-bench", choices=["run", "include"], default=None,
                     help="run bench/cache_bench.py, or include its committed results (default: the profile's)")
+    ap.add_argument("--bandwidth-gbs", type=float, default=None,
+                    help="memory bandwidth in GB/s for the decode bound (default: the GPU's datasheet figure)")
     args = ap.parse_args(argv)
 
     p = PROFILES[args.profile]
@@ -72,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         p = replace(p, rounds=_intmap(args.rounds))
     if args.deadline:
         p = replace(p, deadline_s=args.deadline)
+    if args.bandwidth_gbs:
+        p = replace(p, bandwidth_gbs=args.bandwidth_gbs)
     if args.cache_bench:
         p = replace(p, run_cache_bench=args.cache_bench == "run")
     out = args.out or REPO / "bench" / "results" / p.profile

@@ -5,10 +5,16 @@
 imports  python -X importtime of what the worker imports: where a cold start's seconds go before load
 exit     a process that loaded the model and generated: time from the end of its work to being reaped,
          for a plain return, after gc + mx.clear_cache, and with os._exit(0) (eviction's tail)
-engine   one process, batch 1, ITL of: A mlx_lm.load + BatchGenerator loop (the bench's inproc_batch);
+engine   one process, batch 1, ITL of: S mlx_lm.stream_generate; A mlx_lm.load + BatchGenerator loop (the bench's inproc_batch);
          B the product's worker.mlx_engine.engine.Engine (its own loader) driven by submit/step, no sockets;
          C B's model under a plain BatchGenerator loop; D = B plus, per step, what WorkerLoop adds
          (msgpack-encode the Tokens message, zmq send, zmq poll(0)): which of these makes the worker slow
+store    the prompt caches' share of the generation loop (issue 15): Engine with a hot and an SSD cache, waves of
+         `n` requests with distinct ~4-block prompts finishing together; the seconds inside PromptCaches.store and
+         .hand_off (where it exists) against the seconds inside Engine.step
+chains   the same, without a model: 32 finished sequences of 1b-preset K/V (16 layers, 8 KV heads, head dim 64,
+         bfloat16, 320 tokens) stored in one step; the main thread's seconds in store, and in hand_off at the next
+         step (a stand-in step of MLX work between), per round
 arrival  in-process BatchGenerator at 32 sequences: all inserted at once (the bench's ceiling) vs
          inserted a few per step, as requests reach mlxsup's worker over ZeroMQ; the steps' times for
          (generation batch, prefill batch) sizes seen for the first time vs again (MLX kernel compile)
@@ -200,7 +206,14 @@ def part_engine(model_dir: str, tokens: int, rounds: int) -> dict:
     def itl(ts: list[float]) -> float:
         return percentile([b - a for a, b in zip(ts, ts[1:])], 50) * 1e3
 
+    def single(model, tok, msgs) -> list[float]:
+        from mlx_lm import stream_generate
+
+        return [time.perf_counter() for _ in stream_generate(model, tok, tok.apply_chat_template(
+            msgs, add_generation_prompt=True), max_tokens=tokens)]
+
     variants = {
+        "S_mlx_lm_stream_generate": lambda m, i: single(model_a, tok_a, m),
         "A_mlx_lm_load_batchgen": lambda m, i: plain(model_a, tok_a, m),
         "B_engine_submit_step": lambda m, i: engine(m, False, f"b{i}"),
         "C_engine_model_plain_batchgen": lambda m, i: plain(eng.model, eng.tokenizer, m),
@@ -216,6 +229,101 @@ def part_engine(model_dir: str, tokens: int, rounds: int) -> dict:
     ctx.destroy(linger=0)
     return {"tokens": tokens, "itl_p50_ms_per_round": out,
             "itl_p50_ms_median": {k: round(percentile(v, 50), 3) for k, v in out.items()}}
+
+
+def part_store(model_dir: str, n: int, tokens: int, rounds: int) -> dict:
+    import tempfile
+
+    from protocol.messages import Submit
+    from worker.mlx_engine.engine import Engine
+    from worker.mlx_engine.prompt_cache import CacheOptions
+
+    spent = {"step": 0.0, "store": 0.0}
+
+    def timed(fn, key: str):
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent[key] += time.perf_counter() - t0
+        return wrapper
+
+    with tempfile.TemporaryDirectory() as root:
+        eng = Engine(Path(model_dir), max_batch_size=max(32, n), prefill_step_size=2048,
+                     cache=CacheOptions(hot_bytes=1 << 30, ssd_root=Path(root)))
+        caches = eng.caches
+        assert caches is not None
+        caches.store = timed(caches.store, "store")  # type: ignore[method-assign]
+        if hasattr(caches, "hand_off"):
+            caches.hand_off = timed(caches.hand_off, "store")  # type: ignore[method-assign]
+        step = timed(eng.step, "step")
+        per_round = []
+        for r in range(rounds + 1):  # round 0 warms up
+            spent["step"] = spent["store"] = 0.0
+            for i in range(n):
+                ids = [(r * 7919 + i * 104729 + j * 31) % (eng.vocab_size - 10) + 10 for j in range(4 * 64 + 5)]  # distinct prompts
+                eng.submit(Submit(rid=f"s{r}-{i}", max_tokens=tokens, prompt_ids=ids, temperature=0.0,
+                                  ignore_eos=True))
+            while len(eng):
+                step()
+            if r:
+                per_round.append({"step_s": round(spent["step"], 4), "store_s": round(spent["store"], 4),
+                                  "store_pct": round(100 * spent["store"] / spent["step"], 2)})
+        eng.close_caches()
+    return {"requests": n, "tokens": tokens, "rounds": per_round,
+            "store_pct_median": percentile([x["store_pct"] for x in per_round], 50)}
+
+
+def part_chains(rounds: int, n: int = 32, tokens: int = 320) -> dict:
+    import tempfile
+
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.models.cache import KVCache
+
+    from worker.mlx_engine.prompt_cache import CacheOptions, PromptCaches
+
+    class Shape1b(nn.Module):
+        def make_cache(self) -> list:
+            return [KVCache() for _ in range(16)]
+
+    def finished(seed: int) -> list:
+        layers = []
+        for layer in range(16):
+            c = KVCache()
+            k = mx.random.normal((1, 8, tokens, 64), key=mx.random.key(seed * 16 + layer)).astype(mx.bfloat16)
+            c.update_and_fetch(k, k)
+            layers.append(c)
+        mx.eval([x for c in layers for x in (c.keys, c.values)])
+        return layers
+
+    work = mx.random.normal((1024, 1024))
+    out = []
+    with tempfile.TemporaryDirectory() as root:
+        pc = PromptCaches(Shape1b(), Path(root), CacheOptions(hot_bytes=1 << 30, ssd_root=Path(root), close_s=120))
+        for r in range(rounds + 1):
+            seqs = [(list(range(r * 100_000 + i * 1000, r * 100_000 + i * 1000 + tokens)), finished(r * n + i))
+                    for i in range(n)]
+            t0, c0 = time.perf_counter(), time.thread_time()
+            for ids, cache in seqs:
+                pc.store(ids, cache)
+            t1, c1 = time.perf_counter(), time.thread_time()
+            mx.eval(work @ work @ work)  # the next step's MLX work
+            t2, c2 = time.perf_counter(), time.thread_time()
+            if hasattr(pc, "hand_off"):
+                pc.hand_off()
+            t3, c3 = time.perf_counter(), time.thread_time()
+            if r:  # wall time on the main thread, and its CPU time (the machine is shared: wall is noisy)
+                out.append({"store_ms": round((t1 - t0) * 1e3, 2), "hand_off_ms": round((t3 - t2) * 1e3, 2),
+                            "main_thread_ms": round((t1 - t0 + t3 - t2) * 1e3, 2),
+                            "main_thread_cpu_ms": round((c1 - c0 + c3 - c2) * 1e3, 2)})
+        t4 = time.perf_counter()
+        pc.close()
+        close_s = time.perf_counter() - t4
+    return {"sequences": n, "tokens": tokens, "rounds": out, "close_s": round(close_s, 2),
+            "main_thread_ms_median": percentile([x["main_thread_ms"] for x in out], 50),
+            "main_thread_cpu_ms_median": percentile([x["main_thread_cpu_ms"] for x in out], 50)}
 
 
 def main() -> int:
@@ -235,6 +343,10 @@ def main() -> int:
                 res[part] = part_exit(args.model, args.rounds)
             elif part == "engine":
                 res[part] = part_engine(args.model, 256, max(3, args.rounds))
+            elif part == "store":
+                res[part] = part_store(args.model, 32, 8, args.rounds)
+            elif part == "chains":
+                res[part] = part_chains(args.rounds)
             elif part == "arrival":
                 res[part] = part_arrival(args.model, 32, 256, args.rounds)
         except Exception as exc:

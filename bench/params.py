@@ -44,6 +44,7 @@ class Params:
     run_timeout_s: float = 300.0
     deadline_s: float = 540.0  # stop starting new work after this; results are still written
     seed: int = 0
+    bandwidth_gbs: float | None = None  # memory bandwidth for the decode bound (None: the GPU's, from bench/bound.py)
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from bench.bound import bound_lines
 from bench.prefill_itl import markdown as prefill_itl_markdown
 from bench.resume_pause import markdown as resume_markdown
 
@@ -107,6 +108,9 @@ def markdown(res: dict) -> str:
             L.append(f"\nAt one client: mlxsup / in-process BatchGenerator(b=1) = "
                      f"{_f(r1['mlxsup/inproc_batch'].get('median_of_round_ratios'), 3)}; BatchGenerator(b=1) / "
                      f"stream_generate = {_f(r1.get('inproc_batch/inproc', {}).get('median_of_round_ratios'), 3)}.")
+        if tp.get("bound"):
+            L.append("")
+            L.extend(bound_lines(tp["bound"]))
         if tp.get("skipped"):
             L.append(f"\nSkipped for the deadline: {tp['skipped']}")
         if tp.get("error"):

@@ -32,6 +32,7 @@ import psutil
 
 from bench import client as cl
 from bench import prefill_itl, resume_pause
+from bench.bound import bandwidth_gb_s, bound_lines, decode_bound, weight_bytes
 from bench.common import REPO, machine, median, now, percentile, ratio, rnd, write_json
 from bench.model import make_never_eos_view, make_source_model
 from bench.params import Params
@@ -316,6 +317,10 @@ class Bench:
             for proc in servers.values():
                 await self.stop(proc)
         res["summary"] = summarize_throughput(res["runs"], p)
+        gpus = self.results["meta"].get("machine", {}).get("gpus") or []
+        res["bound"] = decode_bound(res["summary"], weight_bytes(self.model_dir), *bandwidth_gb_s(gpus, p.bandwidth_gbs))
+        for line in bound_lines(res["bound"]):
+            self.log(line)
         for run in res["runs"]:  # the raw samples live in the summary's pooled percentiles
             run.pop("ttft", None)
             run.pop("itl", None)
@@ -577,7 +582,7 @@ class Bench:
         finally:
             res["py_spy_exit"] = [await s.stop() for s in spies]
             await self.stop(d)
-        res["worker"] = summarize_collapsed(pdir / "worker.txt", "run (worker/server.py)")
+        res["worker"] = summarize_collapsed(pdir / "worker.txt", "WorkerLoop.run (worker/")
         res["daemon"] = summarize_collapsed(pdir / "daemon.txt", "run_forever (asyncio/base_events.py)")
         for name in ("worker", "daemon"):
             src = pdir / f"{name}.txt"

@@ -139,7 +139,8 @@ class Lifecycle(Generic[MetricsT]):
         """A worker for `spec`: the spare on standby if there is one (its imports are paid), else a new process."""
         st = self.settings
         args = model_args(spec.path, spec.id, st.max_batch_size, st.prefill_step_size, spec.worker_args,
-                          tuple(st.model_cache(spec).worker_args(st.state_dir)), step_target_s=st.step_target_s)
+                          tuple(st.model_cache(spec).worker_args(st.state_dir)), step_target_s=st.step_target_s,
+                          warm_batch_shapes=st.warm_batch_shapes)
         log_path = st.worker_log(spec.id)
         spare = self.spare if self.spare is not None and self.spare.standing_by else None
         if spare is not None:

@@ -42,6 +42,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the most prompt tokens of one sequence an engine step prefills (time bounds it below)")
     p.add_argument("--step-target-s", type=float, default=0.25,
                    help="an engine step's target duration: each prefill chunk is sized to it from measured speed")
+    p.add_argument("--warm-batch-shapes", choices=("auto", "on", "off"), default="auto",
+                   help="run every batch size once on dummy tokens before Ready (auto: on a GPU only)")
+    p.add_argument("--warm-budget-s", type=float, default=10.0, help="the most seconds the batch-shape warm-up takes")
+    p.add_argument("--admit-window-ms", type=int, default=2,
+                   help="after a submit, wait this long for more before stepping, so a burst is prefilled together")
     p.add_argument("--lifeline", action="store_true", help="exit when stdin reaches EOF")
     p.add_argument("--hot-cache-bytes", type=int, default=0, help="hot prefix cache budget (0: off)")
     p.add_argument("--ssd-cache-root", type=Path, default=None,
@@ -169,12 +174,14 @@ def serve_model(args: argparse.Namespace, sock: zmq.Socket, shutdown: Shutdown, 
                              args.cache_snapshot_every)
         engine = Engine(args.model_path, max_batch_size=args.max_batch_size,
                         prefill_step_size=args.prefill_step_size, report=report, cache=cache,
-                        model_id=args.model_id, step_target_s=args.step_target_s)
+                        model_id=args.model_id, step_target_s=args.step_target_s,
+                        warm=args.warm_batch_shapes, warm_budget_s=args.warm_budget_s)
     except Exception as exc:
         log.error("[load] model=%s path=%s failed: %s", args.model_id, args.model_path, exc)
         return EXIT_LOAD_FAILED
     log.info("[load] model=%s ready in %.2fs", args.model_id, engine.load_s)
-    loop = WorkerLoop(ZmqChannel(sock), engine, args.model_id, shutdown, heartbeat_s=args.heartbeat_s, faults=faults)
+    loop = WorkerLoop(ZmqChannel(sock), engine, args.model_id, shutdown, heartbeat_s=args.heartbeat_s, faults=faults,
+                      admit_window_ms=args.admit_window_ms, admit_max=engine.prefill_batch_size)
     loop.announce()
     return loop.run()
 

@@ -4,7 +4,9 @@ One thread owns the channel and the engine, so nothing here needs a lock. Each t
 shutdown first (`while self._handle_shutdown()`, worker/shutdown.py: it acts on signals and
 evicts, aborts what is due, and says when the exit can run), then steps the engine if anything
 is in flight, sends a heartbeat when one is due and reads the inbox: without waiting while
-requests are in flight or an exit is under way, else up to one idle interval. Heartbeats come
+requests are in flight or an exit is under way, else up to one idle interval. After a submit,
+further ones are awaited for `admit_window_ms` (up to `admit_max`), so a burst of arrivals is
+prefilled together rather than a few per step, each step a batch shape of its own. Heartbeats come
 from this loop, so a heartbeat proves the generation loop turns, not merely that a socket is open.
 
 Each step is sized by the engine to a time target (worker/step_cost.py), so the loop turns
@@ -63,7 +65,7 @@ class WorkerLoop:
     the faults, the clock and the memory probe (the defaults are the real ones)."""
 
     def __init__(self, channel: Channel, engine: EngineApi, model_id: str, shutdown: Shutdown, *,
-                 heartbeat_s: float = 1.0, faults: Faults = NO_FAULTS,
+                 heartbeat_s: float = 1.0, faults: Faults = NO_FAULTS, admit_window_ms: int = 0, admit_max: int = 8,
                  clock: Callable[[], float] = time.monotonic,
                  memory: Callable[[], int] = process_memory_bytes) -> None:
         self.channel = channel
@@ -75,6 +77,8 @@ class WorkerLoop:
         self.clock = clock
         self.memory = memory
         self._idle_ms = int(min(heartbeat_s, MAX_IDLE_WAIT_S) * 1000)
+        self.admit_window_ms = admit_window_ms  # after a submit, wait this long for more before the next step
+        self.admit_max = admit_max  # ... until this many came (a prefill batch)
         self._next_heartbeat = 0.0
         self._handlers: dict[str, Callable[[Any], None]] = {
             Submit.KIND: self._on_submit,
@@ -126,6 +130,17 @@ class WorkerLoop:
         idle = not len(self.engine) and self.shutdown.admitting
         if not self.channel.wait(self._idle_ms if idle else 0):
             return
+        admitted = self._take_frames()
+        # arrivals a few milliseconds apart join one prefill, not one step each (new batch shapes each time)
+        while 0 < admitted < self.admit_max and self.admit_window_ms and self.channel.wait(self.admit_window_ms):
+            more = self._take_frames()
+            if not more:
+                break
+            admitted += more
+
+    def _take_frames(self) -> int:
+        """Handle every frame waiting; return how many were submits."""
+        submits = 0
         while (frame := self.channel.recv()) is not None:
             try:
                 msg = decode(frame)
@@ -139,7 +154,9 @@ class WorkerLoop:
             if handler is None:
                 log.warning("[protocol] unexpected message kind=%s", msg.KIND)
                 continue
+            submits += msg.KIND == Submit.KIND
             handler(msg)
+        return submits
 
     def _on_submit(self, msg: Submit) -> None:
         if not self.shutdown.admitting:

@@ -7,8 +7,9 @@ model (other format version or fingerprint, truncated, garbage) and leftover tem
 removed then. A block's payload is verified (CRC-32) again when it is read; a bad one is a
 miss, and its file goes.
 
-Writes: the main thread hands over numpy copies of a chain's new blocks (`enqueue`), never MLX
-arrays; one writer thread writes each to a temp file, fsyncs it and renames it into place, so
+Writes: the main thread hands over numpy arrays of a chain's new blocks (`enqueue`), never MLX
+arrays (they may be views of evaluated MLX arrays, which it keeps alive until `writing` says
+they are done: worker/mlx_engine/disk_handoff.py); one writer thread writes each to a temp file, fsyncs it and renames it into place, so
 a block file is either absent or complete, also after SIGKILL. The queue is bounded in bytes:
 when it is full, the tail of a chain is dropped (its head, the useful part, goes first). A
 size cap is kept by evicting the least recently used files; chains are touched deepest block
@@ -112,6 +113,11 @@ class SsdCache:
             if snapshot:
                 return key in self._snapshots or key in self._pending_snapshots
             return key in self._index or key in self._pending
+
+    def writing(self, keys: list[bytes]) -> bool:
+        """Whether any of these blocks is still queued or being written (the writer may read its arrays)."""
+        with self._lock:
+            return any(key in self._pending for key in keys)
 
     def present(self, keys: list[bytes]) -> list[bool]:
         """For the longest prefix of `keys` on disk: whether each of its blocks carries a snapshot."""
@@ -287,10 +293,12 @@ class SsdCache:
                 log.exception("[cache] model=%s ssd=writer failed", self.model_id)
                 self._disable(f"the writer failed: {exc}")
             finally:
+                nbytes, keys = job.nbytes, [b.key for b in job.blocks]
+                del job  # its arrays may be views of the main thread's: let go of them before `writing` says so
                 with self._lock:
-                    self._queued_bytes -= job.nbytes
-                    self._pending.difference_update(b.key for b in job.blocks)
-                    self._pending_snapshots.difference_update(b.key for b in job.blocks)
+                    self._queued_bytes -= nbytes
+                    self._pending.difference_update(keys)
+                    self._pending_snapshots.difference_update(keys)
 
     def _write_job(self, job: _Job) -> None:
         written: list[bytes] = []

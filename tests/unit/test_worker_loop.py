@@ -277,3 +277,23 @@ def test_every_fault_has_a_name_the_parser_takes_and_typos_are_refused() -> None
         assert parse_args(["--endpoint", "e", "--identity", "i", "--spare", "--fault", name]).fault == [name]
     with pytest.raises(ValueError, match="unknown faults"):
         Faults(["crash-in-lop"])
+
+
+def test_a_burst_of_submits_is_admitted_together_before_the_next_step() -> None:
+    """Issue 15: arrivals a few ms apart are prefilled in one step, not a few per step (a new batch shape each)."""
+    r = rig(sub("a", 2))
+    r.loop.admit_window_ms = 2
+    r.channel.when_idle = [lambda: r.channel.put(sub("b", 2), sub("c", 2)),  # within a's window
+                           lambda: r.channel.put(Evict("drain", 10))]
+    assert r.loop.run() == EXIT_OK
+    first = r.sent(Tokens)[0]
+    assert sorted(chunk[0] for chunk in first.chunks) == ["a", "b", "c"]
+    assert sorted(f.rid for f in r.sent(Finished)) == ["a", "b", "c"]
+
+
+def test_without_an_admit_window_the_loop_steps_after_the_first_submit() -> None:
+    r = rig(sub("a", 2))
+    r.channel.when_idle = [lambda: r.channel.put(sub("b", 2)), lambda: r.channel.put(Evict("drain", 10))]
+    r.engine.after_step = {1: lambda: r.channel.put(sub("c", 1))}
+    assert r.loop.run() == EXIT_OK
+    assert [chunk[0] for chunk in r.sent(Tokens)[0].chunks] == ["a"]

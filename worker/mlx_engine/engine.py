@@ -17,6 +17,9 @@ A resumed request (Submit.resume_tokens) joins with its earlier tokens as its pr
 its text stream replayed through them, so its text continues exactly where its client's stopped;
 every chunk carries the ids of the tokens behind its text, which is what a resume continues from.
 
+Before Ready, the batch shapes a ramp of arrivals meets can be run once on dummy tokens
+(worker/mlx_engine/warmup.py; `warm`: auto = on a GPU only), so first requests do not wait for kernels.
+
 Steps are bounded by time, not by a token count: before each step, the prefill chunk (the
 BatchGenerator's `prefill_step_size`, which it reads on every step) is sized by the step cost
 model (worker/step_cost.py) from what this model's steps measured on this machine, so a step
@@ -56,8 +59,11 @@ from worker.engine_api import RequestRejected
 from worker.memory import process_memory_bytes
 from worker.mlx_engine.guided import Grammars, logprob_entries, penalty_processors, seeded_sampler
 from worker.mlx_engine.prompt_cache import CacheOptions, PromptCaches
+from worker.mlx_engine.solo import Solo, SoloResponse
+from worker.mlx_engine.warmup import wants_warm_up, warm_batch_shapes
 from worker.request_output import RequestOutput
 from worker.step_cost import PrefillSeq, StepCostModel, StepPlan, StepWork
+from worker.template_input import special_token_ids, template_messages, template_tools
 from worker.textstream import TextStream
 
 log = logging.getLogger(__name__)
@@ -73,44 +79,10 @@ class Request:
     cached_tokens: int = 0
     prefill_left: int = 0  # prompt tokens still to prefill (the last one is decoded, not prefilled)
     position: int = 0  # prompt tokens in its cache so far
+    start: int = 0  # prompt tokens in its cache when it joined the generator (its progress counts from there)
     snapshot_at: frozenset[int] = frozenset()  # prompt positions where its prefill stops for a cache snapshot
     snapshots: dict = field(default_factory=dict)  # block index -> the snapshot taken at that block's end
     unsent: list[int] = field(default_factory=list)  # generated ids whose text has not gone out yet
-
-
-def special_token_ids(tokenizer) -> frozenset[int]:
-    """Tokens that are not text: the tokenizer's special tokens (BOS, EOS, padding) and the added
-    tokens marked special (turn markers such as <|im_start|>). Added tokens a format means to show
-    (Qwen's <think>, <tool_call>) are not marked special, so they stay text, as in
-    `decode(..., skip_special_tokens=True)`."""
-    ids = set(getattr(tokenizer, "all_special_ids", None) or [])
-    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    ids.update(i for i, tok in added.items() if getattr(tok, "special", False))
-    return frozenset(ids)
-
-
-def template_tools(tools: list | None) -> list | None:
-    """Neutral function definitions as chat templates take them (OpenAI's shape, which they all read)."""
-    return [{"type": "function", "function": t} for t in tools] if tools else None
-
-
-def template_messages(messages: list[dict]) -> list[dict]:
-    """Earlier calls' arguments as mappings (Hugging Face's convention; a JSON string that is not an object stays)."""
-    out = []
-    for m in messages:
-        if m.get("tool_calls"):
-            calls = []
-            for call in m["tool_calls"]:
-                fn = dict(call["function"])
-                try:
-                    args = json.loads(fn["arguments"]) if isinstance(fn.get("arguments"), str) else fn.get("arguments")
-                except ValueError:
-                    args = fn["arguments"]
-                fn["arguments"] = args if isinstance(args, dict) else fn.get("arguments")
-                calls.append({**call, "function": fn})
-            m = {**m, "tool_calls": calls}
-        out.append(m)
-    return out
 
 
 def load_with_progress(model_path: Path, report: Callable[[str, float], None]) -> tuple:
@@ -141,7 +113,8 @@ def time_one_token(model: nn.Module) -> float:
 class Engine:
     def __init__(self, model_path: Path, max_batch_size: int = 32, prefill_batch_size: int = 8,
                  prefill_step_size: int = 2048, report: Callable[[str, float], None] = lambda *_: None,
-                 cache: CacheOptions | None = None, model_id: str = "", step_target_s: float = 0.25) -> None:
+                 cache: CacheOptions | None = None, model_id: str = "", step_target_s: float = 0.25,
+                 warm: str = "auto", warm_budget_s: float = 10.0, solo: bool = True) -> None:
         t0 = time.perf_counter()
         self.model, self.tokenizer = load_with_progress(model_path, report)
         config = json.loads((model_path / "config.json").read_text())
@@ -166,6 +139,15 @@ class Engine:
         self.max_batch_size = max_batch_size
         self.prefill_batch_size = prefill_batch_size
         self.cost = StepCostModel(step_target_s, prefill_step_size, time_one_token(self.model))
+        self.warmed = warm_batch_shapes(self.model, max_batch_size, prefill_batch_size, prefill_step_size,
+                                        warm_budget_s, report) if wants_warm_up(warm) else None
+        if self.warmed is not None:
+            log.info("[load] model=%s warm_up=batch_shapes sizes=%d steps=%d s=%.2f complete=%s", model_id,
+                     len(self.warmed.decode_sizes), self.warmed.steps, self.warmed.seconds, self.warmed.complete)
+        self.solo_on = solo  # a request alone runs the generate_step way (worker/mlx_engine/solo.py)
+        self._solo: Solo | None = None
+        self._solo_uids = 0
+        self._pending: list[SoloResponse] = []  # a solo's token read when it joined the batch, emitted next step
         self._prefilling: dict[str, Request] = {}  # requests with prompt left to prefill, in arrival order
         self._plan: StepPlan | None = None
         self._in_flight = 0  # sequences of the last step's decode: launched, and what the next step waits for
@@ -187,7 +169,7 @@ class Engine:
         return list(self._by_rid)
 
     def batch_size(self) -> int:
-        return len(self.gen._generation_batch)
+        return len(self.gen._generation_batch) + (self._solo is not None and self._solo.decoding)
 
     def waiting(self) -> int:
         return len(self._by_rid) - self.batch_size()
@@ -268,18 +250,25 @@ class Engine:
         cached, prefix = self._lookup(msg.rid, tokens)
         points = self.caches.snapshot_points(len(tokens), cached) if self.caches is not None else []
         cuts = [0] + [p - cached for p in points] + [len(tokens) - cached]
-        (uid,) = self.gen.insert_segments(
-            [[tokens[cached + a:cached + b] for a, b in zip(cuts, cuts[1:]) if b > a]],  # prefill stops at each point
-            max_tokens=[max_tokens],
-            caches=[prefix] if prefix is not None else None,
-            all_tokens=[tokens[:cached]],
-            samplers=[sampler],  # type: ignore[list-item]  # None: the greedy fallback
-            logits_processors=[processors],
-            stop_sequences=[self._stop_none if msg.ignore_eos else self._stop_eos],
-        )
+        if self.solo_on and not self._by_rid and not processors and msg.logprobs < 0 and not points:
+            self._solo_uids -= 1  # the generator's uids count up from 0: a solo's are negative
+            uid = self._solo_uids
+            self._solo = Solo(self.model, uid, tokens, cached, prefix, max_tokens, sampler,
+                              None if msg.ignore_eos else self._eos)
+        else:
+            self._solo_to_batch()
+            (uid,) = self.gen.insert_segments(
+                [[tokens[cached + a:cached + b] for a, b in zip(cuts, cuts[1:]) if b > a]],  # prefill stops at each point
+                max_tokens=[max_tokens],
+                caches=[prefix] if prefix is not None else None,
+                all_tokens=[tokens[:cached]],
+                samplers=[sampler],  # type: ignore[list-item]  # None: the greedy fallback
+                logits_processors=[processors],
+                stop_sequences=[self._stop_none if msg.ignore_eos else self._stop_eos],
+            )
         req = Request(msg.rid, uid, prompt_tokens, out, completion_tokens=len(msg.resume_tokens),
                       cached_tokens=min(cached, prompt_tokens), prefill_left=len(tokens) - cached - 1, position=cached,
-                      snapshot_at=frozenset(points))
+                      start=cached, snapshot_at=frozenset(points))
         self._by_uid[uid] = req
         self._by_rid[msg.rid] = req
         if req.prefill_left > 0:
@@ -309,7 +298,7 @@ class Engine:
         for p in progress:
             req = self._by_uid.get(p.uid)
             if req is not None and p.end_of_segment and not p.end_of_prompt:
-                position = req.cached_tokens + p.progress[0]
+                position = req.start + p.progress[0]
                 if position in req.snapshot_at:
                     due[p.uid] = (req, position)
         if not due:
@@ -329,14 +318,60 @@ class Engine:
         except Exception:
             log.exception("[cache] storing a finished sequence failed; going on")
 
+    def _hand_off(self) -> None:
+        """The blocks stored at earlier steps, evaluated meanwhile, go to the SSD writer without a wait."""
+        if self.caches is None:
+            return
+        try:
+            self.caches.hand_off()
+        except Exception:
+            log.exception("[cache] handing blocks to the SSD writer failed; going on")
+
     def abort(self, rid: str) -> bool:
         req = self._by_rid.pop(rid, None)
         if req is None:
             return False
         del self._by_uid[req.uid]
         self._prefilling.pop(rid, None)
-        self.gen.remove([req.uid])
+        self._pending = [r for r in self._pending if r.uid != req.uid]
+        if self._solo is not None and self._solo.uid == req.uid:
+            self._solo = None
+        elif req.uid >= 0:
+            self.gen.remove([req.uid])
         return True
+
+    def _solo_to_batch(self) -> None:
+        """A second request came: the solo goes into the batch (solo.py says how no token is lost)."""
+        solo, self._solo = self._solo, None
+        if solo is None:
+            return
+        req = self._by_uid.pop(solo.uid)
+        pending, cache, fed, rest = solo.hand_over()
+        if pending is not None and pending.finish_reason is not None:  # that token ends it: it finishes next step
+            pending.prompt_cache, pending.all_tokens = cache, fed
+            self._by_uid[solo.uid] = req
+            self._pending.append(pending)
+            return
+        (uid,) = self.gen.insert_segments(
+            [[rest]], max_tokens=[solo.max_tokens - solo.generated], caches=[cache] if cache is not None else None,
+            all_tokens=[fed], samplers=[solo.sampler], logits_processors=[[]],  # type: ignore[list-item]
+            stop_sequences=[self._stop_eos if solo.eos is not None else self._stop_none])
+        req.uid, req.start = uid, len(fed)
+        self._by_uid[uid] = req
+        if pending is not None:
+            pending.uid = uid
+            self._pending.append(pending)
+
+    def _solo_step(self) -> tuple[list, list]:
+        """The solo's step: a prefill chunk, or one token (generate_step's pipelining)."""
+        solo = self._solo
+        assert solo is not None
+        req = self._by_uid[solo.uid]
+        responses = solo.step(self.gen.prefill_step_size)
+        req.position, req.prefill_left = min(solo.fed, solo.prompt_len), solo.prefill_left
+        if not solo.prefill_left:
+            self._prefilling.pop(req.rid, None)
+        return [], responses
 
     # --- generation --------------------------------------------------------------------
 
@@ -363,7 +398,7 @@ class Engine:
         if req is None:
             return
         req.prefill_left = max(0, total - 1 - done)
-        req.position = req.cached_tokens + done
+        req.position = req.start + done
         if req.prefill_left == 0:
             self._prefilling.pop(req.rid, None)
 
@@ -372,9 +407,12 @@ class Engine:
         plan = self._plan or self.plan_step()
         self._plan = None
         t0 = time.perf_counter()
-        progress, responses = self.gen.next()
+        progress, responses = self._solo_step() if self._solo is not None else self.gen.next()
         self.cost.observe(plan, time.perf_counter() - t0)
+        if self._pending:
+            responses, self._pending = [*self._pending, *responses], []
         self._in_flight = plan.decoding  # their decode is computing; the next step waits for it
+        self._hand_off()
         for p in progress:
             self._on_prefill_progress(p.uid, *p.progress)
         self._take_snapshots(progress)
@@ -404,11 +442,16 @@ class Engine:
             del self._by_uid[req.uid]
             del self._by_rid[req.rid]
             self._prefilling.pop(req.rid, None)
-            if r.finish_reason is None:  # a stop string ended it: the generator still runs it
+            if self._solo is not None and self._solo.uid == req.uid:
+                cache, tokens = self._solo.release() if r.finish_reason is None else (r.prompt_cache, r.all_tokens)
+                self._solo = None
+            elif r.finish_reason is None:  # a stop string ended it: the generator still runs it
                 cache, tokens = self.gen.remove([req.uid], return_prompt_caches=True).get(req.uid, (None, None))
             else:
                 cache, tokens = r.prompt_cache, r.all_tokens
             self._store(tokens, cache, req.snapshots)
+        if not self._by_rid:
+            self._hand_off()  # idle next: no step would hand them off, and none is in flight to wait for
         return chunks, finished
 
     def fail_all(self, code: str, message: str) -> list[Failed]:
@@ -423,6 +466,8 @@ class Engine:
 
     def settle(self) -> int:
         """Release what MLX holds in its buffer cache; return the process footprint left."""
+        self._solo = None
+        self._pending = []
         self.gen.close()
         gc.collect()
         mx.clear_cache()

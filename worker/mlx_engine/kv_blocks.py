@@ -88,11 +88,12 @@ def _dequantize(w: mx.array, scales: mx.array, biases: mx.array, bits: int, bloc
 
 
 def cut_blocks(cache: list, layout: CacheLayout, tokens: list[int], keys: list[bytes], wanted: list[int],
-               block_tokens: int) -> list[Block]:
+               block_tokens: int, wait: bool = True) -> list[Block]:
     """Copy blocks `wanted` (indices into `keys`) out of one sequence's finished cache.
 
     `cache` holds one sequence (batch 1) whose first len(tokens) positions are `tokens` in its
-    block layers. mx.stack allocates a fresh buffer, so a block never keeps the cache alive.
+    block layers. mx.stack allocates a fresh buffer, so a block never keeps the cache alive once
+    evaluated: at once (`wait`), or scheduled with mx.async_eval, so the step in flight is not waited for.
     """
     layers = [cast(KVCache, cache[i]) for i in layout.block_layers]
     blocks = []
@@ -110,7 +111,7 @@ def cut_blocks(cache: list, layout: CacheLayout, tokens: list[int], keys: list[b
                 kv = {"k": k, "v": v}
         blocks.append(Block(keys[i], parent_of(keys, i, block_tokens), i, tuple(tokens[s:e]), kv))
     if blocks:
-        mx.eval([a for b in blocks for a in b.kv.values()])
+        (mx.eval if wait else mx.async_eval)([a for b in blocks for a in b.kv.values()])
     return blocks
 
 
@@ -127,7 +128,7 @@ def cut_tail(cache: list, layout: CacheLayout, tokens: list[int], parent: bytes,
     layers = [cast(KVCache, cache[i]) for i in layout.block_layers]
     k = mx.stack([cast(mx.array, c.keys)[0, :, s:len(tokens), :] for c in layers])
     v = mx.stack([cast(mx.array, c.values)[0, :, s:len(tokens), :] for c in layers])
-    mx.eval(k, v)
+    mx.async_eval(k, v)  # evaluated while the batch goes on, like cut_blocks(wait=False)
     return Block(tail_key(parent, tokens[s:]), parent, s // block_tokens, tuple(tokens[s:]), {"k": k, "v": v})
 
 

@@ -7,7 +7,8 @@
 - `snapshot_points(n, cached)`: where a prompt's prefill must stop so that `snapshot(cache)` can
   copy the state of the layers that cannot be cut into blocks (see below).
 - `store(tokens, cache, snapshots)` when a sequence finishes: its blocks go into the hot cache
-  and, as numpy copies, to the SSD writer.
+  and are lent to the SSD writer; `hand_off()` at the next step gives them to it as numpy views,
+  so that nothing in a step waits for them (worker/mlx_engine/disk_handoff.py).
 - `clear(which)`, `stats()`, `close()` for admin and the orderly exit.
 
 Every cache type is cached (worker/mlx_engine/layer_state.py). A model whose layers are all
@@ -42,15 +43,15 @@ from protocol.cachedir import model_fingerprint
 from protocol.messages import CacheStats
 from worker.faults import NO_FAULTS, Faults
 from worker.hot_cache import HotCache
+from worker.mlx_engine.disk_handoff import KV_PREFIX, DiskHandoff
 from worker.mlx_engine.kv_blocks import Block, chain_keys, cut_blocks, cut_tail, join_blocks, parent_of, root_key
-from worker.mlx_engine.layer_state import CacheLayout, Snapshot, dtype_name, from_numpy, take_snapshot, to_numpy
+from worker.mlx_engine.layer_state import CacheLayout, Snapshot, from_numpy, take_snapshot
 from worker.shutdown import run_best_effort
 from worker.ssd_cache import SsdCache
-from worker.ssd_format import SNAPSHOT_PREFIX, BlockData
+from worker.ssd_format import SNAPSHOT_PREFIX
 
 log = logging.getLogger(__name__)
 
-KV_PREFIX = "kv:"
 MIN_PARTIAL_TOKENS = 8  # the least of a block worth picking up from a cached block that starts the same way
 
 
@@ -80,6 +81,7 @@ class PromptCaches:
             fingerprint = model_fingerprint(model_path)
             self.ssd = SsdCache(options.ssd_root / fingerprint, fingerprint, options.ssd_bytes, model_id,
                                 faults=options.faults, layout=self.layout.name)
+        self.to_disk = DiskHandoff(self.ssd, self.block) if self.ssd is not None else None
         if self.enabled:
             log.info("[cache] model=%s layout=%s block_layers=%d snapshot_layers=%d kv_bits=%s", model_id,
                      self.layout.name, len(self.layout.block_layers), len(self.layout.snapshot_layers),
@@ -207,15 +209,15 @@ class PromptCaches:
         wanted = sorted(set(range(hot_n)) | set(to_disk))
         have = {i: b for i in wanted if (b := self.hot.get(keys[i])) is not None}
         made = {b.depth: b for b in cut_blocks(cache, layout, tokens, keys, [i for i in wanted if i not in have],
-                                                self.block)}
+                                                self.block, wait=False)}  # evaluated while the batch goes on
         chain = {}
         for i in wanted:
             block = have.get(i) or made[i]
             snapshot = snapshots.get(i)
             chain[i] = block.with_snapshot(snapshot) if snapshot is not None and block.snapshot is None else block
         self.hot.put([chain[i] for i in range(hot_n)])
-        if ssd is not None and to_disk:
-            ssd.enqueue([self._numpy_block(chain[i], keys, i) for i in to_disk])
+        if self.to_disk is not None and to_disk:
+            self.to_disk.lend([chain[i] for i in to_disk], keys, to_disk)
         self._store_tail(tokens, cache, keys)
 
     def _store_tail(self, tokens: list[int], cache: list, keys: list[bytes]) -> None:
@@ -230,13 +232,10 @@ class PromptCaches:
         if not keys or parent in self.hot:
             self.hot.put([cut_tail(cache, layout, tokens, parent, self.block)])
 
-    def _numpy_block(self, block: Block, keys: list[bytes], i: int) -> BlockData:
-        named = {KV_PREFIX + n: a for n, a in block.kv.items()}
-        if block.snapshot is not None:
-            named.update({SNAPSHOT_PREFIX + n: a for n, a in block.snapshot.arrays.items()})
-        return BlockData(block.key, parent_of(keys, i, self.block), i, block.tokens,
-                         {n: to_numpy(a) for n, a in named.items()}, {n: dtype_name(a) for n, a in named.items()},
-                         block.snapshot.meta if block.snapshot is not None else None)
+    def hand_off(self) -> None:
+        """Once a step: the blocks stored at earlier steps go to the SSD writer (see disk_handoff.py)."""
+        if self.to_disk is not None:
+            self.to_disk.hand_off()
 
     # --- admin and teardown ----------------------------------------------------------------
 
@@ -246,6 +245,8 @@ class PromptCaches:
             released = self.hot.clear()
             mx.clear_cache()  # hand the freed buffers back to the OS, not to MLX's buffer cache
         elif self.ssd is not None:
+            if self.to_disk is not None:
+                self.to_disk.drop()
             released = self.ssd.clear()
         else:
             released = (0, 0)
@@ -267,8 +268,8 @@ class PromptCaches:
     def close(self) -> list[str]:
         """Flush the SSD writer (within `close_s`), then release the hot cache; best-effort."""
         steps: list[tuple[str, Callable[[], object]]] = []
-        if self.ssd is not None:
-            ssd = self.ssd
-            steps.append(("flush_ssd", lambda: ssd.close(self.close_s)))
+        if self.to_disk is not None:
+            to_disk = self.to_disk
+            steps.append(("flush_ssd", lambda: to_disk.close(self.close_s)))
         steps.append(("release_hot", self.hot.clear))
         return run_best_effort(f"caches model={self.model_id}", steps)

@@ -1,0 +1,105 @@
+"""A request alone runs the generate_step way, and joins the batch when a second one comes (issue 15).
+
+Real MLX on the CPU, the tiny model, the product's Engine driven by submit/step (no sockets).
+Greedy ids must be mlx_lm.stream_generate's in one process on the solo path, across the switch
+into the batch at every point (mid-prefill, at the first token, mid-decode, on the last token),
+and for the request that caused the switch; a solo's finished cache feeds the prompt caches.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from mlx_lm import load, stream_generate
+
+from protocol.messages import Submit
+from worker.mlx_engine.engine import Engine
+from worker.mlx_engine.prompt_cache import CacheOptions
+
+LONG = [(i * 7919) % 1000 + 3 for i in range(150)]
+OTHER = [5, 9, 17, 33, 2, 41, 8]
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> object:
+    model, tok = load(str(model_dir / "tiny"))
+
+    def tokens(ids: list[int], max_tokens: int) -> list[int]:
+        responses = list(stream_generate(model, tok, ids, max_tokens=max_tokens))
+        out = [r.token for r in responses]
+        return out[:-1] if responses[-1].finish_reason == "stop" else out  # the EOS is not output
+
+    return tokens
+
+
+def collect(engine: Engine, got: dict[str, list[int]], steps: int | None = None) -> None:
+    """Step (`steps` times, or until idle), adding each request's generated ids to `got`."""
+    n = 0
+    while len(engine) and (steps is None or n < steps):
+        chunks, finished = engine.step()
+        for chunk in chunks:
+            got.setdefault(chunk[0], []).extend(chunk[3])
+        for f in finished:
+            got.setdefault(f.rid, []).extend(f.token_ids)
+            got.setdefault("finished", []).append(f.rid)  # type: ignore[arg-type]
+        n += 1
+
+
+def submit(engine: Engine, rid: str, ids: list[int], max_tokens: int) -> None:
+    engine.submit(Submit(rid=rid, max_tokens=max_tokens, prompt_ids=ids, temperature=0.0))
+
+
+def test_a_request_alone_never_enters_the_batch_and_matches_mlx_lm(model_dir: Path, reference) -> None:
+    engine = Engine(model_dir / "tiny", cache=CacheOptions(hot_bytes=1 << 28))
+    got: dict[str, list[int]] = {}
+    submit(engine, "a", LONG, 20)
+    collect(engine, got, steps=3)
+    assert engine.batch_size() == 1 and len(engine.gen._generation_batch) == 0  # decoding, outside the generator
+    collect(engine, got)
+    assert got["a"] == reference(LONG, 20)
+
+    submit(engine, "again", LONG, 20)  # its finished cache went to the hot cache (its partial last block too): a solo from all but the last token
+    finished = []
+    while len(engine):
+        chunks, done = engine.step()
+        got.setdefault("again", []).extend(i for c in chunks for i in c[3])
+        finished += done
+    got["again"] += finished[0].token_ids
+    assert finished[0].cached_tokens == 149 and got["again"] == got["a"]
+
+
+@pytest.mark.parametrize("steps_alone", [1, 3, 4, 6, 8], ids=lambda n: f"after{n}")
+def test_switching_into_the_batch_loses_and_repeats_nothing(model_dir: Path, reference, steps_alone: int) -> None:
+    """With prefill chunks of 64 (the cap), LONG is prefilled in 3 steps and its 6 tokens come out at steps 4..9:
+    the switch comes mid-prefill (1), with the prefill done (3), after the first token (4), mid-decode (6), and with
+    its last token in flight (8)."""
+    engine = Engine(model_dir / "tiny", prefill_step_size=64)
+    got: dict[str, list[int]] = {}
+    submit(engine, "a", LONG, 6)
+    collect(engine, got, steps=steps_alone)
+    assert engine._solo is not None  # still alone: the switch is what is tested
+    assert len(got.get("a", [])) == max(0, steps_alone - 3)
+    submit(engine, "b", OTHER, 10)
+    collect(engine, got)
+    assert got["a"] == reference(LONG, 6)
+    assert got["b"] == reference(OTHER, 10)
+    assert sorted(got["finished"]) == ["a", "b"]  # type: ignore[type-var]
+
+
+def test_a_stop_string_ends_a_solo_and_an_abort_drops_it(model_dir: Path, reference) -> None:
+    engine = Engine(model_dir / "tiny")
+    expected = reference(OTHER, 12)
+    text = engine.tokenizer.decode(expected[:4])
+    engine.submit(Submit(rid="s", max_tokens=12, prompt_ids=OTHER, temperature=0.0, stop=[text[-2:]]))
+    got: dict[str, list[int]] = {}
+    collect(engine, got)
+    assert got["finished"] == ["s"] and len(engine) == 0 and engine._solo is None
+    assert got["s"] == expected[:len(got["s"])] and len(got["s"]) < 12
+
+    submit(engine, "x", LONG, 8)
+    collect(engine, got, steps=1)
+    assert engine.abort("x") and len(engine) == 0 and engine._solo is None
+    submit(engine, "y", OTHER, 5)  # the engine goes on
+    collect(engine, got)
+    assert got["y"] == reference(OTHER, 5)

@@ -1,0 +1,63 @@
+"""The batch-shape warm-up at load (issue 15): every generation batch size is run before Ready, within a
+time budget, and greedy output is still token for token mlx-lm's in one process.
+
+Real MLX on the CPU, the tiny model, the product's Engine driven by submit/step (no sockets).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from mlx_lm import load, stream_generate
+
+from protocol.messages import Submit
+from worker.mlx_engine.engine import Engine
+from worker.mlx_engine.warmup import wants_warm_up
+
+PROMPTS = [[5, 9, 17, 33, 2, 41], [7] * 12, [100, 200, 300], list(range(10, 60))]
+MAX_TOKENS = 12
+
+
+def engine_tokens(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
+    """Greedy ids the engine generates for `prompts`, all in one batch."""
+    got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    for i, ids in enumerate(prompts):
+        engine.submit(Submit(rid=f"r{i}", max_tokens=MAX_TOKENS, prompt_ids=ids, temperature=0.0))
+    while len(engine):
+        chunks, finished = engine.step()
+        for chunk in chunks:
+            got[chunk[0]] += chunk[3]
+        for f in finished:
+            got[f.rid] += f.token_ids
+    return [got[f"r{i}"] for i in range(len(prompts))]
+
+
+def reference_tokens(model_path: Path, prompts: list[list[int]]) -> list[list[int]]:
+    model, tok = load(str(model_path))
+    out = []
+    for ids in prompts:
+        responses = list(stream_generate(model, tok, ids, max_tokens=MAX_TOKENS))
+        tokens = [r.token for r in responses]
+        out.append(tokens[:-1] if responses[-1].finish_reason == "stop" else tokens)  # the EOS is not output
+    return out
+
+
+def test_warm_up_runs_every_batch_size_and_greedy_output_stays_mlx_lms(model_dir: Path) -> None:
+    engine = Engine(model_dir / "tiny", max_batch_size=16, prefill_batch_size=4, warm="on", warm_budget_s=120)
+    warmed = engine.warmed
+    assert warmed is not None and warmed.complete
+    assert set(range(1, 17)) <= warmed.decode_sizes  # every generation batch size the engine can form
+    assert warmed.arrivals_per_step == [1, 2, 3, 4]  # arrivals of 1..prefill_batch_size per step
+    assert len(engine) == 0 and engine.batch_size() == 0  # its own generator untouched
+    assert engine_tokens(engine, PROMPTS) == reference_tokens(model_dir / "tiny", PROMPTS)
+
+
+def test_warm_up_stops_at_its_budget_and_is_off_on_the_cpu_unless_asked(model_dir: Path) -> None:
+    engine = Engine(model_dir / "tiny", max_batch_size=32, warm="on", warm_budget_s=0.0)
+    assert engine.warmed is not None and not engine.warmed.complete and engine.warmed.steps == 1
+    assert engine_tokens(engine, PROMPTS[:2]) == reference_tokens(model_dir / "tiny", PROMPTS[:2])
+    assert not wants_warm_up("auto")  # MLX runs on the CPU here: nothing is built per shape
+    assert not wants_warm_up("off") and wants_warm_up("on")
+    with pytest.raises(ValueError):
+        wants_warm_up("sometimes")

@@ -1,0 +1,134 @@
+"""One request alone, decoded the way mlx-lm's `generate_step` does it (issue 15).
+
+mlx-lm's BatchGenerator at batch 1 costs ~1.5x `stream_generate` per token on the GPU (its
+batched caches, masks and bookkeeping). A request that arrives to an empty engine, and needs
+nothing only the batch has (logits processors, logprobs, snapshots), runs here instead: its
+prompt prefilled in chunks (one per engine step, sized by the step cost model as the batch's
+are), then one token per step, pipelined as generate_step is: the step for token n+1 is
+scheduled (`mx.async_eval`) before token n is read, with the same ops on the same stream, so
+its greedy tokens are generate_step's.
+
+When a second request arrives, `hand_over` ends the solo: the token in flight is evaluated
+and returned (the engine emits it), and the cache holding every token fed so far goes to the
+BatchGenerator as the request's starting cache, with the tokens not yet fed (the emitted
+token, or the rest of the prompt) as its prompt: no token is lost or repeated, and what
+follows is the batch's.
+
+Invariants: `fed` tokens are in the cache (its offset) and are `tokens[:fed]`; a finished solo
+hands its cache and exactly those tokens to the prompt caches; main thread only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import cast
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import generation_stream
+from mlx_lm.models.cache import make_prompt_cache
+
+
+@dataclass(slots=True)
+class SoloResponse:
+    """What a BatchGenerator response carries, as the engine reads it."""
+
+    uid: int
+    token: int
+    logprobs: mx.array
+    finish_reason: str | None  # "stop" (an EOS), "length", or None
+    prompt_cache: list | None = None
+    all_tokens: list[int] | None = None
+
+
+def _greedy(logprobs: mx.array) -> mx.array:
+    return mx.argmax(logprobs, axis=-1)
+
+
+class Solo:
+    def __init__(self, model: nn.Module, uid: int, tokens: list[int], cached: int, cache: list | None,
+                 max_tokens: int, sampler: Callable | None, eos: set[int] | None) -> None:
+        self.model = model
+        self.uid = uid
+        self.tokens = list(tokens)  # the prompt, then each generated token once it is fed
+        self.prompt_len = len(tokens)
+        self.fed = cached  # tokens whose K/V is in the cache
+        self.cache = cache if cache is not None else make_prompt_cache(model)
+        self.max_tokens = max_tokens
+        self.sampler = sampler  # None: greedy
+        self.eos = eos  # None: EOS does not stop it (ignore_eos)
+        self.generated = 0
+        self._next: tuple[mx.array, mx.array] | None = None  # the token in flight and its logprobs
+
+    @property
+    def prefill_left(self) -> int:
+        return max(0, self.prompt_len - 1 - self.fed)
+
+    @property
+    def decoding(self) -> bool:
+        return self._next is not None
+
+    def _feed(self, ids: mx.array) -> tuple[mx.array, mx.array]:
+        """generate_step's `_step`: the next token (scheduled, not evaluated) and its logprobs."""
+        with mx.stream(generation_stream):
+            logits = self.model(ids[None], cache=self.cache)[:, -1, :]
+            logprobs = logits - mx.logsumexp(logits, keepdims=True)
+            token = (self.sampler or _greedy)(logprobs)
+        self.fed += ids.size
+        return token, logprobs.squeeze(0)
+
+    def step(self, chunk: int) -> list[SoloResponse]:
+        """One engine step: a prefill chunk of at most `chunk` tokens, or one token out."""
+        if self._next is None and self.prefill_left > 0:
+            n = min(max(1, chunk), self.prefill_left)
+            with mx.stream(generation_stream):
+                self.model(mx.array(self.tokens[self.fed:self.fed + n])[None], cache=self.cache)
+                mx.eval([c.state for c in self.cache])
+            self.fed += n
+            mx.clear_cache()  # as generate_step: a chunk's transient buffers go back, not to MLX's buffer cache
+            return []
+        if self._next is None:  # the prompt's last token: the first token out
+            self._next = self._feed(mx.array(self.tokens[self.fed:self.prompt_len]))
+            mx.async_eval(*self._next)
+        token, logprobs = self._next
+        if self.generated + 1 < self.max_tokens:  # another token will be wanted: schedule it before reading this one
+            self._next = self._feed(token)
+            mx.async_eval(*self._next)
+        else:
+            self._next = None
+        if self.generated % 256 == 0:
+            mx.clear_cache()  # as generate_step
+        return [self._out(cast(int, token.item()), logprobs)]
+
+    def _out(self, token: int, logprobs: mx.array) -> SoloResponse:
+        """The response for a token just read; a finishing one carries the cache and the tokens fed."""
+        self.generated += 1
+        if self.fed > len(self.tokens):  # it was fed already (its successor is in flight)
+            self.tokens.append(token)
+        reason = "stop" if self.eos is not None and token in self.eos else (
+            "length" if self.generated >= self.max_tokens else None)
+        r = SoloResponse(self.uid, token, logprobs, reason)
+        if reason is not None:
+            r.prompt_cache, r.all_tokens = self.cache, self.tokens[:self.fed]
+        return r
+
+    def release(self) -> tuple[list, list[int]]:
+        """The cache and the tokens in it, for the prompt caches (a stop string ended it)."""
+        if self._next is not None:
+            mx.eval(self._next[0])
+            self._next = None
+        return self.cache, self.tokens[:self.fed]
+
+    def hand_over(self) -> tuple[SoloResponse | None, list | None, list[int], list[int]]:
+        """End the solo for the batch: (the token in flight as a response, or None; the cache, or None when
+        nothing was fed; the tokens in it; the tokens still to feed, which the batch takes as its prompt)."""
+        pending = None
+        if self._next is not None:
+            token, logprobs = self._next
+            self._next = None
+            pending = self._out(cast(int, token.item()), logprobs)
+            rest = [pending.token]
+        else:
+            rest = self.tokens[self.fed:self.prompt_len]
+        return pending, self.cache if self.fed else None, self.tokens[:self.fed], rest

@@ -1,0 +1,46 @@
+"""What the tokenizer's chat template is given, and which tokens are not text: pure Python, no MLX.
+
+The engine (worker/mlx_engine/engine.py) renders a chat request's messages and tools through the
+model's chat template with these, and leaves the special tokens out of the text it streams.
+Invariant: nothing here changes what a client sent, only its shape (a tool call's JSON-string
+arguments become the mapping templates read).
+"""
+
+from __future__ import annotations
+
+import json
+
+
+def special_token_ids(tokenizer) -> frozenset[int]:
+    """Tokens that are not text: the tokenizer's special tokens (BOS, EOS, padding) and the added
+    tokens marked special (turn markers such as <|im_start|>). Added tokens a format means to show
+    (Qwen's <think>, <tool_call>) are not marked special, so they stay text, as in
+    `decode(..., skip_special_tokens=True)`."""
+    ids = set(getattr(tokenizer, "all_special_ids", None) or [])
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    ids.update(i for i, tok in added.items() if getattr(tok, "special", False))
+    return frozenset(ids)
+
+
+def template_tools(tools: list | None) -> list | None:
+    """Neutral function definitions as chat templates take them (OpenAI's shape, which they all read)."""
+    return [{"type": "function", "function": t} for t in tools] if tools else None
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """Earlier calls' arguments as mappings (Hugging Face's convention; a JSON string that is not an object stays)."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = []
+            for call in m["tool_calls"]:
+                fn = dict(call["function"])
+                try:
+                    args = json.loads(fn["arguments"]) if isinstance(fn.get("arguments"), str) else fn.get("arguments")
+                except ValueError:
+                    args = fn["arguments"]
+                fn["arguments"] = args if isinstance(args, dict) else fn.get("arguments")
+                calls.append({**call, "function": fn})
+            m = {**m, "tool_calls": calls}
+        out.append(m)
+    return out
