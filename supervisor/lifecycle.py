@@ -141,8 +141,13 @@ class Lifecycle(Generic[MetricsT]):
         args = model_args(spec.path, spec.id, st.max_batch_size, st.prefill_step_size, spec.worker_args,
                           tuple(st.model_cache(spec).worker_args(st.state_dir)), step_target_s=st.step_target_s)
         log_path = st.worker_log(spec.id)
-        spare = self.spare if self.spare is not None and self.spare.standing_by else None
-        if spare is not None:
+        spare = self.spare if self.spare is not None and self.spare.standing_by and spec.group is None else None
+        if spec.group is not None:  # a group's ranks start together, never on the spare
+            self._spawned += 1
+            identity = f"{spec.id}#{self._spawned}".encode()
+            argv = worker_argv(self.transport.endpoint, identity.decode(), st.heartbeat_s, args)
+            process = self.spawn(spec.id, argv, log_path, group=spec.group)
+        elif spare is not None:
             self.spare = None
             identity, process = spare.identity, spare.process
             process.assign(spec.id, log_path)
