@@ -259,7 +259,7 @@ class GroupProcess:
                 log.error("[evict] model=%s group ignored SIGTERM for %.1fs: SIGKILL", self.model_id, kill_timeout_s)
                 self.signal(signal.SIGKILL, f"the kill ladder: no exit {kill_timeout_s:.1f}s after SIGTERM")
                 await self.exited.wait()
-        results = [await r.stop(0.0, kill_timeout_s) for r in self.ranks]  # reaped already: closes their pipes
+        results = [await r.stop(kill_timeout_s, kill_timeout_s) for r in self.ranks]  # reaped: closes their pipes
         signals = sorted({s for res in results for s in res["signals"]})
         return {"exit": self.returncode, "signals": signals, "wait_s": time.monotonic() - t0,
                 "ranks": [res["exit"] for res in results]}
