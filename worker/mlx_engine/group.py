@@ -40,7 +40,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.utils import load_model, load_tokenizer
 
 from protocol.codec import decode, encode
-from protocol.messages import EXIT_OK, Finished, Submit
+from protocol.messages import EXIT_OK, WORKER_CRASHED, Failed, Finished, Submit
 from worker.engine_api import RequestRejected
 from worker.mlx_engine.engine import Engine
 from worker.step_cost import StepPlan
@@ -159,6 +159,7 @@ class LeaderEngine:
         self._group = group
         self._ops: list[list] = []  # [SUBMIT, frame] | [ABORT, rid], in the order they happened
         self._stopped = False
+        self._broken: str | None = None  # why a step of the group failed
 
     def __getattr__(self, name: str) -> object:
         return getattr(self._engine, name)
@@ -176,7 +177,9 @@ class LeaderEngine:
         self._ops.append([ABORT, rid])
         return True
 
-    def fail_all(self, code: str, message: str) -> list:
+    def fail_all(self, code: str, message: str) -> list[Failed]:
+        if self._broken is not None:  # a step of the group failed: a rank is gone or broke, the group ends
+            code, message = WORKER_CRASHED, f"the worker group crashed: {self._broken}"
         self._ops.extend([ABORT, rid] for rid in self._engine.rids)
         return self._engine.fail_all(code, message)
 
@@ -186,8 +189,12 @@ class LeaderEngine:
     def step(self) -> tuple[list[list], list[Finished]]:
         if self._engine._plan is None:
             self._engine.plan_step()
-        self._share(chunk=self._engine.gen.prefill_step_size)
-        return self._engine.step()
+        try:
+            self._share(chunk=self._engine.gen.prefill_step_size)
+            return self._engine.step()
+        except Exception as exc:  # mostly a lost rank ("[ring] connection to a peer was lost"): the group's crash
+            self._broken = f"{type(exc).__name__}: {exc}"
+            raise
 
     def settle(self) -> int:
         self.stop_followers()

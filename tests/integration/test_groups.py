@@ -1,0 +1,172 @@
+"""Worker groups with real processes: two ranks of MLX's ring backend on loopback (CPU) serve one
+model as one worker. Greedy parity with mlx_lm.generate in one process (tensor and pipeline
+sharding, batched), and the lifecycle of every rank: evict, a rank killed mid-stream, the
+supervisor killed, a rank that hangs, and a remote rank started through ssh."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import MLXSUP, Daemon, assert_gone, wait_for
+
+LONG = {"max_tokens": 8000, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.fixture(scope="module")
+def qwen35_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny qwen3_5 model (hybrid; its text model has pipeline())."""
+    path = tmp_path_factory.mktemp("models35") / "tiny35"
+    subprocess.run([*MLXSUP, "make-model", str(path), "--preset", "tiny", "--arch", "qwen3_5"], check=True,
+                   capture_output=True)
+    return path
+
+
+def config(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "groups.toml"
+    path.write_text("[server]\nspare_workers = 0\n" + text)
+    return str(path)
+
+
+def group_model(name: str, path: Path, group: str = "ranks = 2") -> str:
+    return f'[models.{name}]\npath = "{path}"\ngroup = {{ {group} }}\n'
+
+
+def load(d: Daemon, model: str) -> list[int]:
+    """Load a group; the pids of its ranks, rank 0 first."""
+    r = httpx.post(f"{d.url}/api/models/{model}/load", timeout=120)
+    assert r.status_code == 200, r.text
+    ranks = d.model(model)["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1] and all(r["pid"] for r in ranks), ranks
+    pids = [r["pid"] for r in ranks]
+    d.seen_pids.update(pids)
+    return pids
+
+
+REFERENCE = """
+import json, sys
+from mlx_lm import load, generate
+model, tok = load(sys.argv[1])
+print(json.dumps([generate(model, tok, p, max_tokens=int(sys.argv[2])) for p in json.loads(sys.argv[3])]))
+"""
+
+
+@pytest.mark.parametrize("shard", ["tensor", "pipeline"])
+def test_a_group_serves_with_greedy_parity_batched(daemon_factory, model_dir: Path, qwen35_dir: Path,
+                                                   tmp_path: Path, shard: str) -> None:
+    """Llama shards by tensor, qwen3_5 by pipeline; three concurrent requests share the group's batch."""
+    path = model_dir / "tiny" if shard == "tensor" else qwen35_dir
+    d = daemon_factory("--config", config(tmp_path, group_model("g", path, f'ranks = 2, shard = "{shard}"')))
+    prompts = ["In the beginning there was", "Once upon a time", "The quick brown fox jumps over"]
+    max_tokens = 24
+    ref = json.loads(subprocess.run([sys.executable, "-c", REFERENCE, str(path), str(max_tokens), json.dumps(prompts)],
+                                    check=True, capture_output=True, text=True).stdout)
+    pids = load(d, "g")
+    client = openai.AsyncOpenAI(base_url=d.v1, api_key="unused", max_retries=0, timeout=120)
+
+    async def main() -> list[str]:
+        results = await asyncio.gather(*(client.completions.create(model="g", prompt=p, max_tokens=max_tokens,
+                                                                   temperature=0) for p in prompts))
+        return [r.choices[0].text for r in results]
+
+    assert asyncio.run(main()) == ref
+    peak = wait_for(lambda: d.model("g")["peak_batch_size"], 10, what="a heartbeat")
+    assert peak >= 2, f"the requests were not batched (peak batch size {peak})"
+    assert [r["pid"] for r in d.model("g")["ranks"]] == pids, "one group served every request"
+
+
+def test_evict_ends_every_rank(daemon_factory, model_dir: Path, tmp_path: Path) -> None:
+    d = daemon_factory("--config", config(tmp_path, group_model("g", model_dir / "tiny")))
+    pids = load(d, "g")
+    out = subprocess.run([*MLXSUP, "status", "--url", d.url], capture_output=True, text=True, timeout=30)
+    assert f"rank 1 127.0.0.1 pid {pids[1]}" in out.stdout, out.stdout
+    report = httpx.post(f"{d.url}/api/models/g/evict", timeout=60).json()
+    assert report["evicted"] and report["exit"] == 0 and report["signals"] == [], report
+    assert_gone(pids)
+    assert d.model("g")["state"] == "stopped"
+    rank1_log = (d.state_dir / "logs" / "worker-g.rank1.log").read_text()
+    assert "[group] model=g rank=1 stop after" in rank1_log, "rank 1 ran its own orderly exit, on rank 0's word"
+
+
+def test_sigkill_of_rank_1_mid_stream_is_a_clean_worker_crashed(daemon_factory, model_dir: Path,
+                                                                tmp_path: Path) -> None:
+    d = daemon_factory("--config", config(tmp_path, "max_resumes = 0\n" + group_model("g", model_dir / "tiny")))
+    pids = load(d, "g")
+    client = openai.OpenAI(base_url=d.v1, api_key="unused", max_retries=0, timeout=60)
+    chunks, error = 0, None
+    try:
+        for _ in client.completions.create(model="g", prompt="Tell me", stream=True, **LONG):
+            chunks += 1
+            if chunks == 1:
+                os.kill(pids[1], signal.SIGKILL)
+    except openai.APIError as exc:
+        error = exc.body
+    assert chunks >= 1 and error is not None and error["code"] == "worker_crashed", error
+    assert_gone(pids)
+    status = d.model("g")
+    assert status["crashes"] == 1 and "rank 1" in status["last_error"], status["last_error"]
+    ok = httpx.post(d.v1 + "/completions", json={"model": "g", "prompt": "again", "max_tokens": 2}, timeout=120)
+    assert ok.status_code == 200, ok.text
+    assert not set(r["pid"] for r in d.model("g")["ranks"]) & set(pids), "the next request started a fresh group"
+
+
+def test_sigkill_of_the_supervisor_leaves_no_rank(daemon_factory, model_dir: Path, tmp_path: Path) -> None:
+    d = daemon_factory("--config", config(tmp_path, group_model("g", model_dir / "tiny")))
+    pids = load(d, "g")
+    d.proc.send_signal(signal.SIGKILL)
+    d.proc.wait(10)
+    assert_gone(pids, timeout=10)  # rank 0 by its lifeline; rank 1 by its own, or rank 0's stop
+
+
+def test_a_hung_rank_is_detected_like_a_hung_worker(daemon_factory, model_dir: Path, tmp_path: Path) -> None:
+    """Rank 1 stopped: rank 0 waits in a collective, its heartbeats stop, and the hang kill ends the group."""
+    d = daemon_factory("--config", config(tmp_path, "hang_timeout_s = 2\nhousekeeping_s = 0.2\nmax_resumes = 0\n"
+                                          + group_model("g", model_dir / "tiny")))
+    pids = load(d, "g")
+    client = openai.OpenAI(base_url=d.v1, api_key="unused", max_retries=0, timeout=60)
+    chunks, error = 0, None
+    try:
+        for _ in client.completions.create(model="g", prompt="Tell me", stream=True, **LONG):
+            chunks += 1
+            if chunks == 1:
+                os.kill(pids[1], signal.SIGSTOP)
+    except openai.APIError as exc:
+        error = exc.body
+    assert chunks >= 1 and error is not None and error["code"] == "worker_crashed", error
+    assert_gone(pids)
+    assert "hung" in d.model("g")["last_error"]
+    rank1_log = (d.state_dir / "logs" / "worker-g.rank1.log").read_text()
+    assert "(most recent call first)" in rank1_log, "the stopped rank's stacks were asked for before the kill"
+
+
+def test_a_remote_rank_runs_through_ssh(daemon_factory, model_dir: Path, tmp_path: Path) -> None:
+    """hosts = ["127.0.0.1", "otherhost"]: rank 1 is started as `ssh otherhost CMD` (a fake ssh on PATH that
+    runs CMD here), serves, and ends with the group's evict."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "ssh"
+    fake.write_text('#!/bin/sh\n# fake ssh: drop the options and the host, run the command here\n'
+                    'while [ "$1" = "-o" ]; do shift 2; done\nshift\necho "$@" > "$(dirname "$0")/ssh-command"\n'
+                    'exec /bin/sh -c "$*"\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    d = daemon_factory("--config", config(tmp_path, group_model("g", model_dir / "tiny",
+                                                                'ranks = 2, hosts = ["127.0.0.1", '
+                                                                '{ ssh = "otherhost", ip = "127.0.0.1" }]')),
+                       env={"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"})
+    pids = load(d, "g")
+    assert "--group-rank 1" in (bin_dir / "ssh-command").read_text()
+    got = httpx.post(d.v1 + "/completions", json={"model": "g", "prompt": "hi", "max_tokens": 4, "temperature": 0},
+                     timeout=60)
+    assert got.status_code == 200 and got.json()["usage"]["completion_tokens"] >= 1, got.text
+    assert httpx.post(f"{d.url}/api/models/g/evict", timeout=60).json()["exit"] == 0
+    assert_gone(pids)
