@@ -120,6 +120,17 @@ def test_sigkill_of_rank_1_mid_stream_is_a_clean_worker_crashed(daemon_factory, 
     assert not set(r["pid"] for r in d.model("g")["ranks"]) & set(pids), "the next request started a fresh group"
 
 
+def test_a_rank_dying_while_the_group_is_idle_ends_the_group(daemon_factory, model_dir: Path,
+                                                             tmp_path: Path) -> None:
+    """Idle, rank 0 waits on its socket and would never notice: the supervisor, watching every rank, ends it."""
+    d = daemon_factory("--config", config(tmp_path, group_model("g", model_dir / "tiny")))
+    pids = load(d, "g")
+    os.kill(pids[1], signal.SIGKILL)
+    assert_gone(pids, timeout=10)
+    status = wait_for(lambda: (m := d.model("g"))["crashes"] == 1 and m, 10, what="the crash in status")
+    assert "rank 1" in status["last_error"], status["last_error"]
+
+
 def test_sigkill_of_the_supervisor_leaves_no_rank(daemon_factory, model_dir: Path, tmp_path: Path) -> None:
     d = daemon_factory("--config", config(tmp_path, group_model("g", model_dir / "tiny")))
     pids = load(d, "g")
