@@ -133,19 +133,21 @@ SUBMIT, ABORT = "s", "a"
 
 # On the generator's stream: the step it launched last may still be running its collectives there, and
 # two streams using the group's connections at once mix their bytes (seen: a corrupted schedule).
+# The bytes travel as int32 words (padded): every backend sums int32, not every one sums uint8.
 def share(group: mx.distributed.Group, payload: bytes) -> None:
     """Rank 0: send `payload` to every other rank (all_sum of its length, then of its bytes)."""
+    words = np.frombuffer(payload + b"\0" * (-len(payload) % 4), dtype="<i4")
     # one at a time: evaluated together, their order is not fixed, and the other ranks read the length first
     mx.eval(mx.distributed.all_sum(mx.array([len(payload)], dtype=mx.int32), group=group, stream=generation_stream))
-    mx.eval(mx.distributed.all_sum(mx.array(np.frombuffer(payload, dtype=np.uint8)), group=group,
-                                   stream=generation_stream))
+    mx.eval(mx.distributed.all_sum(mx.array(words), group=group, stream=generation_stream))
 
 
 def receive(group: mx.distributed.Group) -> bytes:
     """Any other rank: the payload rank 0 shared (every other rank adds zeros)."""
     size = int(mx.distributed.all_sum(mx.zeros((1,), dtype=mx.int32), group=group, stream=generation_stream).item())
-    data = mx.distributed.all_sum(mx.zeros((size,), dtype=mx.uint8), group=group, stream=generation_stream)
-    return bytes(np.array(data, copy=False))
+    words = mx.distributed.all_sum(mx.zeros(((size + 3) // 4,), dtype=mx.int32), group=group,
+                                   stream=generation_stream)
+    return np.array(words).astype("<i4").tobytes()[:size]
 
 
 class LeaderEngine:
