@@ -133,21 +133,35 @@ SUBMIT, ABORT = "s", "a"
 
 # On the generator's stream: the step it launched last may still be running its collectives there, and
 # two streams using the group's connections at once mix their bytes (seen: a corrupted schedule).
+# A step's schedule is a header, [ops length, prefill chunk, stop], then the ops (msgpack) only when
+# there are any: a step that changes nothing costs one small all_sum. Rank 0 does not wait for its
+# collectives (async_eval): they run in the stream's order, before the step it launches next, so the
+# generator's pipelining survives; the other ranks wait, as they must, to read them.
 # The bytes travel as int32 words (padded): every backend sums int32, not every one sums uint8.
-def share(group: mx.distributed.Group, payload: bytes) -> None:
-    """Rank 0: send `payload` to every other rank (all_sum of its length, then of its bytes)."""
-    words = np.frombuffer(payload + b"\0" * (-len(payload) % 4), dtype="<i4")
-    # one at a time: evaluated together, their order is not fixed, and the other ranks read the length first
-    mx.eval(mx.distributed.all_sum(mx.array([len(payload)], dtype=mx.int32), group=group, stream=generation_stream))
-    mx.eval(mx.distributed.all_sum(mx.array(words), group=group, stream=generation_stream))
+HEADER = 3
 
 
-def receive(group: mx.distributed.Group) -> bytes:
-    """Any other rank: the payload rank 0 shared (every other rank adds zeros)."""
-    size = int(mx.distributed.all_sum(mx.zeros((1,), dtype=mx.int32), group=group, stream=generation_stream).item())
+def share(group: mx.distributed.Group, header: list[int], payload: bytes, wait: bool = False) -> list[mx.array]:
+    """Rank 0: send the header, then `payload` if it has one, to every other rank; the arrays in flight."""
+    sent = [mx.distributed.all_sum(mx.array(header, dtype=mx.int32), group=group, stream=generation_stream)]
+    if payload:
+        words = np.frombuffer(payload + b"\0" * (-len(payload) % 4), dtype="<i4")
+        sent.append(mx.distributed.all_sum(mx.array(words), group=group, stream=generation_stream))
+    for array in sent:  # one at a time, in order: evaluated together, their order would not be fixed
+        (mx.eval if wait else mx.async_eval)(array)
+    return sent
+
+
+def receive(group: mx.distributed.Group) -> tuple[list[int], bytes]:
+    """Any other rank: the header and payload rank 0 shared (every other rank adds zeros)."""
+    header = mx.distributed.all_sum(mx.zeros((HEADER,), dtype=mx.int32), group=group, stream=generation_stream)
+    values = [int(v) for v in np.array(header)]
+    size = values[0]
+    if not size:
+        return values, b""
     words = mx.distributed.all_sum(mx.zeros(((size + 3) // 4,), dtype=mx.int32), group=group,
                                    stream=generation_stream)
-    return np.array(words).astype("<i4").tobytes()[:size]
+    return values, np.array(words).astype("<i4").tobytes()[:size]
 
 
 class LeaderEngine:
@@ -162,6 +176,7 @@ class LeaderEngine:
         self._ops: list[list] = []  # [SUBMIT, frame] | [ABORT, rid], in the order they happened
         self._stopped = False
         self._broken: str | None = None  # why a step of the group failed
+        self._in_flight: list[mx.array] = []  # the last schedule's collectives, kept alive until they ran
 
     def __getattr__(self, name: str) -> object:
         return getattr(self._engine, name)
@@ -210,15 +225,16 @@ class LeaderEngine:
 
     def _share(self, chunk: int = 0, stop: bool = False) -> None:
         ops, self._ops = self._ops, []
-        share(self._group, msgpack.packb({"ops": ops, "chunk": chunk, "stop": stop}))
+        payload = msgpack.packb(ops) if ops else b""
+        self._in_flight = share(self._group, [len(payload), chunk, int(stop)], payload, wait=stop)
 
 
 def follow(engine: Engine, group: mx.distributed.Group, model_id: str) -> int:
     """A rank other than 0: apply each schedule rank 0 shares, run the same step, emit nothing; EXIT_OK at stop."""
     steps = 0
     while True:
-        schedule = msgpack.unpackb(receive(group))
-        for kind, what in schedule["ops"]:
+        (_, chunk, stop), payload = receive(group)
+        for kind, what in msgpack.unpackb(payload) if payload else ():
             if kind == SUBMIT:
                 msg = decode(what)
                 try:
@@ -228,12 +244,12 @@ def follow(engine: Engine, group: mx.distributed.Group, model_id: str) -> int:
                         from None
             else:
                 engine.abort(what)
-        if schedule["stop"]:
+        if stop:
             log.info("[group] model=%s rank=%d stop after %d steps", model_id, group.rank(), steps)
             engine.close_caches()
             engine.settle()
             return EXIT_OK
         engine.plan_step()
-        engine.gen.prefill_step_size = schedule["chunk"]  # rank 0's chunk: every collective matches
+        engine.gen.prefill_step_size = chunk  # rank 0's chunk: every collective matches
         engine.step()
         steps += 1
