@@ -148,7 +148,8 @@ async def main_async(args: argparse.Namespace) -> dict:
     log(t0, f"model ready: {model_dir}")
     cfg = args.work / "group-bench.toml"
     write_config(cfg, model_dir, args)
-    d = Mlxsup(args.work / "no-models", args.work / "state-group", args=["--config", str(cfg)])
+    env = {"NCCL_NVLS_ENABLE": "0"} if args.backend == "nccl" else None  # never NVLink multicast (the host's rule)
+    d = Mlxsup(args.work / "no-models", args.work / "state-group", env=env, args=["--config", str(cfg)])
     (args.work / "no-models").mkdir(parents=True, exist_ok=True)
     http = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0), trust_env=False)
     try:

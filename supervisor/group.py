@@ -42,7 +42,6 @@ BACKENDS = ("ring", "nccl", "jaccl", "mpi")
 SHARDS = ("tensor", "pipeline")
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "")
 CLEAN_EXIT_GRACE_S = 3.0  # after one rank's clean exit, how long the others have to follow before SIGKILL
-DEFAULT_NCCL_PORT = 12345
 
 
 @dataclass(frozen=True)
@@ -61,7 +60,7 @@ class GroupSpec:
     backend: str = "ring"
     shard: str = "tensor"
     hosts: tuple[GroupHost, ...] = ()  # one per rank
-    port: int = 0  # ring: rank r listens at port + r (0: free ports picked at each start); nccl: the rendezvous
+    port: int = 0  # ring: rank r listens at port + r; nccl: rank 0's rendezvous (0: free ports picked at each start)
     python: str = ""  # the interpreter on remote hosts ("": this one's path)
 
     @property
@@ -126,8 +125,8 @@ def free_ports(n: int) -> list[int]:
 
 def rank_commands(group: GroupSpec, argv: list[str]) -> list[tuple[list[str], dict[str, str]]]:
     """Each rank's (command line, extra environment), from rank 0's worker argv."""
-    if group.backend == "nccl":
-        addresses = [f"{group.hosts[0].ip}:{group.port or DEFAULT_NCCL_PORT}"]
+    if group.backend == "nccl":  # rank 0 (always here) hosts the rendezvous
+        addresses = [f"{group.hosts[0].ip}:{group.port or free_ports(1)[0]}"]
     else:
         ports = [group.port + r for r in range(group.ranks)] if group.port else free_ports(group.ranks)
         addresses = [f"{h.ip}:{p}" for h, p in zip(group.hosts, ports)]

@@ -85,6 +85,16 @@ def test_a_group_serves_with_greedy_parity_batched(daemon_factory, model_dir: Pa
     assert [r["pid"] for r in d.model("g")["ranks"]] == pids, "one group served every request"
 
 
+def test_a_seeded_sampled_request_draws_as_one_worker_does(daemon_factory, model_dir: Path, tmp_path: Path) -> None:
+    """Every rank samples the same token (a rank that drew another would feed the group a different input)."""
+    d = daemon_factory("--config", config(tmp_path, group_model("g", model_dir / "tiny")
+                                          + f'[models.one]\npath = "{model_dir / "tiny"}"\n'))
+    body = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 1.0, "seed": 7, "ignore_eos": True}
+    texts = [httpx.post(d.v1 + "/completions", json={"model": m, **body}, timeout=120).json()["choices"][0]["text"]
+             for m in ("one", "g")]
+    assert texts[0] == texts[1]
+
+
 def test_evict_ends_every_rank(daemon_factory, model_dir: Path, tmp_path: Path) -> None:
     d = daemon_factory("--config", config(tmp_path, group_model("g", model_dir / "tiny")))
     pids = load(d, "g")

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import tempfile
 import time
 from collections.abc import Callable
@@ -80,9 +81,9 @@ def join_group(args: GroupArgs) -> mx.distributed.Group:
     if group.size() != args.size or group.rank() != args.rank:
         raise RuntimeError(f"joined as rank {group.rank()} of {group.size()}, "
                            f"expected rank {args.rank} of {args.size}")
-    # one random state on every rank: the sum of theirs (mlx_lm.server's way), so samplers draw alike
-    seed = mx.distributed.all_sum(mx.random.state[0], group=group).view(mx.uint64).item()
-    mx.random.seed(seed)
+    # one random state on every rank, rank 0's (an int32 sum: every backend has it), so samplers draw alike
+    mine = random.getrandbits(31) if args.rank == 0 else 0
+    mx.random.seed(int(mx.distributed.all_sum(mx.array([mine], dtype=mx.int32), group=group).item()))
     log.info("[group] rank=%d size=%d backend=%s shard=%s joined in %.2fs", args.rank, args.size, args.backend,
              args.shard, time.perf_counter() - t0)
     return group
