@@ -16,9 +16,10 @@ from pathlib import Path
 
 import httpx
 import openai
+import psutil
 import pytest
 
-from tests.conftest import MLXSUP, Daemon, assert_gone, wait_for
+from tests.conftest import MLXSUP, Daemon, assert_gone, start_daemon, wait_for
 
 LONG = {"max_tokens": 8000, "extra_body": {"ignore_eos": True}}
 
@@ -147,6 +148,29 @@ def test_sigkill_of_the_supervisor_leaves_no_rank(daemon_factory, model_dir: Pat
     d.proc.send_signal(signal.SIGKILL)
     d.proc.wait(10)
     assert_gone(pids, timeout=10)  # rank 0 by its lifeline; rank 1 by its own, or rank 0's stop
+
+
+def test_a_rank_left_behind_by_a_dead_supervisor_is_reaped_at_the_next_start(daemon_factory, model_dir: Path,
+                                                                              tmp_path: Path) -> None:
+    """Rank 1 stopped (it cannot notice its lifeline), the supervisor SIGKILLed: rank 0 still goes (its lifeline's
+    hard timer, though its stop for rank 1 never completes); the next daemon on the state directory reaps rank 1."""
+    cfg = config(tmp_path, group_model("g", model_dir / "tiny"))
+    d = daemon_factory("--config", cfg)
+    pids = load(d, "g")
+    os.kill(pids[1], signal.SIGSTOP)
+    try:
+        d.proc.send_signal(signal.SIGKILL)
+        d.proc.wait(10)
+        assert_gone(pids[:1], timeout=15)
+        assert psutil.pid_exists(pids[1])
+        d2 = start_daemon(d.state_dir, "--config", cfg)
+        try:
+            assert_gone(pids[1:], timeout=10)  # from its pidfile: its title starts "mlxsup-worker g rank 1"
+        finally:
+            assert d2.stop() == 0
+    finally:
+        if psutil.pid_exists(pids[1]):
+            os.kill(pids[1], signal.SIGKILL)
 
 
 def test_a_hung_rank_is_detected_like_a_hung_worker(daemon_factory, model_dir: Path, tmp_path: Path) -> None:
