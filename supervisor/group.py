@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import logging
 import os
 import shlex
@@ -48,6 +49,7 @@ CLEAN_EXIT_GRACE_S = 3.0  # after one rank's clean exit, how long the others hav
 class GroupHost:
     ssh: str  # what `ssh` is given ("" or a loopback name: this machine, no ssh)
     ip: str  # the address other ranks reach this one at (the ring's, NCCL's rendezvous)
+    rdma: tuple[str | None, ...] = ()  # jaccl: this host's RDMA device towards each rank (None towards itself)
 
     @property
     def local(self) -> bool:
@@ -71,10 +73,13 @@ class GroupSpec:
 def _host(value: object, where: str) -> GroupHost:
     if isinstance(value, str):
         return GroupHost(value, "127.0.0.1" if value in LOCAL_HOSTS else value)
+    rdma = value.get("rdma", []) if isinstance(value, dict) else None
     if isinstance(value, dict) and isinstance(value.get("ssh", ""), str) and isinstance(value.get("ip"), str) \
-            and not set(value) - {"ssh", "ip"}:
-        return GroupHost(value.get("ssh", ""), value["ip"])
-    raise ValueError(f"{where}: a host is a name or address, or {{ ssh = NAME, ip = ADDRESS }}; got {value!r}")
+            and not set(value) - {"ssh", "ip", "rdma"} and isinstance(rdma, list) \
+            and all(d is None or isinstance(d, str) for d in rdma):
+        return GroupHost(value.get("ssh", ""), value["ip"], tuple(d or None for d in rdma))
+    raise ValueError(f"{where}: a host is a name or address, or {{ ssh = NAME, ip = ADDRESS, rdma = [...] }}; "
+                     f"got {value!r}")
 
 
 def parse_group(entry: object, where: str) -> GroupSpec:
@@ -100,6 +105,9 @@ def parse_group(entry: object, where: str) -> GroupSpec:
     if not hosts[0].local:
         raise ValueError(f"{where}.hosts: rank 0 runs on this machine (it talks to the supervisor); "
                          f"got {hosts[0].ssh!r}")
+    if backend == "jaccl" and any(len(h.rdma) != ranks or h.rdma[r] is not None for r, h in enumerate(hosts)):
+        raise ValueError(f"{where}.hosts: jaccl needs every host's rdma = [...], one RDMA device per rank and \"\" "
+                         f"for itself (as in mlx.launch's hostfile)")
     port = entry.get("port", 0)
     if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port < 65536 - ranks:
         raise ValueError(f"{where}.port: expected a port number, got {port!r}")
@@ -125,7 +133,7 @@ def free_ports(n: int) -> list[int]:
 
 def rank_commands(group: GroupSpec, argv: list[str]) -> list[tuple[list[str], dict[str, str]]]:
     """Each rank's (command line, extra environment), from rank 0's worker argv."""
-    if group.backend == "nccl":  # rank 0 (always here) hosts the rendezvous
+    if group.backend in ("nccl", "jaccl"):  # rank 0 (always here) hosts the rendezvous
         addresses = [f"{group.hosts[0].ip}:{group.port or free_ports(1)[0]}"]
     else:
         ports = [group.port + r for r in range(group.ranks)] if group.port else free_ports(group.ranks)
@@ -135,6 +143,8 @@ def rank_commands(group: GroupSpec, argv: list[str]) -> list[tuple[list[str], di
     for rank, host in enumerate(group.hosts):
         args = [*argv, "--group-rank", str(rank), "--group-size", str(group.ranks), "--group-backend", group.backend,
                 "--group-shard", group.shard, "--group-hosts", ",".join(addresses)]
+        if group.backend == "jaccl":
+            args += ["--group-rdma", json.dumps([list(h.rdma) for h in group.hosts])]
         env = {}
         if group.backend == "nccl":  # one GPU per rank: the n-th rank on a host gets its n-th GPU
             env["CUDA_VISIBLE_DEVICES"] = str(seen[host.ssh])

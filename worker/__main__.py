@@ -61,7 +61,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--group-size", type=int, default=1)
     p.add_argument("--group-backend", default="ring", help="mx.distributed backend: ring, nccl, jaccl, mpi")
     p.add_argument("--group-shard", choices=("tensor", "pipeline"), default="tensor")
-    p.add_argument("--group-hosts", default="", help="ring: every rank's ip:port, comma-separated; nccl: rank 0's")
+    p.add_argument("--group-hosts", default="", help="ring: every rank's ip:port, comma-separated; nccl, jaccl: rank 0's")
+    p.add_argument("--group-rdma", default="", help="jaccl: every host's RDMA device towards each rank (JSON)")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     if not args.spare and (args.model_path is None or args.model_id is None):

@@ -33,7 +33,7 @@ def group_args(args: argparse.Namespace) -> GroupArgs:
     from worker.mlx_engine.group import GroupArgs
 
     hosts = tuple(h for h in args.group_hosts.split(",") if h)
-    return GroupArgs(args.group_rank, args.group_size, args.group_backend, args.group_shard, hosts)
+    return GroupArgs(args.group_rank, args.group_size, args.group_backend, args.group_shard, hosts, args.group_rdma)
 
 
 def _engine(args: argparse.Namespace, report: Callable[[str, float], None]) -> tuple[Engine, Group]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shlex
 from pathlib import Path
 
@@ -87,3 +88,14 @@ def test_status_lists_a_groups_ranks() -> None:
             {"rank": 0, "host": "127.0.0.1", "pid": 10, "memory_bytes": 2**30},
             {"rank": 1, "host": "mac2", "pid": 11, "memory_bytes": None}]}]}
     assert group_lines(status) == ["group g: 2 ranks: rank 0 127.0.0.1 pid 10 1 GiB, rank 1 mac2 pid 11"]
+
+
+def test_jaccl_passes_every_hosts_rdma_devices_and_needs_them() -> None:
+    hosts = [{"ssh": "", "ip": "10.0.0.1", "rdma": ["", "rdma_en3"]},
+             {"ssh": "mac2", "ip": "10.0.0.2", "rdma": ["rdma_en3", ""]}]
+    g = parse_group({"ranks": 2, "backend": "jaccl", "port": 7000, "hosts": hosts}, "g")
+    (args0, _), _ = rank_commands(g, ARGV)
+    assert args0[args0.index("--group-hosts") + 1] == "10.0.0.1:7000"
+    assert json.loads(args0[args0.index("--group-rdma") + 1]) == [[None, "rdma_en3"], ["rdma_en3", None]]
+    with pytest.raises(ValueError, match="jaccl needs every host's rdma"):
+        parse_group({"ranks": 2, "backend": "jaccl"}, "g")

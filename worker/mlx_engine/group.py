@@ -60,24 +60,27 @@ class GroupArgs:
     size: int
     backend: str  # ring | nccl | jaccl | mpi | any
     shard: str  # tensor | pipeline
-    hosts: tuple[str, ...] = ()  # ring: every rank's "ip:port"; nccl: rank 0's "ip:port" first
+    hosts: tuple[str, ...] = ()  # ring: every rank's "ip:port"; nccl, jaccl: rank 0's "ip:port"
+    rdma: str = ""  # jaccl: JSON, every host's RDMA device towards each rank (mlx.launch's MLX_IBV_DEVICES)
 
 
 def join_group(args: GroupArgs) -> mx.distributed.Group:
     """Set the environment MLX's launcher would have set for this rank, then initialise the group."""
     os.environ["MLX_RANK"] = str(args.rank)
+    written = None  # a file MLX reads at init
     if args.backend == "ring":
-        hostfile = tempfile.NamedTemporaryFile("w", prefix="mlxsup-ring-", suffix=".json", delete=False)
-        with hostfile:
-            json.dump([[h] for h in args.hosts], hostfile)
-        os.environ["MLX_HOSTFILE"] = hostfile.name
+        written = _write_json([[h] for h in args.hosts])
+        os.environ["MLX_HOSTFILE"] = written
     elif args.backend == "nccl":
         ip, _, port = args.hosts[0].rpartition(":")
         os.environ.update(NCCL_HOST_IP=ip, NCCL_PORT=port, MLX_WORLD_SIZE=str(args.size))
+    elif args.backend == "jaccl":
+        written = _write_json(json.loads(args.rdma))
+        os.environ.update(MLX_IBV_DEVICES=written, MLX_JACCL_COORDINATOR=args.hosts[0])
     t0 = time.perf_counter()
     group = mx.distributed.init(strict=True, backend=args.backend)
-    if args.backend == "ring":
-        os.unlink(os.environ["MLX_HOSTFILE"])  # read at init: it has done its work
+    if written is not None:
+        os.unlink(written)  # read at init: it has done its work
     if group.size() != args.size or group.rank() != args.rank:
         raise RuntimeError(f"joined as rank {group.rank()} of {group.size()}, "
                            f"expected rank {args.rank} of {args.size}")
@@ -87,6 +90,12 @@ def join_group(args: GroupArgs) -> mx.distributed.Group:
     log.info("[group] rank=%d size=%d backend=%s shard=%s joined in %.2fs", args.rank, args.size, args.backend,
              args.shard, time.perf_counter() - t0)
     return group
+
+
+def _write_json(value: object) -> str:
+    with tempfile.NamedTemporaryFile("w", prefix="mlxsup-group-", suffix=".json", delete=False) as f:
+        json.dump(value, f)
+    return f.name
 
 
 def _pipeline_target(model: nn.Module) -> nn.Module | None:
