@@ -55,7 +55,7 @@ def write_config(path: Path, model_dir: Path, args: argparse.Namespace) -> None:
     path.write_text(f"""[server]
 spare_workers = 0
 max_resumes = 0
-load_timeout_s = 300
+load_timeout_s = 150
 
 [models.single]
 path = "{model_dir}"
@@ -71,27 +71,27 @@ async def measure(d: Mlxsup, http: httpx.AsyncClient, side: str, args: argparse.
     """Load `side`, check it, warm it up, run every concurrency; its evict report at the end."""
     res: dict = {"runs": []}
     t = time.monotonic()
-    await d.load(http, side, timeout=300)
+    await d.load(http, side, timeout=180)
     res["load_s"] = rnd(time.monotonic() - t, 3)
     status = await d.model(http, side)
     res["status"] = {k: status.get(k) for k in ("pid", "memory_bytes", "ranks")}
     if side == "group":
         res["gpu_memory_loaded"] = gpu_memory()
     log(t0, f"{side}: loaded in {res['load_s']}s {res['status']}")
-    parity = await http.post(d.url + "/v1/chat/completions", timeout=300, json={
+    parity = await http.post(d.url + "/v1/chat/completions", timeout=120, json={
         "model": side, "messages": PARITY_PROMPT, "max_tokens": 32, "temperature": 0, "ignore_eos": True})
     res["greedy_text"] = parity.json()["choices"][0]["message"]["content"] if parity.status_code == 200 \
         else f"HTTP {parity.status_code}: {parity.text[:300]}"
     top = max(args.concurrency)
     await cl.run_concurrent(d.chat_url, [cl.chat_body(side, m, 16, {"ignore_eos": True})
-                                         for m in prompts("warm", top, 24, 0)], 300)
+                                         for m in prompts("warm", top, 24, 0)], 120)
     for c in args.concurrency:
         for r in range(args.rounds):
             if time.monotonic() > deadline:
                 res.setdefault("skipped", []).append({"c": c, "round": r})
                 continue
             bodies = [cl.chat_body(side, m, args.tokens, {"ignore_eos": True}) for m in prompts(f"r{r}c{c}", c, 24, 0)]
-            s = summarize(http_records(await cl.run_concurrent(d.chat_url, bodies, 300)), args.tokens)
+            s = summarize(http_records(await cl.run_concurrent(d.chat_url, bodies, 120)), args.tokens)
             s.pop("ttft", None)
             s.pop("itl", None)
             s.update(c=c, round=r)
