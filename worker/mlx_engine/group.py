@@ -8,15 +8,17 @@ through its text model's `pipeline()`.
 
 Rank 0 is an ordinary worker to the supervisor: its loop drives a `LeaderEngine`, which wraps the
 engine and, before every step, shares the step's schedule with the other ranks through the group
-itself (`all_sum` of a length, then of a msgpack byte buffer, as mlx_lm.server shares requests):
-the Submits admitted and the requests aborted since the last step, in order, and the prefill chunk
-the leader's cost model chose. The other ranks run `follow`: apply the schedule to the same engine,
+itself (`all_sum` of a small header, then of a msgpack buffer when there is one, as mlx_lm.server
+shares requests): the Submits admitted and the requests aborted since the last step, in order, and
+the prefill chunk the leader's cost model chose. The other ranks run `follow`: apply the schedule to the same engine,
 run the same step, emit nothing. Settling the leader shares `stop`, and every follower runs its
 own close and exits. No transport of our own: the schedule travels on MLX's.
 
 Invariants: every rank's engine sees the same requests in the same order at the same step with the
 same prefill chunk, so every collective inside a step matches; the random state is seeded alike on
-every rank (the sum of their seeds, as mlx_lm.server does), so a sampled request samples alike.
+every rank (rank 0's seed), so a sampled request samples alike. The loop reaches the engine only
+through submit, abort, fail_all, plan_step, step and settle here: a new engine entry point that
+changes the batch must be shared the same way.
 A rank that dies or hangs leaves the others blocked in a collective: the supervisor, which watches
 every rank, ends them all (the group's crash), and rank 0's heartbeats stop while it waits.
 """
