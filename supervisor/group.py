@@ -202,10 +202,15 @@ class GroupProcess:
         try:
             for rank in self.ranks:
                 await rank.start()
-        except OSError:
+        except OSError as exc:  # e.g. no ssh: the ranks started already go, the others never will
+            log.error("[group] model=%s could not start every rank: %s", self.model_id, exc)
             for rank in self.ranks:
-                rank.signal(signal.SIGKILL, "another rank of its group could not start")
-            await asyncio.gather(*(r.exited.wait() for r in self.ranks if r.started.is_set() and r.proc))
+                rank.signal(signal.SIGKILL, f"another rank of its group could not start: {exc}")
+            await asyncio.gather(*(r.exited.wait() for r in self.ranks if r.proc is not None))
+            for rank in self.ranks:
+                if rank.proc is None:  # never spawned: nothing to wait for (stop() must not wait on it)
+                    rank.started.set()
+                    rank.exited.set()
             self.exited.set()
             raise
         log.info("[group] model=%s started ranks=%d backend=%s shard=%s pids=%s", self.model_id, self.group.ranks,

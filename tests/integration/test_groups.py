@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -215,3 +216,19 @@ def test_a_remote_rank_runs_through_ssh(daemon_factory, model_dir: Path, tmp_pat
     assert got.status_code == 200 and got.json()["usage"]["completion_tokens"] >= 1, got.text
     assert httpx.post(f"{d.url}/api/models/g/evict", timeout=60).json()["exit"] == 0
     assert_gone(pids)
+
+
+def test_a_rank_that_cannot_be_started_fails_the_load_and_ends_the_others(daemon_factory, model_dir: Path,
+                                                                         tmp_path: Path) -> None:
+    """No ssh on PATH for the remote rank: the load fails saying so, and rank 0, started first, is ended."""
+    empty = tmp_path / "no-ssh"
+    empty.mkdir()
+    d = daemon_factory("--config", config(tmp_path, group_model("g", model_dir / "tiny",
+                                                                'ranks = 2, hosts = ["127.0.0.1", { ssh = "otherhost", ip = "127.0.0.1" }]')),
+                       env={"PATH": str(empty)})
+    r = httpx.post(f"{d.url}/api/models/g/load", timeout=120)
+    assert r.status_code >= 500 and "could not start" in r.text, r.text
+    spawned = [int(pid) for pid in re.findall(r"\[spawn\] model=g pid=(\d+)", (d.state_dir / "daemon.log").read_text())]
+    assert len(spawned) == 1, "rank 0 was started, then rank 1 could not be"
+    assert_gone(spawned)
+    assert "could not start" in d.model("g")["last_error"]
