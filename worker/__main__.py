@@ -28,6 +28,8 @@ from worker.shutdown import Shutdown, install_signal_handlers, leave, watch_life
 if TYPE_CHECKING:
     import zmq
 
+    from worker.engine_api import EngineApi
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m worker")
@@ -178,6 +180,7 @@ def serve_model(args: argparse.Namespace, sock: zmq.Socket, shutdown: Shutdown, 
         cache = CacheOptions(args.hot_cache_bytes, args.ssd_cache_root, args.ssd_cache_bytes,
                              args.cache_block_tokens, args.cache_close_s, faults, args.cache_kv_bits,
                              args.cache_snapshot_every)
+        engine: EngineApi
         if args.group_rank is not None:  # rank 0 of a group: its engine shares each step's schedule
             from worker.group_main import leader_engine
 

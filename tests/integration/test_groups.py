@@ -223,8 +223,8 @@ def test_a_rank_that_cannot_be_started_fails_the_load_and_ends_the_others(daemon
     """No ssh on PATH for the remote rank: the load fails saying so, and rank 0, started first, is ended."""
     empty = tmp_path / "no-ssh"
     empty.mkdir()
-    d = daemon_factory("--config", config(tmp_path, group_model("g", model_dir / "tiny",
-                                                                'ranks = 2, hosts = ["127.0.0.1", { ssh = "otherhost", ip = "127.0.0.1" }]')),
+    hosts = 'ranks = 2, hosts = ["127.0.0.1", { ssh = "otherhost", ip = "127.0.0.1" }]'
+    d = daemon_factory("--config", config(tmp_path, group_model("g", model_dir / "tiny", hosts)),
                        env={"PATH": str(empty)})
     r = httpx.post(f"{d.url}/api/models/g/load", timeout=120)
     assert r.status_code >= 500 and "could not start" in r.text, r.text

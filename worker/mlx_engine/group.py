@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -88,7 +89,7 @@ def join_group(args: GroupArgs) -> mx.distributed.Group:
                            f"expected rank {args.rank} of {args.size}")
     # one random state on every rank, rank 0's (an int32 sum: every backend has it), so samplers draw alike
     mine = random.getrandbits(31) if args.rank == 0 else 0
-    mx.random.seed(int(mx.distributed.all_sum(mx.array([mine], dtype=mx.int32), group=group).item()))
+    mx.random.seed(int(np.array(mx.distributed.all_sum(mx.array([mine], dtype=mx.int32), group=group))[0]))
     log.info("[group] rank=%d size=%d backend=%s shard=%s joined in %.2fs", args.rank, args.size, args.backend,
              args.shard, time.perf_counter() - t0)
     return group
@@ -103,7 +104,7 @@ def _write_json(value: object) -> str:
 def _pipeline_target(model: nn.Module) -> nn.Module | None:
     """The text model that has `pipeline()` (`model.model`, or a multimodal layout's `language_model.model`)."""
     for path in (("model",), ("language_model", "model"), ("language_model",)):
-        node = model
+        node: Any = model
         for name in path:
             node = getattr(node, name, None)
         if node is not None and hasattr(node, "pipeline"):
@@ -190,7 +191,7 @@ class LeaderEngine:
         self._broken: str | None = None  # why a step of the group failed
         self._in_flight: list[mx.array] = []  # the last schedule's collectives, kept alive until they ran
 
-    def __getattr__(self, name: str) -> object:
+    def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 
     def __len__(self) -> int:
@@ -249,6 +250,8 @@ def follow(engine: Engine, group: mx.distributed.Group, model_id: str) -> int:
         for kind, what in msgpack.unpackb(payload) if payload else ():
             if kind == SUBMIT:
                 msg = decode(what)
+                if not isinstance(msg, Submit):
+                    raise RuntimeError(f"rank {group.rank()} got a {msg.KIND} where rank 0 shares Submits")
                 try:
                     engine.submit(msg)
                 except RequestRejected as exc:  # rank 0 admitted it: the same engine must, or the group diverges
