@@ -232,3 +232,24 @@ def test_a_rank_that_cannot_be_started_fails_the_load_and_ends_the_others(daemon
     assert len(spawned) == 1, "rank 0 was started, then rank 1 could not be"
     assert_gone(spawned)
     assert "could not start" in d.model("g")["last_error"]
+
+
+def test_a_stream_whose_rank_is_killed_resumes_on_the_next_group(daemon_factory, model_dir: Path,
+                                                                 tmp_path: Path) -> None:
+    """With resumes on (the default), a group's crash suspends its streams and the next group continues them:
+    the greedy text is the uninterrupted run's."""
+    d = daemon_factory("--config", config(tmp_path, group_model("g", model_dir / "tiny")))
+    pids = load(d, "g")
+    body = {"model": "g", "prompt": "Tell me", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    whole = httpx.post(d.v1 + "/completions", json=body, timeout=120).json()["choices"][0]["text"]
+    client = openai.OpenAI(base_url=d.v1, api_key="unused", max_retries=0, timeout=120)
+    parts = []
+    for chunk in client.completions.create(stream=True, **{k: v for k, v in body.items() if k != "ignore_eos"},
+                                           extra_body={"ignore_eos": True}):
+        parts.append(chunk.choices[0].text)
+        if len(parts) == 3:
+            os.kill(pids[1], signal.SIGKILL)
+    assert "".join(parts) == whole
+    assert_gone(pids)
+    status = d.model("g")
+    assert status["resumed"] == 1 and status["crashes"] == 1, status

@@ -44,9 +44,10 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.utils import load_model, load_tokenizer
 
 from protocol.codec import decode, encode
-from protocol.messages import EXIT_OK, WORKER_CRASHED, Failed, Finished, Submit
+from protocol.messages import EXIT_CRASHED, EXIT_OK, Failed, Finished, Submit
 from worker.engine_api import RequestRejected
 from worker.mlx_engine.engine import Engine
+from worker.shutdown import leave
 from worker.step_cost import StepPlan
 
 log = logging.getLogger(__name__)
@@ -188,7 +189,6 @@ class LeaderEngine:
         self._group = group
         self._ops: list[list] = []  # [SUBMIT, frame] | [ABORT, rid], in the order they happened
         self._stopped = False
-        self._broken: str | None = None  # why a step of the group failed
         self._in_flight: list[mx.array] = []  # the last schedule's collectives, kept alive until they ran
 
     def __getattr__(self, name: str) -> Any:
@@ -208,8 +208,6 @@ class LeaderEngine:
         return True
 
     def fail_all(self, code: str, message: str) -> list[Failed]:
-        if self._broken is not None:  # a step of the group failed: a rank is gone or broke, the group ends
-            code, message = WORKER_CRASHED, f"the worker group crashed: {self._broken}"
         self._ops.extend([ABORT, rid] for rid in self._engine.rids)
         return self._engine.fail_all(code, message)
 
@@ -222,9 +220,13 @@ class LeaderEngine:
         try:
             self._share(chunk=self._engine.gen.prefill_step_size)
             return self._engine.step()
-        except Exception as exc:  # mostly a lost rank ("[ring] connection to a peer was lost"): the group's crash
-            self._broken = f"{type(exc).__name__}: {exc}"
-            raise
+        except Exception:
+            # Mostly a lost rank ("[ring] connection to a peer was lost"). It is the group's crash: exit now and
+            # leave the requests to the supervisor, which suspends them for the next group (or fails them with
+            # worker_crashed), as for a worker that died; failing them here would race it and beat the resume.
+            log.exception("[crash] rank=0 a step of the group failed; exiting with code %d", EXIT_CRASHED)
+            leave(EXIT_CRASHED)
+            raise  # not reached
 
     def settle(self) -> int:
         self.stop_followers()
