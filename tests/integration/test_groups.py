@@ -81,9 +81,10 @@ def test_a_group_serves_with_greedy_parity_batched(daemon_factory, model_dir: Pa
                                                                    temperature=0) for p in prompts))
         return [r.choices[0].text for r in results]
 
-    assert asyncio.run(main()) == ref
-    peak = wait_for(lambda: d.model("g")["peak_batch_size"], 10, what="a heartbeat")
-    assert peak >= 2, f"the requests were not batched (peak batch size {peak})"
+    got = asyncio.run(main())
+    assert got == ref, f"group {got} != mlx_lm.generate {ref}"
+    # the peak comes with the heartbeats (one a second): one sent before the batch formed may still be the latest
+    wait_for(lambda: d.model("g")["peak_batch_size"] >= 2, 10, what="a peak batch size of at least 2 (batching)")
     assert [r["pid"] for r in d.model("g")["ranks"]] == pids, "one group served every request"
 
 
