@@ -4,6 +4,7 @@
 # second call carrying .mlx-cuda/pb and .whl (pyzmq, starlette, uvicorn, py-spy wheels for cp312):
 #     bash bench/gpu_run.sh [extra python -m bench args]      the full GPU profile
 #     bash bench/gpu_run.sh -- COMMAND ...                     any command, after the same set-up
+#     bash bench/gpu_run.sh group [bench/group_bench.py args]  a 2-rank NCCL worker group vs one GPU (2 GPUs)
 # CARRY=DIR: where .mlx-cuda/pb and .whl are, when running from a snapshot of the tree (default: .).
 # Results go to $OUT/gpu (results.json, results.md, chart.png, profiles) and the log to $OUT/gpu-log.txt.
 set -uo pipefail
@@ -17,4 +18,10 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
 python3 -c "import mlx.core as mx, mlx_lm, zmq, uvicorn, starlette; print(mx.default_device(), mx.__version__)" || exit 5
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv
 if [ "${1:-}" = "--" ]; then shift; exec "$@"; fi
+if [ "${1:-}" = "group" ]; then  # issue 16: a 2-rank worker group over both GPUs (NCCL) vs one GPU
+  shift
+  export NCCL_NVLS_ENABLE=0
+  python3 -m bench.group_bench --backend nccl --preset 1b --out "$OUT/group" --work /tmp/gbw "$@" 2>&1 | tee "$OUT/group-log.txt"
+  exit "${PIPESTATUS[0]}"
+fi
 python3 -m bench --profile gpu --out "$OUT/gpu" --work /tmp/bw --deadline "${DEADLINE:-470}" "$@" 2>&1 | tee "$OUT/gpu-log.txt"

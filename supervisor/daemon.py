@@ -34,9 +34,10 @@ import uvicorn
 
 from supervisor import memory
 from supervisor.config import DEMO_MODEL_ID, Settings, runtime_dir
-from supervisor.effects import SystemClock
+from supervisor.effects import SystemClock, WorkerHandle
 from supervisor.gateway.app import build_app
 from supervisor.gateway.metrics import Metrics
+from supervisor.group import GroupProcess, GroupSpec
 from supervisor.process import WorkerProcess, reap_stale
 from supervisor.registry import ModelSpec, Registry, is_model_dir, weights_bytes
 from supervisor.router import Router
@@ -126,7 +127,9 @@ def listen(host: str, port: int) -> socket.socket:
 def build_router(registry: Registry, settings: Settings, run_dir: Path) -> Router:
     """The router wired to the world: ZeroMQ, `python -m worker` processes, this machine's memory, real time."""
 
-    def spawn(model_id: str, argv: list[str], log_path: Path) -> WorkerProcess:
+    def spawn(model_id: str, argv: list[str], log_path: Path, group: GroupSpec | None = None) -> WorkerHandle:
+        if group is not None:
+            return GroupProcess(model_id, group, argv, log_path, pid_dir=run_dir)
         return WorkerProcess(model_id, argv, log_path, pid_dir=run_dir)
 
     metrics = Metrics()

@@ -68,8 +68,9 @@ class WorkerHandle(Protocol):
         ...
 
 
-Spawn = Callable[[str, list[str], Path], WorkerHandle]
-"""(model id, argv, log path) -> a handle on a worker process, not started yet."""
+Spawn = Callable[..., WorkerHandle]
+"""(model id, argv, log path[, group=GroupSpec]) -> a handle on a worker process (or on every rank of a
+worker group, supervisor/group.py), not started yet."""
 
 
 class MemoryProbe(Protocol):

@@ -121,10 +121,34 @@ class Lifecycle(Generic[MetricsT]):
         return self.settings.ceiling(self.memory.system_total())
 
     def _estimate(self, spec: ModelSpec) -> int:
+        """A loading worker's bytes on this machine: a group's ranks here hold their share of the weights."""
+        if spec.group is not None:
+            local = spec.group.local_ranks
+            return spec.weights_bytes * local // spec.group.ranks + self.settings.worker_overhead_bytes * local
         return spec.weights_bytes + self.settings.worker_overhead_bytes
 
+    def _local_pids(self, worker: Worker) -> list[int]:
+        """The worker's processes on this machine: its own, or a group's local ranks (remote ones count elsewhere)."""
+        pids = getattr(worker.process, "local_pids", None)
+        if pids is not None:
+            return list(pids)
+        return [worker.pid] if worker.pid else []
+
+    def _measured(self, worker: Worker) -> int | None:
+        """The measured footprint of the worker's processes on this machine (None: none measured)."""
+        found = [b for b in (self.memory.footprint(pid) for pid in self._local_pids(worker)) if b is not None]
+        return sum(found) if found else None
+
+    def _ranks(self, worker: Worker) -> tuple[dict, ...]:
+        """A group's ranks for status: rank, host, pid, and this machine's measured footprint of each."""
+        describe = getattr(worker.process, "describe", None)
+        if describe is None:
+            return ()
+        return tuple({**r, "memory_bytes": self.memory.footprint(r["pid"]) if r["local"] and r["pid"] else None}
+                     for r in describe())
+
     def _bytes(self, worker: Worker) -> int:
-        measured = self.memory.footprint(worker.pid) if worker.pid else None
+        measured = self._measured(worker)
         if worker.state is State.LOADING:
             return max(measured or 0, self._estimate(worker.spec))
         return measured if measured is not None else self._estimate(worker.spec)
@@ -142,8 +166,13 @@ class Lifecycle(Generic[MetricsT]):
                           tuple(st.model_cache(spec).worker_args(st.state_dir)), step_target_s=st.step_target_s,
                           warm_batch_shapes=st.warm_batch_shapes)
         log_path = st.worker_log(spec.id)
-        spare = self.spare if self.spare is not None and self.spare.standing_by else None
-        if spare is not None:
+        spare = self.spare if self.spare is not None and self.spare.standing_by and spec.group is None else None
+        if spec.group is not None:  # a group's ranks start together, never on the spare
+            self._spawned += 1
+            identity = f"{spec.id}#{self._spawned}".encode()
+            argv = worker_argv(self.transport.endpoint, identity.decode(), st.heartbeat_s, args)
+            process = self.spawn(spec.id, argv, log_path, group=spec.group)
+        elif spare is not None:
             self.spare = None
             identity, process = spare.identity, spare.process
             process.assign(spec.id, log_path)
@@ -281,7 +310,7 @@ class Lifecycle(Generic[MetricsT]):
     async def _evict(self, worker: Worker, mode: str, timeout_s: float) -> EvictReport:
         t0 = self.clock.monotonic()
         pid = worker.pid
-        memory_before = self.memory.footprint(pid) if pid else None
+        memory_before = self._measured(worker)
         if worker.info is not None:
             self.transport.send(worker.identity, Evict(mode=mode, deadline_s=timeout_s))
             grace = timeout_s + self.settings.settle_grace_s

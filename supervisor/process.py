@@ -42,9 +42,10 @@ WORKER_LOG_FORMAT = logging.Formatter("%(asctime)s %(message)s")
 
 class WorkerProcess:
     def __init__(self, model_id: str, argv: list[str], log_path: Path | None = None,
-                 pid_dir: Path | None = None) -> None:
+                 pid_dir: Path | None = None, env: dict[str, str] | None = None) -> None:
         self.model_id = model_id
         self.argv = argv
+        self.env = env or {}  # over the supervisor's environment (a group's rank: its GPU)
         self.log_path = log_path
         self.pid_dir = pid_dir
         self.proc: asyncio.subprocess.Process | None = None
@@ -63,7 +64,7 @@ class WorkerProcess:
         return self.proc.pid if self.proc else None
 
     async def start(self) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
         try:
             self.proc = await asyncio.create_subprocess_exec(
                 *self.argv,

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from supervisor.cache_config import CacheConfig, parse_cache
 from supervisor.errors import ModelNotFound
+from supervisor.group import GroupSpec, parse_group
 from supervisor.units import is_number
 
 RESCAN_S = 2.0
@@ -32,6 +33,7 @@ class ModelSpec:
     ttl_s: float | None = None  # idle time before eviction; None: the server's default
     pinned: bool = False  # loaded at start-up; only an explicit evict removes it
     cache: CacheConfig = CacheConfig()  # overrides of the [cache] section; unset keys inherit
+    group: GroupSpec | None = None  # served by a worker group of several ranks (supervisor/group.py)
 
 
 def is_model_dir(path: Path) -> bool:
@@ -86,7 +88,7 @@ def from_config(models: dict, base: Path) -> list[ModelSpec]:
         path = (base / path).resolve() if not path.is_absolute() else path
         if not is_model_dir(path):
             raise ValueError(f"models.{model_id}.path: {path} holds no config.json and *.safetensors")
-        unknown = set(entry) - {"path", "aliases", "worker_args", "ttl_s", "pinned", "cache"}
+        unknown = set(entry) - {"path", "aliases", "worker_args", "ttl_s", "pinned", "cache", "group"}
         if unknown:
             raise ValueError(f"models.{model_id}.{sorted(unknown)[0]}: unknown key")
         aliases = entry.get("aliases", [])
@@ -100,8 +102,9 @@ def from_config(models: dict, base: Path) -> list[ModelSpec]:
         if not isinstance(pinned, bool):
             raise ValueError(f"models.{model_id}.pinned: must be true or false")
         cache = parse_cache(entry.get("cache", {}), f"models.{model_id}.cache", base)
+        group = parse_group(entry["group"], f"models.{model_id}.group") if "group" in entry else None
         specs.append(ModelSpec(model_id, path, tuple(aliases), tuple(args), weights_bytes(path),
-                               None if ttl is None else float(ttl), pinned, cache))
+                               None if ttl is None else float(ttl), pinned, cache, group))
     return specs
 
 

@@ -97,6 +97,7 @@ class ModelStatus:
     generated_tokens: int | None = None  # with context_length: only while it has a worker
     context_length: int | None = None
     progress: LoadProgress | None = None  # only while loading
+    ranks: tuple[dict[str, Any], ...] = ()  # a worker group's ranks (rank, host, pid, memory_bytes); only then
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)[:_ALWAYS]}
@@ -108,6 +109,8 @@ class ModelStatus:
             out.update(generated_tokens=self.generated_tokens, context_length=self.context_length)
         if self.progress is not None:
             out["progress"] = {"stage": self.progress.stage, "fraction": self.progress.fraction}
+        if self.ranks:
+            out["ranks"] = [dict(r) for r in self.ranks]
         return out
 
     @classmethod
@@ -115,6 +118,7 @@ class ModelStatus:
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in data.items() if k in known}
         values["stderr_tail"] = tuple(values.get("stderr_tail") or ())
+        values["ranks"] = tuple(values.get("ranks") or ())
         if values.get("last_eviction") is not None:
             values["last_eviction"] = EvictReport.from_dict(values["last_eviction"], model=data["id"])
         if values.get("progress") is not None:

@@ -301,7 +301,7 @@ class Router(Resumption[MetricsT]):
         idle = now - worker.last_used if worker.leases == 0 and worker.state is State.READY else 0.0
         return replace(
             status, state=worker.state.value, pid=worker.pid,
-            memory_bytes=self.memory.footprint(worker.pid) if worker.pid else None,
+            memory_bytes=self._measured(worker), ranks=self._ranks(worker),
             in_flight=len(worker.streams), leases=worker.leases, idle_s=round(idle, 1),
             ttl_remaining_s=round(max(0.0, ttl - idle), 1) if ttl and not spec.pinned else None,
             queued=hb.waiting if hb else 0, worker_active=hb.active if hb else 0, batch_size=hb.batch_size if hb else 0,

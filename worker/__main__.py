@@ -28,6 +28,8 @@ from worker.shutdown import Shutdown, install_signal_handlers, leave, watch_life
 if TYPE_CHECKING:
     import zmq
 
+    from worker.engine_api import EngineApi
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m worker")
@@ -63,6 +65,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fault", action="append", default=[], choices=sorted(FAULTS),
                    help="testing only: misbehave on purpose (repeatable): "
                    + "; ".join(f"{name}: {what}" for name, what in sorted(FAULTS.items())))
+    p.add_argument("--group-rank", type=int, default=None,
+                   help="a worker group's rank (0 leads and talks to the supervisor; see worker/group_main.py)")
+    p.add_argument("--group-size", type=int, default=1)
+    p.add_argument("--group-backend", default="ring", help="mx.distributed backend: ring, nccl, jaccl, mpi")
+    p.add_argument("--group-shard", choices=("tensor", "pipeline"), default="tensor")
+    p.add_argument("--group-hosts", default="", help="ring: every rank's ip:port, comma-separated; nccl, jaccl: rank 0's")
+    p.add_argument("--group-rdma", default="", help="jaccl: every host's RDMA device towards each rank (JSON)")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     if not args.spare and (args.model_path is None or args.model_id is None):
@@ -75,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # no time stamp: the supervisor stamps each line as it reads it, into the daemon's log and the model's
     logging.basicConfig(level=args.log_level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
-    name_process(args.model_id, argv)
+    name_process(args.model_id if not args.group_rank else f"{args.model_id} rank {args.group_rank}", argv)
     log = logging.getLogger("worker")
     # Evidence before a kill: the supervisor asks a worker it declares hung for every thread's Python
     # stack; faulthandler writes it from the signal itself (no GIL, no loop needed) to stderr, its log.
@@ -87,6 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     install_signal_handlers(shutdown)
     if args.lifeline:
         watch_lifeline(shutdown)
+    if args.group_rank:  # a follower rank: no socket, it hears everything from rank 0 through the group
+        from worker.group_main import run_follower
+
+        leave(run_follower(args, log))
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -174,10 +187,16 @@ def serve_model(args: argparse.Namespace, sock: zmq.Socket, shutdown: Shutdown, 
         cache = CacheOptions(args.hot_cache_bytes, args.ssd_cache_root, args.ssd_cache_bytes,
                              args.cache_block_tokens, args.cache_close_s, faults, args.cache_kv_bits,
                              args.cache_snapshot_every)
-        engine = Engine(args.model_path, max_batch_size=args.max_batch_size,
-                        prefill_step_size=args.prefill_step_size, report=report, cache=cache,
-                        model_id=args.model_id, step_target_s=args.step_target_s,
-                        warm=args.warm_batch_shapes, warm_budget_s=args.warm_budget_s, solo=args.solo == "on")
+        engine: EngineApi
+        if args.group_rank is not None:  # rank 0 of a group: its engine shares each step's schedule
+            from worker.group_main import leader_engine
+
+            engine = leader_engine(args, report, cache)
+        else:
+            engine = Engine(args.model_path, max_batch_size=args.max_batch_size,
+                            prefill_step_size=args.prefill_step_size, report=report, cache=cache,
+                            model_id=args.model_id, step_target_s=args.step_target_s,
+                            warm=args.warm_batch_shapes, warm_budget_s=args.warm_budget_s, solo=args.solo == "on")
     except Exception as exc:
         log.error("[load] model=%s path=%s failed: %s", args.model_id, args.model_path, exc)
         return EXIT_LOAD_FAILED

@@ -84,7 +84,18 @@ def status_table(status: dict[str, Any]) -> list[str]:
                      _cache(cache.get("hot"), False), _cache(cache.get("ssd"), True), resumed,
                      (m.last_error or "")[:60]))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows] + group_lines(status)
+
+
+def group_lines(status: dict[str, Any]) -> list[str]:
+    """One line per worker group: its ranks' hosts, pids and (on this machine) memory."""
+    lines = []
+    for m in map(ModelStatus.from_dict, status["models"]):
+        if m.ranks:
+            ranks = ", ".join(f"rank {r['rank']} {r['host']} pid {r['pid'] or '-'}"
+                              + (f" {size(r.get('memory_bytes'))}" if r.get("memory_bytes") else "") for r in m.ranks)
+            lines.append(f"group {m.id}: {len(m.ranks)} ranks: {ranks}")
+    return lines
 
 
 def evict_line(r: EvictReport) -> str:

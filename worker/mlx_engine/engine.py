@@ -114,9 +114,10 @@ class Engine:
     def __init__(self, model_path: Path, max_batch_size: int = 32, prefill_batch_size: int = 8,
                  prefill_step_size: int = 2048, report: Callable[[str, float], None] = lambda *_: None,
                  cache: CacheOptions | None = None, model_id: str = "", step_target_s: float = 0.25,
-                 warm: str = "off", warm_budget_s: float = 10.0, solo: bool = True) -> None:
+                 warm: str = "off", warm_budget_s: float = 10.0, solo: bool = True,
+                 loader: Callable[[Path, Callable[[str, float], None]], tuple] = load_with_progress) -> None:
         t0 = time.perf_counter()
-        self.model, self.tokenizer = load_with_progress(model_path, report)
+        self.model, self.tokenizer = loader(model_path, report)  # a group's rank: its shard (mlx_engine/group.py)
         config = json.loads((model_path / "config.json").read_text())
         text_config = {**config, **(config.get("text_config") or {})}  # Qwen3.5 and other multimodal layouts
         self.context_length = int(text_config.get("max_position_embeddings") or 4096)
