@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the most prompt tokens of one sequence an engine step prefills (time bounds it below)")
     p.add_argument("--step-target-s", type=float, default=0.25,
                    help="an engine step's target duration: each prefill chunk is sized to it from measured speed")
-    p.add_argument("--warm-batch-shapes", choices=("auto", "on", "off"), default="off",
+    p.add_argument("--warm-batch-shapes", choices=("auto", "on", "off"), default="auto",
                    help="run every batch size once on dummy tokens before Ready (auto: on a GPU only)")
     p.add_argument("--warm-budget-s", type=float, default=10.0, help="the most seconds the batch-shape warm-up takes")
     p.add_argument("--admit-window-ms", type=int, default=2,

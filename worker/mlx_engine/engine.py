@@ -114,7 +114,7 @@ class Engine:
     def __init__(self, model_path: Path, max_batch_size: int = 32, prefill_batch_size: int = 8,
                  prefill_step_size: int = 2048, report: Callable[[str, float], None] = lambda *_: None,
                  cache: CacheOptions | None = None, model_id: str = "", step_target_s: float = 0.25,
-                 warm: str = "off", warm_budget_s: float = 10.0, solo: bool = True,
+                 warm: str = "auto", warm_budget_s: float = 10.0, solo: bool = True,
                  loader: Callable[[Path, Callable[[str, float], None]], tuple] = load_with_progress) -> None:
         t0 = time.perf_counter()
         self.model, self.tokenizer = loader(model_path, report)  # a group's rank: its shard (mlx_engine/group.py)
