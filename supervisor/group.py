@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from supervisor.process import WorkerProcess
+from supervisor.process import WorkerProcess, set_within
 
 log = logging.getLogger(__name__)
 
@@ -254,11 +254,8 @@ class GroupProcess:
         self.signal(signal.SIGKILL, why)
 
     async def wait(self, timeout: float | None) -> bool:
-        try:
-            await asyncio.wait_for(self.exited.wait(), timeout)
-            return True
-        except TimeoutError:
-            return False
+        """Wait for every rank to be reaped; True if they were within `timeout`."""
+        return await set_within(self.exited, timeout)
 
     async def stop(self, grace_s: float, kill_timeout_s: float) -> dict:
         """The kill ladder over every rank: their own exit, SIGTERM (rank 0), SIGKILL (all); always reaped."""

@@ -40,6 +40,15 @@ LOG_BACKUPS = 3
 WORKER_LOG_FORMAT = logging.Formatter("%(asctime)s %(message)s")
 
 
+async def set_within(event: asyncio.Event, timeout: float | None) -> bool:
+    """Wait for `event`; True if it was set within `timeout` (None: no limit)."""
+    try:
+        await asyncio.wait_for(event.wait(), timeout)
+        return True
+    except TimeoutError:
+        return False
+
+
 class WorkerProcess:
     def __init__(self, model_id: str, argv: list[str], log_path: Path | None = None,
                  pid_dir: Path | None = None, env: dict[str, str] | None = None) -> None:
@@ -179,11 +188,7 @@ class WorkerProcess:
 
     async def wait(self, timeout: float | None) -> bool:
         """Wait for the process to be reaped; True if it was within `timeout`."""
-        try:
-            await asyncio.wait_for(self.exited.wait(), timeout)
-            return True
-        except TimeoutError:
-            return False
+        return await set_within(self.exited, timeout)
 
     async def stop(self, grace_s: float, kill_timeout_s: float) -> dict:
         """The kill ladder: wait for an exit on its own, then SIGTERM, then SIGKILL; always reaps."""

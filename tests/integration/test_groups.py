@@ -111,19 +111,25 @@ def test_evict_ends_every_rank(daemon_factory, model_dir: Path, tmp_path: Path) 
     assert "[group] model=g rank=1 stop after" in rank1_log, "rank 1 ran its own orderly exit, on rank 0's word"
 
 
-def test_sigkill_of_rank_1_mid_stream_is_a_clean_worker_crashed(daemon_factory, model_dir: Path,
-                                                                tmp_path: Path) -> None:
-    d = daemon_factory("--config", config(tmp_path, "max_resumes = 0\n" + group_model("g", model_dir / "tiny")))
-    pids = load(d, "g")
+def stream_signalling_rank_1(d: Daemon, pids: list[int], sig: int) -> tuple[int, dict | None]:
+    """Stream from group g, sending `sig` to rank 1 at the first chunk: (chunks read, the error body or None)."""
     client = openai.OpenAI(base_url=d.v1, api_key="unused", max_retries=0, timeout=60)
     chunks, error = 0, None
     try:
         for _ in client.completions.create(model="g", prompt="Tell me", stream=True, **LONG):
             chunks += 1
             if chunks == 1:
-                os.kill(pids[1], signal.SIGKILL)
+                os.kill(pids[1], sig)
     except openai.APIError as exc:
         error = exc.body
+    return chunks, error
+
+
+def test_sigkill_of_rank_1_mid_stream_is_a_clean_worker_crashed(daemon_factory, model_dir: Path,
+                                                                tmp_path: Path) -> None:
+    d = daemon_factory("--config", config(tmp_path, "max_resumes = 0\n" + group_model("g", model_dir / "tiny")))
+    pids = load(d, "g")
+    chunks, error = stream_signalling_rank_1(d, pids, signal.SIGKILL)
     assert chunks >= 1 and error is not None and error["code"] == "worker_crashed", error
     assert_gone(pids)
     status = d.model("g")
@@ -180,15 +186,7 @@ def test_a_hung_rank_is_detected_like_a_hung_worker(daemon_factory, model_dir: P
     d = daemon_factory("--config", config(tmp_path, "hang_timeout_s = 2\nhousekeeping_s = 0.2\nmax_resumes = 0\n"
                                           + group_model("g", model_dir / "tiny")))
     pids = load(d, "g")
-    client = openai.OpenAI(base_url=d.v1, api_key="unused", max_retries=0, timeout=60)
-    chunks, error = 0, None
-    try:
-        for _ in client.completions.create(model="g", prompt="Tell me", stream=True, **LONG):
-            chunks += 1
-            if chunks == 1:
-                os.kill(pids[1], signal.SIGSTOP)
-    except openai.APIError as exc:
-        error = exc.body
+    chunks, error = stream_signalling_rank_1(d, pids, signal.SIGSTOP)
     assert chunks >= 1 and error is not None and error["code"] == "worker_crashed", error
     assert_gone(pids)
     assert "hung" in d.model("g")["last_error"]
