@@ -15,6 +15,10 @@ store    the prompt caches' share of the generation loop (issue 15): Engine with
 chains   the same, without a model: 32 finished sequences of 1b-preset K/V (16 layers, 8 KV heads, head dim 64,
          bfloat16, 320 tokens) stored in one step; the main thread's seconds in store, and in hand_off at the next
          step (a stand-in step of MLX work between), per round
+worker   a real worker subprocess (`python -m worker`) driven over ZeroMQ by a bare ROUTER socket, no supervisor
+         and no HTTP: batch-1 ITL and tok/s as its Tokens messages arrive, for worker flag sets (plain, prompt
+         caches on, solo off); set beside `engine`'s in-process figures it splits the gap between mlxsup and
+         stream_generate into the worker process's share and the supervisor/HTTP share
 arrival  in-process BatchGenerator at 32 sequences: all inserted at once (the bench's ceiling) vs
          inserted a few per step, as requests reach mlxsup's worker over ZeroMQ; the steps' times for
          (generation batch, prefill batch) sizes seen for the first time vs again (MLX kernel compile)
@@ -231,6 +235,83 @@ def part_engine(model_dir: str, tokens: int, rounds: int) -> dict:
             "itl_p50_ms_median": {k: round(percentile(v, 50), 3) for k, v in out.items()}}
 
 
+WORKER_VARIANTS = {
+    "W_plain": [],
+    "W_caches": ["--hot-cache-bytes", str(2 * 2**30), "--ssd-cache-root", "{tmp}/ssd"],
+    "W_solo_off": ["--solo", "off"],
+}
+
+
+def part_worker(model_dir: str, tokens: int, rounds: int) -> dict:
+    import signal
+    import tempfile
+
+    import zmq
+
+    from bench.run import prompts
+    from protocol.codec import decode, encode
+    from protocol.messages import Finished, Ready, Submit, Tokens
+
+    ctx = zmq.Context()
+    out: dict = {}
+    for name, extra in WORKER_VARIANTS.items():
+        tmp = tempfile.mkdtemp(prefix="diagw-")
+        sock = ctx.socket(zmq.ROUTER)
+        port = sock.bind_to_random_port("tcp://127.0.0.1")
+        proc = subprocess.Popen([sys.executable, "-m", "worker", "--model-path", model_dir, "--model-id", "m",
+                                 "--endpoint", f"tcp://127.0.0.1:{port}", "--identity", "w",
+                                 "--warm-batch-shapes", "off", *[a.format(tmp=tmp) for a in extra]],
+                                cwd=REPO, stderr=open(Path(tmp) / "worker.log", "wb"))
+        try:
+            def recv(deadline: float):
+                while not sock.poll(200):
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        raise TimeoutError(f"{name}: no message from the worker (exit {proc.returncode})")
+                return decode(sock.recv_multipart()[1])
+
+            deadline = time.monotonic() + 300
+            while not isinstance(recv(deadline), Ready):
+                pass
+
+            def one(msgs, rid: str) -> tuple[list[float], int]:
+                sock.send_multipart([b"w", encode(Submit(rid=rid, max_tokens=tokens, messages=msgs, temperature=0.0,
+                                                         ignore_eos=True))])
+                stamps, n, end = [], 0, time.monotonic() + 120
+                while True:
+                    m = recv(end)
+                    t = time.perf_counter()
+                    if isinstance(m, Tokens):
+                        k = sum(c[2] for c in m.chunks if c[0] == rid)
+                        if k:
+                            stamps.append(t)
+                            n += k
+                    elif isinstance(m, Finished) and m.rid == rid:
+                        stamps.append(t)
+                        return stamps, m.completion_tokens
+
+            one(prompts("ew", 1, 24, 0)[0], "warm")
+            itls, tps, msgs_per_tok = [], [], []
+            for r in range(rounds):
+                stamps, n = one(prompts(f"e{r}", 1, 24, 0)[0], f"r{r}")
+                itls.append(round(percentile([b - a for a, b in zip(stamps, stamps[1:])], 50) * 1e3, 3))
+                tps.append(round((n - 1) / (stamps[-1] - stamps[0]), 1))
+                msgs_per_tok.append(round(len(stamps) / max(n, 1), 3))
+            out[name] = {"args": extra, "itl_p50_ms_per_round": itls, "tok_s_after_first_per_round": tps,
+                         "messages_per_token": msgs_per_tok, "itl_p50_ms_median": percentile(itls, 50)}
+        except Exception as exc:
+            out[name] = {"error": repr(exc), "log_tail": (Path(tmp) / "worker.log").read_text(errors="replace")[-2000:]}
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+            sock.close(linger=0)
+    ctx.term()
+    return {"tokens": tokens, **out}
+
+
 def part_store(model_dir: str, n: int, tokens: int, rounds: int) -> dict:
     import tempfile
 
@@ -343,6 +424,8 @@ def main() -> int:
                 res[part] = part_exit(args.model, args.rounds)
             elif part == "engine":
                 res[part] = part_engine(args.model, 256, max(3, args.rounds))
+            elif part == "worker":
+                res[part] = part_worker(args.model, 256, max(3, args.rounds))
             elif part == "store":
                 res[part] = part_store(args.model, 32, 8, args.rounds)
             elif part == "chains":
