@@ -242,6 +242,22 @@ WORKER_VARIANTS = {
 }
 
 
+STREAM_CHILD = r"""
+import json, sys, time
+from mlx_lm import load, stream_generate
+from bench.run import prompts
+from bench.common import percentile
+model, tok = load(sys.argv[1])
+tokens, rounds = int(sys.argv[2]), int(sys.argv[3])
+def one(tag):
+    ts = [time.perf_counter() for _ in stream_generate(model, tok, tok.apply_chat_template(
+        prompts(tag, 1, 24, 0)[0], add_generation_prompt=True), max_tokens=tokens)]
+    return round(percentile([b - a for a, b in zip(ts, ts[1:])], 50) * 1e3, 3)
+one("ew")
+print(json.dumps([one(f"e{r}") for r in range(rounds)]))
+"""
+
+
 def part_worker(model_dir: str, tokens: int, rounds: int) -> dict:
     import signal
     import tempfile
@@ -254,6 +270,12 @@ def part_worker(model_dir: str, tokens: int, rounds: int) -> dict:
 
     ctx = zmq.Context()
     out: dict = {}
+    # the same measure for stream_generate in a process of its own, spawned alike: the baseline for W_*
+    p = subprocess.run([sys.executable, "-c", STREAM_CHILD, model_dir, str(tokens), str(rounds)], cwd=REPO,
+                       capture_output=True, text=True, timeout=600)
+    itls = json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else []
+    out["P_stream_generate_subprocess"] = {"itl_p50_ms_per_round": itls, "itl_p50_ms_median": percentile(itls, 50)
+                                           if itls else None, "stderr_tail": p.stderr[-500:] if p.returncode else ""}
     for name, extra in WORKER_VARIANTS.items():
         tmp = tempfile.mkdtemp(prefix="diagw-")
         sock = ctx.socket(zmq.ROUTER)

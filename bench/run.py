@@ -587,6 +587,7 @@ class Bench:
         for name in ("worker", "daemon"):
             src = pdir / f"{name}.txt"
             if src.exists() and src.stat().st_size < 4 * 2**20:
+                self.out.mkdir(parents=True, exist_ok=True)
                 shutil.copy(src, self.out / f"profile-{name}.collapsed.txt")
         return res
 
