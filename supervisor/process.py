@@ -40,6 +40,23 @@ LOG_BACKUPS = 3
 WORKER_LOG_FORMAT = logging.Formatter("%(asctime)s %(message)s")
 
 
+def one_gpu(base: dict[str, str], extra: dict[str, str]) -> dict[str, str]:
+    """A worker's environment: `base` (the supervisor's) with `extra` over it, and one CUDA device visible.
+
+    MLX computes on the first visible device only, so a worker that sees one changes nothing there; on a
+    host with several NVIDIA GPUs, a worker that saw them all crashed in MLX CUDA's allocator
+    (`cudaMemcpy ... invalid argument` when a host-side array reused a cached device buffer; H200 x2, never
+    on one GPU, never in a group, whose ranks see one GPU each). So: the first device the supervisor may use
+    (its own CUDA_VISIBLE_DEVICES' first entry, else 0) unless `extra` names the device itself (a group's rank).
+    No effect without CUDA (macOS, CPU hosts).
+    """
+    env = {**base, **extra}
+    if "CUDA_VISIBLE_DEVICES" not in extra:
+        visible = base.get("CUDA_VISIBLE_DEVICES")
+        env["CUDA_VISIBLE_DEVICES"] = "0" if visible is None else visible.split(",")[0].strip()
+    return env
+
+
 async def set_within(event: asyncio.Event, timeout: float | None) -> bool:
     """Wait for `event`; True if it was set within `timeout` (None: no limit)."""
     try:
@@ -73,7 +90,7 @@ class WorkerProcess:
         return self.proc.pid if self.proc else None
 
     async def start(self) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
+        env = one_gpu(dict(os.environ, PYTHONUNBUFFERED="1"), self.env)
         try:
             self.proc = await asyncio.create_subprocess_exec(
                 *self.argv,
