@@ -153,6 +153,8 @@ def part_arrival(model_dir: str, n: int, tokens: int, rounds: int) -> dict:
 
 
 def part_engine(model_dir: str, tokens: int, rounds: int) -> dict:
+    import logging
+
     import mlx.core as mx  # noqa: F401
     import zmq
     from mlx_lm import load
@@ -163,6 +165,16 @@ def part_engine(model_dir: str, tokens: int, rounds: int) -> dict:
     from protocol.messages import Submit, Tokens
     from worker.mlx_engine.engine import Engine
 
+    class Keep(logging.Handler):
+        lines: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.lines.append(record.getMessage())
+
+    keep = Keep()
+    engine_log = logging.getLogger("worker.mlx_engine.engine")
+    engine_log.setLevel(logging.DEBUG)
+    engine_log.addHandler(keep)
     model_a, tok_a = load(model_dir)
     eng = Engine(Path(model_dir), max_batch_size=32, prefill_step_size=512)
     ctx = zmq.Context()
@@ -231,7 +243,8 @@ def part_engine(model_dir: str, tokens: int, rounds: int) -> dict:
         for name in names:
             out[name].append(round(itl(variants[name](prompts(f"e{r}", 1, 24, 0)[0], r)), 3))
     ctx.destroy(linger=0)
-    return {"tokens": tokens, "itl_p50_ms_per_round": out,
+    engine_log.removeHandler(keep)
+    return {"tokens": tokens, "solo_per_token_ms": perf_lines("\n".join(keep.lines)), "itl_p50_ms_per_round": out,
             "itl_p50_ms_median": {k: round(percentile(v, 50), 3) for k, v in out.items()}}
 
 
@@ -258,6 +271,15 @@ print(json.dumps([one(f"e{r}") for r in range(rounds)]))
 """
 
 
+def perf_lines(text: str) -> list[dict]:
+    """The engine's `[perf] solo` debug lines (worker/mlx_engine/solo.py SoloTimes), rounds only (not warm-ups)."""
+    out = []
+    for m in re.finditer(r"\[perf\] solo rid=(\S+) tokens=(\d+) per_token_ms=(\{[^}]*\})", text):
+        if m.group(1) != "warm" and not m.group(1).endswith("999"):
+            out.append({"rid": m.group(1), "tokens": int(m.group(2)), **json.loads(m.group(3).replace("'", '"'))})
+    return out
+
+
 def part_worker(model_dir: str, tokens: int, rounds: int) -> dict:
     import signal
     import tempfile
@@ -282,7 +304,8 @@ def part_worker(model_dir: str, tokens: int, rounds: int) -> dict:
         port = sock.bind_to_random_port("tcp://127.0.0.1")
         proc = subprocess.Popen([sys.executable, "-m", "worker", "--model-path", model_dir, "--model-id", "m",
                                  "--endpoint", f"tcp://127.0.0.1:{port}", "--identity", "w",
-                                 "--warm-batch-shapes", "off", *[a.format(tmp=tmp) for a in extra]],
+                                 "--warm-batch-shapes", "off", "--log-level", "DEBUG",
+                                 *[a.format(tmp=tmp) for a in extra]],
                                 cwd=REPO, stderr=open(Path(tmp) / "worker.log", "wb"))
         try:
             def recv(deadline: float):
@@ -320,6 +343,8 @@ def part_worker(model_dir: str, tokens: int, rounds: int) -> dict:
                 msgs_per_tok.append(round(len(stamps) / max(n, 1), 3))
             out[name] = {"args": extra, "itl_p50_ms_per_round": itls, "tok_s_after_first_per_round": tps,
                          "messages_per_token": msgs_per_tok, "itl_p50_ms_median": percentile(itls, 50)}
+            time.sleep(0.5)  # the worker's [perf] line for the last round reaches its log (diagnostics only)
+            out[name]["solo_per_token_ms"] = perf_lines((Path(tmp) / "worker.log").read_text(errors="replace"))
         except Exception as exc:
             out[name] = {"error": repr(exc), "log_tail": (Path(tmp) / "worker.log").read_text(errors="replace")[-2000:]}
         finally:

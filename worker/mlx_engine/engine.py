@@ -147,6 +147,7 @@ class Engine:
                      len(self.warmed.decode_sizes), self.warmed.steps, self.warmed.seconds, self.warmed.complete)
         self.solo_on = solo  # a request alone runs the generate_step way (worker/mlx_engine/solo.py)
         self._solo: Solo | None = None
+        self._solo_plan: StepPlan | None = None  # the plan of every solo decode step (plan_step)
         self._solo_uids = 0
         self._pending: list[SoloResponse] = []  # a solo's token read when it joined the batch, emitted next step
         self._prefilling: dict[str, Request] = {}  # requests with prompt left to prefill, in arrival order
@@ -256,6 +257,7 @@ class Engine:
             uid = self._solo_uids
             self._solo = Solo(self.model, uid, tokens, cached, prefix, max_tokens, sampler,
                               None if msg.ignore_eos else self._eos)
+            self._solo_plan = None  # predicted afresh, from what the fits know now
         else:
             self._solo_to_batch()
             (uid,) = self.gen.insert_segments(
@@ -389,7 +391,13 @@ class Engine:
         return StepWork(decoding, tuple(prefill), self._in_flight)
 
     def plan_step(self) -> StepPlan:
-        """Size the next step's prefill chunk to the step target; the plan says what it holds and its predicted time."""
+        """Size the next step's prefill chunk to the step target; the plan says what it holds and its predicted time.
+        A solo's decode step has nothing to size: one plan for all of them, and the fits learn from batches only."""
+        if self._solo is not None and self._solo.decoding:
+            if self._solo_plan is None:
+                self._solo_plan = self.cost.predict(StepWork(1, in_flight=1), self.cost.min_chunk)
+            self._plan = self._solo_plan
+            return self._solo_plan
         plan = self._plan = self.cost.plan(self._step_work())
         self.gen.prefill_step_size = max(plan.chunk, self.cost.min_chunk)
         return plan
@@ -409,7 +417,8 @@ class Engine:
         self._plan = None
         t0 = time.perf_counter()
         progress, responses = self._solo_step() if self._solo is not None else self.gen.next()
-        self.cost.observe(plan, time.perf_counter() - t0)
+        if plan is not self._solo_plan:
+            self.cost.observe(plan, time.perf_counter() - t0)
         if self._pending:
             responses, self._pending = [*self._pending, *responses], []
         self._in_flight = plan.decoding  # their decode is computing; the next step waits for it
@@ -445,6 +454,8 @@ class Engine:
             self._prefilling.pop(req.rid, None)
             if self._solo is not None and self._solo.uid == req.uid:
                 cache, tokens = self._solo.release() if r.finish_reason is None else (r.prompt_cache, r.all_tokens)
+                log.debug("[perf] solo rid=%s tokens=%d per_token_ms=%s", req.rid, self._solo.times.tokens,
+                          self._solo.times.per_token_ms())
                 self._solo = None
             elif r.finish_reason is None:  # a stop string ended it: the generator still runs it
                 cache, tokens = self.gen.remove([req.uid], return_prompt_caches=True).get(req.uid, (None, None))

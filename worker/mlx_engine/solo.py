@@ -20,8 +20,9 @@ hands its cache and exactly those tokens to the prompt caches; main thread only.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 import mlx.core as mx
@@ -42,6 +43,23 @@ class SoloResponse:
     all_tokens: list[int] | None = None
 
 
+@dataclass(slots=True)
+class SoloTimes:
+    """Where a solo's decode steps spend their wall time (seconds, summed over `tokens` steps): building and
+    launching the next token's graph (`feed`), waiting for the token in flight (`read`), and everything between
+    two steps outside them (`outside`: the engine's output handling, the worker loop, its sends)."""
+
+    tokens: int = 0
+    feed: float = 0.0
+    read: float = 0.0
+    outside: float = 0.0
+    _last_end: float | None = field(default=None, repr=False)
+
+    def per_token_ms(self) -> dict[str, float]:
+        n = max(self.tokens, 1)
+        return {k: round(getattr(self, k) / n * 1e3, 4) for k in ("feed", "read", "outside")}
+
+
 def _greedy(logprobs: mx.array) -> mx.array:
     return mx.argmax(logprobs, axis=-1)
 
@@ -60,6 +78,7 @@ class Solo:
         self.eos = eos  # None: EOS does not stop it (ignore_eos)
         self.generated = 0
         self._next: tuple[mx.array, mx.array] | None = None  # the token in flight and its logprobs
+        self.times = SoloTimes()
 
     @property
     def prefill_left(self) -> int:
@@ -91,6 +110,7 @@ class Solo:
         if self._next is None:  # the prompt's last token: the first token out
             self._next = self._feed(mx.array(self.tokens[self.fed:self.prompt_len]))
             mx.async_eval(*self._next)
+        times, t0 = self.times, time.perf_counter()
         token, logprobs = self._next
         if self.generated + 1 < self.max_tokens:  # another token will be wanted: schedule it before reading this one
             self._next = self._feed(token)
@@ -99,7 +119,16 @@ class Solo:
             self._next = None
         if self.generated % 256 == 0:
             mx.clear_cache()  # as generate_step
-        return [self._out(cast(int, token.item()), logprobs)]
+        t1 = time.perf_counter()
+        value = cast(int, token.item())
+        t2 = time.perf_counter()
+        if times._last_end is not None:
+            times.outside += t0 - times._last_end
+        times.tokens += 1
+        times.feed += t1 - t0
+        times.read += t2 - t1
+        times._last_end = t2
+        return [self._out(value, logprobs)]
 
     def _out(self, token: int, logprobs: mx.array) -> SoloResponse:
         """The response for a token just read; a finishing one carries the cache and the tokens fed."""
