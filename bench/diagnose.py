@@ -280,6 +280,44 @@ def perf_lines(text: str) -> list[dict]:
     return out
 
 
+def part_affinity(model_dir: str, tokens: int, rounds: int) -> dict:
+    """stream_generate in a subprocess pinned (taskset) to different CPU sets: is a process's single-stream speed
+    a matter of where it runs (NUMA node of the GPU, shared cores)? With the host's NUMA and GPU topology."""
+    n = os.cpu_count() or 2
+    q = max(1, n // 4)
+    sets = {"unpinned": None, "first_quarter": f"0-{q - 1}", "third_quarter": f"{n // 2}-{n // 2 + q - 1}",
+            "last_core": str(n - 1)}
+    out: dict = {"cpus": n}
+    for cmd in (["lscpu"], ["nvidia-smi", "topo", "-m"]):
+        try:
+            text = subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout
+            out[cmd[0]] = [line for line in text.splitlines() if cmd[0] != "lscpu" or "NUMA" in line or "Model name" in line]
+        except (OSError, subprocess.SubprocessError) as exc:
+            out[cmd[0]] = repr(exc)
+    for name, cpus in sets.items():
+        argv = ([] if cpus is None else ["taskset", "-c", cpus]) + [sys.executable, "-c", STREAM_CHILD, model_dir,
+                                                                    str(tokens), str(rounds)]
+        p = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300)
+        itls = json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else []
+        out[name] = {"cpus": cpus, "itl_p50_ms_per_round": itls,
+                     "itl_p50_ms_median": percentile(itls, 50) if itls else None,
+                     "stderr_tail": p.stderr[-300:] if p.returncode else ""}
+    from mlx_lm import load, stream_generate  # last: this process holds no GPU context while the others run
+
+    from bench.run import prompts
+    model, tok = load(model_dir)
+
+    def one(tag: str) -> float:
+        ts = [time.perf_counter() for _ in stream_generate(model, tok, tok.apply_chat_template(
+            prompts(tag, 1, 24, 0)[0], add_generation_prompt=True), max_tokens=tokens)]
+        return round(percentile([b - a for a, b in zip(ts, ts[1:])], 50) * 1e3, 3)
+
+    one("ew")
+    itls = [one(f"e{r}") for r in range(rounds)]
+    out["in_this_process"] = {"itl_p50_ms_per_round": itls, "itl_p50_ms_median": percentile(itls, 50)}
+    return out
+
+
 def part_worker(model_dir: str, tokens: int, rounds: int) -> dict:
     import signal
     import tempfile
@@ -471,6 +509,8 @@ def main() -> int:
                 res[part] = part_exit(args.model, args.rounds)
             elif part == "engine":
                 res[part] = part_engine(args.model, 256, max(3, args.rounds))
+            elif part == "affinity":
+                res[part] = part_affinity(args.model, 256, max(3, args.rounds))
             elif part == "worker":
                 res[part] = part_worker(args.model, 256, max(3, args.rounds))
             elif part == "store":
