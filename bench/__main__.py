@@ -63,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="run bench/cache_bench.py, or include its committed results (default: the profile's)")
     ap.add_argument("--bandwidth-gbs", type=float, default=None,
                     help="memory bandwidth in GB/s for the decode bound (default: the GPU's datasheet figure)")
+    ap.add_argument("--server-cpus", default=None,
+                    help="CPUs every side's server runs on: auto (first quarter), '' (unpinned), or e.g. 0-3")
     args = ap.parse_args(argv)
 
     p = PROFILES[args.profile]
@@ -76,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         p = replace(p, deadline_s=args.deadline)
     if args.bandwidth_gbs:
         p = replace(p, bandwidth_gbs=args.bandwidth_gbs)
+    if args.server_cpus is not None:
+        p = replace(p, server_cpus=args.server_cpus)
     if args.cache_bench:
         p = replace(p, run_cache_bench=args.cache_bench == "run")
     out = args.out or REPO / "bench" / "results" / p.profile

@@ -45,6 +45,11 @@ class Params:
     deadline_s: float = 540.0  # stop starting new work after this; results are still written
     seed: int = 0
     bandwidth_gbs: float | None = None  # memory bandwidth for the decode bound (None: the GPU's, from bench/bound.py)
+    # CPUs every side's server runs on (Linux: sched_setaffinity; an mlxsup daemon's workers inherit it): "auto" =
+    # the first quarter of the cores (at least 4), "" = unpinned. On the GPU host the same stream_generate process
+    # ran 1.65 ms a token on cores 0-3 and 2.87 on cores 8-11 (bench.diagnose affinity): unpinned, a side's speed
+    # was the luck of its core, not its code. The sides run one at a time, so they share the set, never at once.
+    server_cpus: str = ""
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -56,7 +61,7 @@ class Params:
 
 PROFILES: dict[str, Params] = {
     # The NVIDIA (or Apple GPU) run: the 1b preset, 256 tokens everywhere, five alternating rounds.
-    "gpu": Params(profile="gpu", preset="1b"),
+    "gpu": Params(profile="gpu", preset="1b", server_cpus="auto"),
     # This repo's 2-core CI-class CPU: MLX's CPU matmul runs ~2.4 GFLOP/s whatever the batch, so the
     # small preset costs ~150 ms per token *per sequence*, prefill included. Token counts shrink with
     # concurrency to keep the whole run near ten minutes; rounds are fewer at high concurrency.

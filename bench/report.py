@@ -61,6 +61,8 @@ def markdown(res: dict) -> str:
     L.append(f"- cold-start rounds {p.get('cold_rounds')}; idle/busy eviction rounds {p.get('idle_evict_rounds')}/"
              f"{p.get('busy_evict_rounds')} ({p.get('busy_streams')} streams); overhead: c={p.get('overhead_concurrency')}, "
              f"{p.get('overhead_tokens')} tokens x {p.get('overhead_rounds')} rounds; deadline {p.get('deadline_s')} s")
+    if res.get("meta", {}).get("server_cpus"):
+        L.append(f"- every side's server pinned to CPUs {res['meta']['server_cpus']} (bench.params server_cpus)")
     L.append("- sides alternate order every round (A B C, then C B A); greedy sampling everywhere; "
              "ratios are medians of per-round ratios of back-to-back runs\n")
 

@@ -31,7 +31,7 @@ import httpx
 import psutil
 
 from bench import client as cl
-from bench import prefill_itl, resume_pause
+from bench import prefill_itl, resume_pause, servers
 from bench.bound import bandwidth_gb_s, bound_lines, decode_bound, weight_bytes
 from bench.common import REPO, machine, median, now, percentile, ratio, rnd, write_json
 from bench.model import make_never_eos_view, make_source_model
@@ -145,6 +145,9 @@ class Bench:
         self.t_start = time.monotonic()
         self.results: dict = {"meta": {"command": command, "params": params.to_dict(), "sections": sections,
                                        "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}}
+        servers.SERVER_CPUS = servers.parse_cpus(params.server_cpus)
+        if servers.SERVER_CPUS:
+            self.results["meta"]["server_cpus"] = ",".join(map(str, sorted(servers.SERVER_CPUS)))
         self.managed: list = []
         self.client = None
         self.model_id = ""

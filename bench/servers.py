@@ -60,6 +60,28 @@ def kill_all(pids) -> None:
             pass
 
 
+SERVER_CPUS: set[int] | None = None  # where every side's server runs (bench.params server_cpus); None: anywhere
+
+
+def parse_cpus(spec: str) -> set[int] | None:
+    """'auto' (the first quarter of the cores, at least 4), '' (None: unpinned) or a list like '0-3,8'."""
+    if not spec or not hasattr(os, "sched_setaffinity"):
+        return None
+    if spec == "auto":
+        n = os.cpu_count() or 1
+        return set(range(min(n, max(4, n // 4))))
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        a, _, b = part.partition("-")
+        cpus.update(range(int(a), int(b or a) + 1))
+    return cpus
+
+
+def _pin() -> None:  # in the child, before exec
+    if SERVER_CPUS:
+        os.sched_setaffinity(0, SERVER_CPUS)
+
+
 class Managed:
     name = "process"
 
@@ -72,7 +94,7 @@ class Managed:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(argv, stdout=kw.pop("stdout", log), stderr=log, cwd=REPO,
-                                     env={**os.environ, **(env or {})}, **kw)
+                                     env={**os.environ, **(env or {})}, preexec_fn=_pin if SERVER_CPUS else None, **kw)
         self.seen.add(self.proc.pid)
 
     @property
