@@ -103,3 +103,28 @@ def test_a_stop_string_ends_a_solo_and_an_abort_drops_it(model_dir: Path, refere
     submit(engine, "y", OTHER, 5)  # the engine goes on
     collect(engine, got)
     assert got["y"] == reference(OTHER, 5)
+
+
+def test_solo_decode_steps_are_timed_and_leave_the_cost_model_alone(model_dir: Path, reference) -> None:
+    engine = Engine(model_dir / "tiny")
+    submit(engine, "a", LONG, 12)
+    got: dict[str, list[int]] = {}
+    observed: list = []
+    observe = engine.cost.observe
+    engine.cost.observe = lambda plan, s: (observed.append(plan), observe(plan, s))  # type: ignore[method-assign]
+    solo = engine._solo
+    assert solo is not None
+    while len(engine):
+        engine.plan_step()  # as the worker loop does
+        chunks, finished = engine.step()
+        for chunk in chunks:
+            got.setdefault(chunk[0], []).extend(chunk[3])
+        for f in finished:
+            got.setdefault(f.rid, []).extend(f.token_ids)
+    assert got["a"] == reference(LONG, 12)
+    t = solo.times
+    assert t.tokens == 12 and t.feed > 0 and t.read >= 0 and t.outside > 0  # every decode step, split
+    assert set(t.per_token_ms()) == {"feed", "read", "outside"}
+    # the fits learnt from the prefill and from the step that read the first token (planned before it was decoding),
+    # not from the eleven decode steps after it
+    assert sum(p.prefill_tokens == 0 for p in observed) == 1 and any(p.prefill_tokens > 0 for p in observed)
