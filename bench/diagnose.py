@@ -381,8 +381,13 @@ def part_worker(model_dir: str, tokens: int, rounds: int) -> dict:
                 msgs_per_tok.append(round(len(stamps) / max(n, 1), 3))
             out[name] = {"args": extra, "itl_p50_ms_per_round": itls, "tok_s_after_first_per_round": tps,
                          "messages_per_token": msgs_per_tok, "itl_p50_ms_median": percentile(itls, 50)}
-            time.sleep(0.5)  # the worker's [perf] line for the last round reaches its log (diagnostics only)
-            out[name]["solo_per_token_ms"] = perf_lines((Path(tmp) / "worker.log").read_text(errors="replace"))
+            log_path, lines, wait_until = Path(tmp) / "worker.log", [], time.monotonic() + 5
+            while time.monotonic() < wait_until:  # the last round's [perf] line reaches the log after its Finished
+                lines = perf_lines(log_path.read_text(errors="replace"))
+                if len(lines) >= rounds or "--solo" in extra:
+                    break
+                time.sleep(0.05)
+            out[name]["solo_per_token_ms"] = lines
         except Exception as exc:
             out[name] = {"error": repr(exc), "log_tail": (Path(tmp) / "worker.log").read_text(errors="replace")[-2000:]}
         finally:
