@@ -152,6 +152,43 @@ def part_arrival(model_dir: str, n: int, tokens: int, rounds: int) -> dict:
             "step_ms_seen_before": {"count": len(step_again), "p50": q(step_again, 50), "p95": q(step_again, 95)}}
 
 
+def itl_ms(stamps: list[float]) -> float:
+    """The median gap between consecutive arrival stamps, in ms."""
+    return round(percentile([b - a for a, b in zip(stamps, stamps[1:])], 50) * 1e3, 3)
+
+
+def stream_times(model, tok, msgs: list[dict], tokens: int) -> list[float]:
+    """mlx_lm.stream_generate on one chat prompt: the time each token arrived."""
+    from mlx_lm import stream_generate
+
+    return [time.perf_counter() for _ in stream_generate(model, tok, tok.apply_chat_template(
+        msgs, add_generation_prompt=True), max_tokens=tokens)]
+
+
+def stream_itls(model_dir: str, tokens: int, rounds: int) -> list[float]:
+    """stream_generate's ITL p50 (ms) per round in this process, after one warm-up round."""
+    from mlx_lm import load
+
+    from bench.run import prompts
+    model, tok = load(model_dir)
+    stream_times(model, tok, prompts("ew", 1, 24, 0)[0], tokens)
+    return [itl_ms(stream_times(model, tok, prompts(f"e{r}", 1, 24, 0)[0], tokens)) for r in range(rounds)]
+
+
+STREAM_CHILD = "import json, sys; from bench.diagnose import stream_itls; " \
+               "print(json.dumps(stream_itls(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))))"
+
+
+def stream_subprocess(model_dir: str, tokens: int, rounds: int, cpus: str | None = None) -> dict:
+    """stream_itls in a process of its own (pinned to `cpus` with taskset, if given)."""
+    argv = ([] if cpus is None else ["taskset", "-c", cpus]) + [sys.executable, "-c", STREAM_CHILD, model_dir,
+                                                                str(tokens), str(rounds)]
+    p = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600)
+    itls = json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else []
+    return {"cpus": cpus, "itl_p50_ms_per_round": itls, "itl_p50_ms_median": percentile(itls, 50) if itls else None,
+            "stderr_tail": p.stderr[-500:] if p.returncode else ""}
+
+
 def part_engine(model_dir: str, tokens: int, rounds: int) -> dict:
     import logging
 
@@ -219,17 +256,8 @@ def part_engine(model_dir: str, tokens: int, rounds: int) -> dict:
                         break
         return times
 
-    def itl(ts: list[float]) -> float:
-        return percentile([b - a for a, b in zip(ts, ts[1:])], 50) * 1e3
-
-    def single(model, tok, msgs) -> list[float]:
-        from mlx_lm import stream_generate
-
-        return [time.perf_counter() for _ in stream_generate(model, tok, tok.apply_chat_template(
-            msgs, add_generation_prompt=True), max_tokens=tokens)]
-
     variants = {
-        "S_mlx_lm_stream_generate": lambda m, i: single(model_a, tok_a, m),
+        "S_mlx_lm_stream_generate": lambda m, i: stream_times(model_a, tok_a, m, tokens),
         "A_mlx_lm_load_batchgen": lambda m, i: plain(model_a, tok_a, m),
         "B_engine_submit_step": lambda m, i: engine(m, False, f"b{i}"),
         "C_engine_model_plain_batchgen": lambda m, i: plain(eng.model, eng.tokenizer, m),
@@ -241,7 +269,7 @@ def part_engine(model_dir: str, tokens: int, rounds: int) -> dict:
     for r in range(rounds):
         names = list(variants) if r % 2 == 0 else list(variants)[::-1]
         for name in names:
-            out[name].append(round(itl(variants[name](prompts(f"e{r}", 1, 24, 0)[0], r)), 3))
+            out[name].append(itl_ms(variants[name](prompts(f"e{r}", 1, 24, 0)[0], r)))
     ctx.destroy(linger=0)
     engine_log.removeHandler(keep)
     return {"tokens": tokens, "solo_per_token_ms": perf_lines("\n".join(keep.lines)), "itl_p50_ms_per_round": out,
@@ -255,20 +283,6 @@ WORKER_VARIANTS = {
 }
 
 
-STREAM_CHILD = r"""
-import json, sys, time
-from mlx_lm import load, stream_generate
-from bench.run import prompts
-from bench.common import percentile
-model, tok = load(sys.argv[1])
-tokens, rounds = int(sys.argv[2]), int(sys.argv[3])
-def one(tag):
-    ts = [time.perf_counter() for _ in stream_generate(model, tok, tok.apply_chat_template(
-        prompts(tag, 1, 24, 0)[0], add_generation_prompt=True), max_tokens=tokens)]
-    return round(percentile([b - a for a, b in zip(ts, ts[1:])], 50) * 1e3, 3)
-one("ew")
-print(json.dumps([one(f"e{r}") for r in range(rounds)]))
-"""
 
 
 def perf_lines(text: str) -> list[dict]:
@@ -295,25 +309,8 @@ def part_affinity(model_dir: str, tokens: int, rounds: int) -> dict:
         except (OSError, subprocess.SubprocessError) as exc:
             out[cmd[0]] = repr(exc)
     for name, cpus in sets.items():
-        argv = ([] if cpus is None else ["taskset", "-c", cpus]) + [sys.executable, "-c", STREAM_CHILD, model_dir,
-                                                                    str(tokens), str(rounds)]
-        p = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300)
-        itls = json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else []
-        out[name] = {"cpus": cpus, "itl_p50_ms_per_round": itls,
-                     "itl_p50_ms_median": percentile(itls, 50) if itls else None,
-                     "stderr_tail": p.stderr[-300:] if p.returncode else ""}
-    from mlx_lm import load, stream_generate  # last: this process holds no GPU context while the others run
-
-    from bench.run import prompts
-    model, tok = load(model_dir)
-
-    def one(tag: str) -> float:
-        ts = [time.perf_counter() for _ in stream_generate(model, tok, tok.apply_chat_template(
-            prompts(tag, 1, 24, 0)[0], add_generation_prompt=True), max_tokens=tokens)]
-        return round(percentile([b - a for a, b in zip(ts, ts[1:])], 50) * 1e3, 3)
-
-    one("ew")
-    itls = [one(f"e{r}") for r in range(rounds)]
+        out[name] = stream_subprocess(model_dir, tokens, rounds, cpus)
+    itls = stream_itls(model_dir, tokens, rounds)  # last: this process holds no GPU context while the others run
     out["in_this_process"] = {"itl_p50_ms_per_round": itls, "itl_p50_ms_median": percentile(itls, 50)}
     return out
 
@@ -331,11 +328,7 @@ def part_worker(model_dir: str, tokens: int, rounds: int) -> dict:
     ctx = zmq.Context()
     out: dict = {}
     # the same measure for stream_generate in a process of its own, spawned alike: the baseline for W_*
-    p = subprocess.run([sys.executable, "-c", STREAM_CHILD, model_dir, str(tokens), str(rounds)], cwd=REPO,
-                       capture_output=True, text=True, timeout=600)
-    itls = json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else []
-    out["P_stream_generate_subprocess"] = {"itl_p50_ms_per_round": itls, "itl_p50_ms_median": percentile(itls, 50)
-                                           if itls else None, "stderr_tail": p.stderr[-500:] if p.returncode else ""}
+    out["P_stream_generate_subprocess"] = stream_subprocess(model_dir, tokens, rounds)
     for name, extra in WORKER_VARIANTS.items():
         tmp = tempfile.mkdtemp(prefix="diagw-")
         sock = ctx.socket(zmq.ROUTER)
@@ -376,7 +369,7 @@ def part_worker(model_dir: str, tokens: int, rounds: int) -> dict:
             itls, tps, msgs_per_tok = [], [], []
             for r in range(rounds):
                 stamps, n = one(prompts(f"e{r}", 1, 24, 0)[0], f"r{r}")
-                itls.append(round(percentile([b - a for a, b in zip(stamps, stamps[1:])], 50) * 1e3, 3))
+                itls.append(itl_ms(stamps))
                 tps.append(round((n - 1) / (stamps[-1] - stamps[0]), 1))
                 msgs_per_tok.append(round(len(stamps) / max(n, 1), 3))
             out[name] = {"args": extra, "itl_p50_ms_per_round": itls, "tok_s_after_first_per_round": tps,
