@@ -7,6 +7,7 @@ exit     a process that loaded the model and generated: time from the end of its
          for a plain return, after gc + mx.clear_cache, and with os._exit(0) (eviction's tail)
 engine   one process, batch 1, ITL of: S mlx_lm.stream_generate; A mlx_lm.load + BatchGenerator loop (the bench's inproc_batch);
          B the product's worker.mlx_engine.engine.Engine (its own loader) driven by submit/step, no sockets;
+         E = B with its solo decode steps uncompiled (worker/mlx_engine/decode_graph.py off);
          C B's model under a plain BatchGenerator loop; D = B plus, per step, what WorkerLoop adds
          (msgpack-encode the Tokens message, zmq send, zmq poll(0)): which of these makes the worker slow
 store    the prompt caches' share of the generation loop (issue 15): Engine with a hot and an SSD cache, waves of
@@ -17,7 +18,7 @@ chains   the same, without a model: 32 finished sequences of 1b-preset K/V (16 l
          step (a stand-in step of MLX work between), per round
 worker   a real worker subprocess (`python -m worker`) driven over ZeroMQ by a bare ROUTER socket, no supervisor
          and no HTTP: batch-1 ITL and tok/s as its Tokens messages arrive, for worker flag sets (plain, prompt
-         caches on, solo off); set beside `engine`'s in-process figures it splits the gap between mlxsup and
+         caches on, solo uncompiled, solo off); set beside `engine`'s in-process figures it splits the gap between mlxsup and
          stream_generate into the worker process's share and the supervisor/HTTP share
 arrival  in-process BatchGenerator at 32 sequences: all inserted at once (the bench's ceiling) vs
          inserted a few per step, as requests reach mlxsup's worker over ZeroMQ; the steps' times for
@@ -256,10 +257,18 @@ def part_engine(model_dir: str, tokens: int, rounds: int) -> dict:
                         break
         return times
 
+    def eager(msgs, rid: str) -> list[float]:
+        graph, eng.graph = eng.graph, None
+        try:
+            return engine(msgs, False, rid)
+        finally:
+            eng.graph = graph
+
     variants = {
         "S_mlx_lm_stream_generate": lambda m, i: stream_times(model_a, tok_a, m, tokens),
         "A_mlx_lm_load_batchgen": lambda m, i: plain(model_a, tok_a, m),
         "B_engine_submit_step": lambda m, i: engine(m, False, f"b{i}"),
+        "E_engine_solo_uncompiled": lambda m, i: eager(m, f"e{i}"),
         "C_engine_model_plain_batchgen": lambda m, i: plain(eng.model, eng.tokenizer, m),
         "D_engine_plus_zmq_msgpack": lambda m, i: engine(m, True, f"d{i}"),
     }
@@ -279,6 +288,7 @@ def part_engine(model_dir: str, tokens: int, rounds: int) -> dict:
 WORKER_VARIANTS = {
     "W_plain": [],
     "W_caches": ["--hot-cache-bytes", str(2 * 2**30), "--ssd-cache-root", "{tmp}/ssd"],
+    "W_solo_uncompiled": ["--solo", "on"],
     "W_solo_off": ["--solo", "off"],
 }
 

@@ -49,6 +49,7 @@ def test_warm_up_runs_every_batch_size_and_greedy_output_stays_mlx_lms(model_dir
     assert warmed is not None and warmed.complete
     assert set(range(1, 17)) <= warmed.decode_sizes  # every generation batch size the engine can form
     assert warmed.arrivals_per_step == [1, 2, 3, 4]  # arrivals of 1..prefill_batch_size per step
+    assert engine.graph is not None and engine.graph.warm_s is not None  # a solo's compiled step, traced at load
     assert len(engine) == 0 and engine.batch_size() == 0  # its own generator untouched
     assert engine_tokens(engine, PROMPTS) == reference_tokens(model_dir / "tiny", PROMPTS)
 

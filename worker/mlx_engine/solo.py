@@ -30,6 +30,8 @@ import mlx.nn as nn
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
+from worker.mlx_engine.decode_graph import DecodeGraph, DecodeState
+
 
 @dataclass(slots=True)
 class SoloResponse:
@@ -66,7 +68,8 @@ def _greedy(logprobs: mx.array) -> mx.array:
 
 class Solo:
     def __init__(self, model: nn.Module, uid: int, tokens: list[int], cached: int, cache: list | None,
-                 max_tokens: int, sampler: Callable | None, eos: set[int] | None) -> None:
+                 max_tokens: int, sampler: Callable | None, eos: set[int] | None,
+                 graph: DecodeGraph | None = None) -> None:
         self.model = model
         self.uid = uid
         self.tokens = list(tokens)  # the prompt, then each generated token once it is fed
@@ -78,6 +81,8 @@ class Solo:
         self.eos = eos  # None: EOS does not stop it (ignore_eos)
         self.generated = 0
         self._next: tuple[mx.array, mx.array] | None = None  # the token in flight and its logprobs
+        self.graph = graph  # decode steps compiled (decode_graph.py), if the model's caches allow it
+        self._state: DecodeState | None = None  # the cache while the graph holds it
         self.times = SoloTimes()
 
     @property
@@ -89,10 +94,18 @@ class Solo:
         return self._next is not None
 
     def _feed(self, ids: mx.array) -> tuple[mx.array, mx.array]:
-        """generate_step's `_step`: the next token (scheduled, not evaluated) and its logprobs."""
+        """generate_step's `_step`: the next token (scheduled, not evaluated) and its logprobs. Single tokens go
+        through the compiled graph where there is one."""
         with mx.stream(generation_stream):
-            logits = self.model(ids[None], cache=self.cache)[:, -1, :]
-            logprobs = logits - mx.logsumexp(logits, keepdims=True)
+            if (self._state is None and self.graph is not None and ids.size == 1
+                    and self.graph.fits(self.cache)):
+                self._state = self.graph.start(self.cache)
+            if self._state is not None:
+                assert self.graph is not None
+                logprobs = self.graph.feed(self._state, ids)
+            else:
+                logits = self.model(ids[None], cache=self.cache)[:, -1, :]
+                logprobs = logits - mx.logsumexp(logits, keepdims=True)
             token = (self.sampler or _greedy)(logprobs)
         self.fed += ids.size
         return token, logprobs.squeeze(0)
@@ -139,7 +152,7 @@ class Solo:
             "length" if self.generated >= self.max_tokens else None)
         r = SoloResponse(self.uid, token, logprobs, reason)
         if reason is not None:
-            r.prompt_cache, r.all_tokens = self.cache, self.tokens[:self.fed]
+            r.prompt_cache, r.all_tokens = self._cache(), self.tokens[:self.fed]
         return r
 
     def release(self) -> tuple[list, list[int]]:
@@ -147,7 +160,7 @@ class Solo:
         if self._next is not None:
             mx.eval(self._next[0])
             self._next = None
-        return self.cache, self.tokens[:self.fed]
+        return self._cache(), self.tokens[:self.fed]
 
     def hand_over(self) -> tuple[SoloResponse | None, list | None, list[int], list[int]]:
         """End the solo for the batch: (the token in flight as a response, or None; the cache, or None when
@@ -160,4 +173,11 @@ class Solo:
             rest = [pending.token]
         else:
             rest = self.tokens[self.fed:self.prompt_len]
-        return pending, self.cache if self.fed else None, self.tokens[:self.fed], rest
+        return pending, self._cache() if self.fed else None, self.tokens[:self.fed], rest
+
+    def _cache(self) -> list:
+        """The cache with every token fed, taken back from the graph if it holds it."""
+        if self._state is not None:
+            assert self.graph is not None
+            self.graph.write_back(self._state, self.cache)
+        return self.cache

@@ -1,0 +1,145 @@
+"""A solo's decode step as one compiled MLX graph (issue 15).
+
+One stream is bound by the CPU, not the GPU: each token rebuilds the model's graph op by op
+in Python and dispatches it (worker/mlx_engine/solo.py's SoloTimes: the GPU never makes a
+token wait). `mx.compile` traces the step once and replays it from C++, fusing its elementwise
+ops. A graph replays only if its shapes and constants are the same, and mlx-lm's KVCache is
+neither: it slices with the Python int `offset` and grows by concatenation. So while the step
+runs compiled, every attention layer's keys and values live in a buffer of fixed capacity (a
+multiple of `CAPACITY_STEP`), the fill is an array, a token's K/V is written with
+`mx.slice_update` at it, and attention reads the whole buffer under a mask of the filled
+positions. Recurrent layers (ArraysCache: fixed-shape state) pass through as they are.
+
+Models whose caches are all KVCache and ArraysCache (Llama, Qwen3 dense and MoE, the Qwen3.5
+hybrids) use it; the rest (sliding windows, quantized caches) decode uncompiled. The graph is
+traced once per capacity per worker (the first token past a multiple of CAPACITY_STEP pays it; the
+first capacity is traced at load where the engine warms up).
+
+Invariants: `DecodeState.n` is the fill, the same as `off`; positions >= n of a buffer are
+never read unmasked; `write_back` leaves the solo's cache objects exactly as uncompiled decoding
+would have (keys and values of length n, offset n), so the batch and the prompt caches see
+no difference.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
+
+CAPACITY_STEP = 512  # K/V positions a buffer grows by: one retrace per step, at most this many masked positions read
+
+
+class _Slots:
+    """A KVCache stand-in inside the graph: a fixed buffer, written at the fill `offset` (an array)."""
+
+    __slots__ = ("keys", "values", "offset")
+
+    def __init__(self, keys: mx.array, values: mx.array, offset: mx.array) -> None:
+        self.keys, self.values, self.offset = keys, values, offset
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
+        # one query at position `offset` sees the positions filled so far and itself
+        return (mx.arange(self.keys.shape[2]) <= self.offset)[None]
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self.keys = mx.slice_update(self.keys, keys, self.offset, axes=(2,))
+        self.values = mx.slice_update(self.values, values, self.offset, axes=(2,))
+        return self.keys, self.values
+
+
+@dataclass(slots=True)
+class DecodeState:
+    n: int  # the fill (tokens in the cache)
+    off: mx.array  # the same, as an int32 array of shape (1,)
+    keys: list[mx.array]  # per attention layer, capacity >= n
+    values: list[mx.array]
+    arrays: list[list[mx.array]]  # per recurrent layer, its state
+
+
+def _grown(a: mx.array, capacity: int) -> mx.array:
+    pad = mx.zeros((*a.shape[:2], capacity - a.shape[2], *a.shape[3:]), a.dtype)
+    return mx.concatenate([a, pad], axis=2)
+
+
+class DecodeGraph:
+    """The compiled decode step of one model (one per engine: traces are kept per capacity)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._step = mx.compile(self._forward)
+        self._kinds: tuple[str, ...] = ()
+        self.warm_s: float | None = None  # how long warm() took, once it ran
+
+    def warm(self) -> bool:
+        """Trace the step at the first capacity, and build its kernels, on a dummy token, so that a first request
+        does not wait for it (the engine's warm-up at load). False: this model's caches do not fit the graph."""
+        t0 = time.perf_counter()
+        cache = make_prompt_cache(self.model)
+        self.model(mx.array([[0]]), cache=cache)
+        fits = self.fits(cache)
+        if fits:
+            mx.eval(self.feed(self.start(cache), mx.array([0])))
+        self.warm_s = time.perf_counter() - t0
+        return fits
+
+    @staticmethod
+    def fits(cache: list) -> bool:
+        """Whether decoding with `cache` (a solo's, prefilled) can run compiled."""
+        kinds = [type(c) for c in cache]
+        return (KVCache in kinds and all(k in (KVCache, ArraysCache) for k in kinds)
+                and all(c.keys is not None for c in cache if type(c) is KVCache)
+                and all(a is not None for c in cache if type(c) is ArraysCache for a in c.cache))
+
+    def start(self, cache: list) -> DecodeState:
+        """The graph's state for a prefilled cache (which `fits`)."""
+        self._kinds = tuple("kv" if type(c) is KVCache else "arrays" for c in cache)
+        kv = [c for c in cache if type(c) is KVCache]
+        n = kv[0].offset
+        capacity = -(-(n + 1) // CAPACITY_STEP) * CAPACITY_STEP
+        return DecodeState(n, mx.array([n], mx.int32),
+                           [_grown(c.keys[..., :n, :], capacity) for c in kv],
+                           [_grown(c.values[..., :n, :], capacity) for c in kv],
+                           [list(c.cache) for c in cache if type(c) is ArraysCache])
+
+    def feed(self, state: DecodeState, token: mx.array) -> mx.array:
+        """Schedule one token into the state; the next token's logprobs (not evaluated), shape (1, vocab)."""
+        if state.n + 1 > state.keys[0].shape[2]:
+            capacity = state.keys[0].shape[2] + CAPACITY_STEP
+            state.keys = [_grown(a, capacity) for a in state.keys]
+            state.values = [_grown(a, capacity) for a in state.values]
+        logprobs, state.off, state.keys, state.values, state.arrays = self._step(
+            token, state.off, state.keys, state.values, state.arrays)
+        state.n += 1
+        return logprobs
+
+    def write_back(self, state: DecodeState, cache: list) -> None:
+        """Leave `cache` as uncompiled decoding would have: every token fed is in it."""
+        kv = iter(zip(state.keys, state.values))
+        arrays = iter(state.arrays)
+        for c in cache:
+            if type(c) is KVCache:
+                k, v = next(kv)
+                c.keys, c.values, c.offset = k[..., :state.n, :], v[..., :state.n, :], state.n
+            else:
+                c.cache = list(next(arrays))
+
+    def _forward(self, token: mx.array, off: mx.array, keys: list, values: list, arrays: list) -> tuple:
+        kv, ar = iter(zip(keys, values)), iter(arrays)
+        cache: list = []
+        for kind in self._kinds:
+            if kind == "kv":
+                cache.append(_Slots(*next(kv), off))
+            else:
+                state = next(ar)
+                c = ArraysCache(len(state))
+                c.cache = list(state)
+                cache.append(c)
+        logits = self.model(token.reshape(1, 1), cache=cache)[:, -1, :]
+        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        slots = [c for c in cache if isinstance(c, _Slots)]
+        return (logprobs, off + 1, [s.keys for s in slots], [s.values for s in slots],
+                [c.cache for c in cache if isinstance(c, ArraysCache)])
