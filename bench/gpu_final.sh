@@ -4,7 +4,7 @@
 # 1. the throughput section at 1, 8 and 32 clients, 3 rounds, default settings (the results in bench/results/gpu/);
 # 2. diag: bench.diagnose engine,worker: a single stream's per-token time in-process (stream_generate, the Engine with
 #    its solo steps compiled and uncompiled) and in a worker subprocess over bare ZeroMQ, split into feed / read /
-#    outside (worker/mlx_engine/solo.py SoloTimes);
+#    outside (worker/mlx_engine/solo.py SoloTimes); on CPUs 0-3, as the throughput section's servers;
 #    cache: bench/cache_bench.py, llama and qwen3_5 at 4k tokens (hot and SSD hits against cold TTFT).
 # Everything lands in $OUT/final.tgz.
 set -u
@@ -16,7 +16,7 @@ echo "throughput exit $?"; grep -A12 "^| target" "$R/gpu/results.md" | head -12
 cp -r "$W/state-throughput/logs" "$R/logs" 2>/dev/null
 case "${1:-diag}" in
   diag)
-    timeout 200 python3 -m bench.diagnose --model "$W/models/bench-1b" --out "$R/diag.json" --parts engine,worker \
+    timeout 200 taskset -c 0-3 python3 -m bench.diagnose --model "$W/models/bench-1b" --out "$R/diag.json" --parts engine,worker \
       --rounds 3 > "$R/diag.log" 2>&1
     echo "diagnose exit $?"; grep "^\[diagnose\]" "$R/diag.log" | cut -c1-3000 ;;
   cache)
