@@ -19,7 +19,7 @@ chains   the same, without a model: 32 finished sequences of 1b-preset K/V (16 l
          step (a stand-in step of MLX work between), per round
 worker   a real worker subprocess (`python -m worker`) driven over ZeroMQ by a bare ROUTER socket, no supervisor
          and no HTTP: batch-1 ITL and tok/s as its Tokens messages arrive, for worker flag sets (plain, prompt
-         caches on, solo uncompiled, solo off); set beside `engine`'s in-process figures it splits the gap between mlxsup and
+         caches on, solo plain or compiled, solo off); set beside `engine`'s in-process figures it splits the gap between mlxsup and
          stream_generate into the worker process's share and the supervisor/HTTP share
 arrival  in-process BatchGenerator at 32 sequences: all inserted at once (the bench's ceiling) vs
          inserted a few per step, as requests reach mlxsup's worker over ZeroMQ; the steps' times for
@@ -295,7 +295,8 @@ def part_engine(model_dir: str, tokens: int, rounds: int) -> dict:
 WORKER_VARIANTS = {
     "W_plain": [],
     "W_caches": ["--hot-cache-bytes", str(2 * 2**30), "--ssd-cache-root", "{tmp}/ssd"],
-    "W_solo_uncompiled": ["--solo", "on"],
+    "W_solo_plain": ["--solo", "plain"],
+    "W_solo_compiled": ["--solo", "compiled"],
     "W_solo_off": ["--solo", "off"],
 }
 

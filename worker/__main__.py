@@ -49,9 +49,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warm-budget-s", type=float, default=10.0, help="the most seconds the batch-shape warm-up takes")
     p.add_argument("--admit-window-ms", type=int, default=2,
                    help="after a submit, wait this long for more before stepping, so a burst is prefilled together")
-    p.add_argument("--solo", choices=("compiled", "on", "off"), default="compiled",
-                   help="a request alone decodes the generate_step way (worker/mlx_engine/solo.py), its steps compiled"
-                        " where the model's caches allow (decode_graph.py); on: uncompiled; off: always batched")
+    p.add_argument("--solo", choices=("auto", "compiled", "plain", "off"), default="auto",
+                   help="a request alone decodes the generate_step way (worker/mlx_engine/solo.py): its steps compiled"
+                        " where the model's caches allow (decode_graph.py), or plain; auto: compiled unless MLX runs"
+                        " on CUDA; off: always batched")
     p.add_argument("--lifeline", action="store_true", help="exit when stdin reaches EOF")
     p.add_argument("--hot-cache-bytes", type=int, default=0, help="hot prefix cache budget (0: off)")
     p.add_argument("--ssd-cache-root", type=Path, default=None,
@@ -197,7 +198,7 @@ def serve_model(args: argparse.Namespace, sock: zmq.Socket, shutdown: Shutdown, 
             engine = Engine(args.model_path, max_batch_size=args.max_batch_size,
                             prefill_step_size=args.prefill_step_size, report=report, cache=cache,
                             model_id=args.model_id, step_target_s=args.step_target_s,
-                            warm=args.warm_batch_shapes, warm_budget_s=args.warm_budget_s, solo=args.solo != "off", compiled=args.solo == "compiled")
+                            warm=args.warm_batch_shapes, warm_budget_s=args.warm_budget_s, solo=args.solo)
     except Exception as exc:
         log.error("[load] model=%s path=%s failed: %s", args.model_id, args.model_path, exc)
         return EXIT_LOAD_FAILED

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 from mlx_lm import load, stream_generate
 
 from protocol.messages import Submit
+from worker.mlx_engine.decode_graph import solo_modes
 from worker.mlx_engine.engine import Engine
 from worker.mlx_engine.prompt_cache import CacheOptions
 
@@ -128,3 +130,15 @@ def test_solo_decode_steps_are_timed_and_leave_the_cost_model_alone(model_dir: P
     # the fits learnt from the prefill and from the step that read the first token (planned before it was decoding),
     # not from the eleven decode steps after it
     assert sum(p.prefill_tokens == 0 for p in observed) == 1 and any(p.prefill_tokens > 0 for p in observed)
+
+
+def test_solo_modes_and_auto_leaves_the_graph_off_on_cuda(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert solo_modes("compiled") == (True, True) and solo_modes("plain") == (True, False)
+    assert solo_modes("off") == (False, False)
+    assert solo_modes("auto") == (True, True)  # MLX on the CPU here: compiled
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    assert solo_modes("auto") == (True, False)  # measured slower than plain decoding on an H200 (bench/README.md)
+    with pytest.raises(ValueError):
+        solo_modes("fast")
+    plain = Engine(model_dir / "tiny", solo="plain")
+    assert plain.solo_on and plain.graph is None

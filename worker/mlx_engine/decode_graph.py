@@ -15,8 +15,14 @@ hybrids) use it; the rest (sliding windows, quantized caches) decode uncompiled.
 traced once per capacity per worker (the first token past a multiple of CAPACITY_STEP pays it; the
 first capacity is traced at load where the engine warms up).
 
+Measured (bench.diagnose engine, worker): on this CPU the compiled step takes ~0.6x the uncompiled
+one (tiny model: 0.86-0.91 against 1.42 ms per token; stream_generate 1.44). On an H200 (MLX CUDA,
+1b preset) it took ~1.3x (worker: 3.4 against 2.2 ms), masked or biased alike, and its first trace
+builds kernels for 11-17 s; so the worker's `--solo auto` leaves it off there (`solo_modes`). Metal
+is not measured here; its fused attention takes the mask, and auto turns the graph on.
+
 Invariants: `DecodeState.n` is the fill, the same as `off`; positions >= n of a buffer are
-never read unmasked; `write_back` leaves the solo's cache objects exactly as uncompiled decoding
+never weigh in attention; `write_back` leaves the solo's cache objects exactly as uncompiled decoding
 would have (keys and values of length n, offset n), so the batch and the prompt caches see
 no difference.
 """
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -34,6 +41,17 @@ CAPACITY_STEP = 512  # K/V positions a buffer grows by: one retrace per step, at
 SDPA_HEAD_DIMS = (64, 96, 128, 256)  # head sizes MLX CUDA's one-query attention kernel takes
 HIDDEN = -1e4  # the bias channel of a key not filled yet: its score times any scale underflows to a zero weight
 _FAST_SDPA = mx.fast.scaled_dot_product_attention
+
+
+SOLO_MODES = ("auto", "compiled", "plain", "off")
+
+
+def solo_modes(mode: str) -> tuple[bool, bool]:
+    """(a request alone runs solo, its decode steps compiled) for the worker's `--solo` mode. auto: compiled except
+    where MLX runs on CUDA: there the compiled step measured slower than uncompiled decoding (bench/README.md)."""
+    if mode not in SOLO_MODES:
+        raise ValueError(f"solo mode must be one of {SOLO_MODES}, not {mode!r}")
+    return mode != "off", mode == "compiled" or (mode == "auto" and not mx.cuda.is_available())
 
 
 def bias_dim(head_dim: int) -> int:
@@ -127,7 +145,8 @@ class DecodeGraph:
     def start(self, cache: list) -> DecodeState:
         """The graph's state for a prefilled cache (which `fits`)."""
         self._kinds = tuple("kv" if type(c) is KVCache else "arrays" for c in cache)
-        kv = [c for c in cache if type(c) is KVCache]
+        kv: list[Any] = [c for c in cache if type(c) is KVCache]  # filled (fits): keys and values are arrays
+        recurrent: list[Any] = [c for c in cache if type(c) is ArraysCache]
         n = kv[0].offset
         dk, dv = kv[0].keys.shape[-1], kv[0].values.shape[-1]
         pad = bias_dim(max(dk, dv)) if self.bias and all(
@@ -141,7 +160,7 @@ class DecodeGraph:
         bias_at = dk if pad else None
         return DecodeState(n, mx.array([n], mx.int32), [_grown(k, capacity, bias_at) for k in keys],
                            [_grown(v, capacity) for v in values],
-                           [list(c.cache) for c in cache if type(c) is ArraysCache])
+                           [list(c.cache) for c in recurrent])
 
     def feed(self, state: DecodeState, token: mx.array) -> mx.array:
         """Schedule one token into the state; the next token's logprobs (not evaluated), shape (1, vocab)."""

@@ -57,7 +57,7 @@ from protocol.messages import (
 from worker.chat_format import ConstraintError, family_of, grammar_for, parser_for, starts_in_think
 from worker.engine_api import RequestRejected
 from worker.memory import process_memory_bytes
-from worker.mlx_engine.decode_graph import DecodeGraph
+from worker.mlx_engine.decode_graph import DecodeGraph, solo_modes
 from worker.mlx_engine.guided import Grammars, logprob_entries, penalty_processors, seeded_sampler
 from worker.mlx_engine.prompt_cache import CacheOptions, PromptCaches
 from worker.mlx_engine.solo import Solo, SoloResponse
@@ -115,7 +115,7 @@ class Engine:
     def __init__(self, model_path: Path, max_batch_size: int = 32, prefill_batch_size: int = 8,
                  prefill_step_size: int = 2048, report: Callable[[str, float], None] = lambda *_: None,
                  cache: CacheOptions | None = None, model_id: str = "", step_target_s: float = 0.25,
-                 warm: str = "auto", warm_budget_s: float = 10.0, solo: bool = True, compiled: bool = True,
+                 warm: str = "auto", warm_budget_s: float = 10.0, solo: str = "auto",
                  loader: Callable[[Path, Callable[[str, float], None]], tuple] = load_with_progress) -> None:
         t0 = time.perf_counter()
         self.model, self.tokenizer = loader(model_path, report)  # a group's rank: its shard (mlx_engine/group.py)
@@ -141,7 +141,8 @@ class Engine:
         self.max_batch_size = max_batch_size
         self.prefill_batch_size = prefill_batch_size
         self.cost = StepCostModel(step_target_s, prefill_step_size, time_one_token(self.model))
-        self.graph = DecodeGraph(self.model) if solo and compiled else None  # a solo's decode steps compiled
+        self.solo_on, compiled = solo_modes(solo)  # a request alone runs the generate_step way (mlx_engine/solo.py)
+        self.graph = DecodeGraph(self.model) if compiled else None  # a solo's decode steps compiled
         if self.graph is not None and wants_warm_up(warm) and self.graph.warm():
             log.info("[load] model=%s warm_up=decode_graph s=%.2f", model_id, self.graph.warm_s)
         self.warmed = warm_batch_shapes(self.model, max_batch_size, prefill_batch_size, prefill_step_size,
@@ -149,7 +150,6 @@ class Engine:
         if self.warmed is not None:
             log.info("[load] model=%s warm_up=batch_shapes sizes=%d steps=%d s=%.2f complete=%s", model_id,
                      len(self.warmed.decode_sizes), self.warmed.steps, self.warmed.seconds, self.warmed.complete)
-        self.solo_on = solo  # a request alone runs the generate_step way (worker/mlx_engine/solo.py)
         self._solo: Solo | None = None
         self._solo_plan: StepPlan | None = None  # the plan of every solo decode step (plan_step)
         self._solo_uids = 0
