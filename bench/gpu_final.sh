@@ -10,7 +10,7 @@
 set -u
 W=/tmp/bw R=/tmp/final
 mkdir -p "$R"
-timeout 280 python3 -m bench --profile gpu --out "$R/gpu" --work "$W" --deadline 230 --sections throughput \
+timeout 260 python3 -m bench --profile gpu --out "$R/gpu" --work "$W" --deadline 220 --sections throughput \
   --concurrency 1,8,32 --rounds 3 > "$R/gpu-log.txt" 2>&1
 echo "throughput exit $?"; grep -A12 "^| target" "$R/gpu/results.md" | head -12
 cp -r "$W/state-throughput/logs" "$R/logs" 2>/dev/null
@@ -20,8 +20,9 @@ case "${1:-diag}" in
       --rounds 3 > "$R/diag.log" 2>&1
     echo "diagnose exit $?"; grep "^\[diagnose\]" "$R/diag.log" | cut -c1-3000 ;;
   cache)
-    timeout 280 python3 bench/cache_bench.py --preset 1b --tokens 4096 --arch llama,qwen3_5 --out "$R/cache" \
+    timeout 240 python3 bench/cache_bench.py --preset 1b --tokens 4096 --arch llama,qwen3_5 --out "$R/cache" \
       --work /tmp/cbw > "$R/cache-log.txt" 2>&1
-    echo "cache exit $?"; cat "$R/cache/cache_bench.md" | grep "^| [lq]" ;;
+    echo "cache exit $?"; grep "^| [lq]" "$R/cache/cache_bench.md"; grep -h "hit tokens" /tmp/cbw/*/logs/*.log 2>/dev/null | tail -8
+    ;;
 esac
 tar czf "$OUT/final.tgz" -C /tmp final; ls -la "$OUT"
