@@ -7,8 +7,8 @@ exit     a process that loaded the model and generated: time from the end of its
          for a plain return, after gc + mx.clear_cache, and with os._exit(0) (eviction's tail)
 engine   one process, batch 1, ITL of: S mlx_lm.stream_generate; A mlx_lm.load + BatchGenerator loop (the bench's inproc_batch);
          B the product's worker.mlx_engine.engine.Engine (its own loader) driven by submit/step, no sockets;
-         E = B with its solo decode steps uncompiled (worker/mlx_engine/decode_graph.py off); M = B with the graph's
-         attention masked (B's is what decode_graph.py's "auto" picks: a bias channel on CUDA, a mask elsewhere);
+         E = B with its solo decode steps plain, M = compiled (worker/mlx_engine/decode_graph.py), whatever B's
+         `--solo auto` picks on this machine;
          C B's model under a plain BatchGenerator loop; D = B plus, per step, what WorkerLoop adds
          (msgpack-encode the Tokens message, zmq send, zmq poll(0)): which of these makes the worker slow
 store    the prompt caches' share of the generation loop (issue 15): Engine with a hot and an SSD cache, waves of
@@ -260,10 +260,10 @@ def part_engine(model_dir: str, tokens: int, rounds: int) -> dict:
 
     from worker.mlx_engine.decode_graph import DecodeGraph
 
-    graphs = {"none": None, "mask": DecodeGraph(eng.model, "mask")}
+    graphs = {"plain": None, "compiled": DecodeGraph(eng.model)}
 
     def with_graph(msgs, rid: str, graph: str) -> list[float]:
-        """B with its solo decode steps uncompiled ("none"), or compiled with masked attention ("mask")."""
+        """B with its solo decode steps plain ("plain"), or compiled ("compiled")."""
         default, eng.graph = eng.graph, graphs[graph]
         try:
             return engine(msgs, False, rid)
@@ -274,8 +274,8 @@ def part_engine(model_dir: str, tokens: int, rounds: int) -> dict:
         "S_mlx_lm_stream_generate": lambda m, i: stream_times(model_a, tok_a, m, tokens),
         "A_mlx_lm_load_batchgen": lambda m, i: plain(model_a, tok_a, m),
         "B_engine_submit_step": lambda m, i: engine(m, False, f"b{i}"),
-        "E_engine_solo_uncompiled": lambda m, i: with_graph(m, f"e{i}", "none"),
-        "M_engine_graph_masked": lambda m, i: with_graph(m, f"m{i}", "mask"),
+        "E_engine_solo_uncompiled": lambda m, i: with_graph(m, f"e{i}", "plain"),
+        "M_engine_graph_compiled": lambda m, i: with_graph(m, f"m{i}", "compiled"),
         "C_engine_model_plain_batchgen": lambda m, i: plain(eng.model, eng.tokenizer, m),
         "D_engine_plus_zmq_msgpack": lambda m, i: engine(m, True, f"d{i}"),
     }

@@ -15,7 +15,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from protocol.messages import Submit
 from tests.families.conftest import MODELS
@@ -41,16 +41,10 @@ def run(engine: Engine, got: dict[str, list[int]], until: int | None = None, rid
             got.setdefault(f.rid, []).extend(f.token_ids)
 
 
-CASES = [(m.name, "mask") for m in MODELS] + [(name, "bias") for name in ("llama", "qwen3_moe", "qwen3_5")]
-
-
-@pytest.mark.parametrize(("name", "attention"), CASES)
-def test_the_graph_decodes_where_the_caches_allow_and_matches_mlx_lm(family_models: Path, name: str,
-                                                                     attention: str) -> None:
-    """`mask` is what this CPU (and Metal) use; `bias`, what MLX CUDA uses, runs here too."""
+@pytest.mark.parametrize("name", [m.name for m in MODELS])
+def test_the_graph_decodes_where_the_caches_allow_and_matches_mlx_lm(family_models: Path, name: str) -> None:
     path = family_models / name
     engine = Engine(path)
-    engine.graph = DecodeGraph(engine.model, attention)
     assert DecodeGraph.fits(prefilled(engine)) == (name in COMPILED)
     n = CAPACITY_STEP - len(PROMPT) + 30  # past the first capacity: grown once, traced again
     engine.submit(Submit(rid="a", max_tokens=n, prompt_ids=PROMPT, temperature=0.0, ignore_eos=True))
@@ -61,10 +55,7 @@ def test_the_graph_decodes_where_the_caches_allow_and_matches_mlx_lm(family_mode
     run(engine, got)
     assert got["a"] == reference(path, PROMPT, n)
     if name in COMPILED:
-        assert solo._state is not None
-        keys, head = solo._state.keys[0], next(c for c in solo.cache if type(c) is KVCache).keys.shape[-1]
-        assert keys.shape[2] == 2 * CAPACITY_STEP
-        assert (keys.shape[-1] > head) == (attention == "bias")  # a padded head: its bias
+        assert solo._state is not None and solo._state.keys[0].shape[2] == 2 * CAPACITY_STEP
 
 
 def prefilled(engine: Engine) -> list:
