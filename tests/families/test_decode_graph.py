@@ -2,7 +2,7 @@
 
 Real MLX on the CPU, each family's tiny model, the product's Engine driven by submit/step. The
 graph (worker/mlx_engine/decode_graph.py) must be what decodes where the family's caches allow it,
-its tokens must be mlx_lm.generate_step's across a capacity step (the buffers grow and the step
+its tokens must be mlx_lm.generate_step's across capacity steps (the buffers grow and the step
 is traced again), and the cache it hands back must continue as an uncompiled one would: a second
 request that arrives mid-decode moves the solo into the batch, with nothing lost or repeated.
 """
@@ -19,7 +19,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from protocol.messages import Submit
 from tests.families.conftest import MODELS
-from worker.mlx_engine.decode_graph import CAPACITY_STEP, DecodeGraph
+from worker.mlx_engine.decode_graph import DecodeGraph, capacity_for
 from worker.mlx_engine.engine import Engine
 
 PROMPT = [(i * 7919) % 200 + 20 for i in range(40)]
@@ -46,7 +46,7 @@ def test_the_graph_decodes_where_the_caches_allow_and_matches_mlx_lm(family_mode
     path = family_models / name
     engine = Engine(path)
     assert DecodeGraph.fits(prefilled(engine)) == (name in COMPILED)
-    n = CAPACITY_STEP - len(PROMPT) + 30  # past the first capacity: grown once, traced again
+    n = 150  # past several capacities: grown and traced again at 64, 128 and 192 positions
     engine.submit(Submit(rid="a", max_tokens=n, prompt_ids=PROMPT, temperature=0.0, ignore_eos=True))
     got: dict[str, list[int]] = {}
     run(engine, got, until=3)
@@ -55,7 +55,7 @@ def test_the_graph_decodes_where_the_caches_allow_and_matches_mlx_lm(family_mode
     run(engine, got)
     assert got["a"] == reference(path, PROMPT, n)
     if name in COMPILED:
-        assert solo._state is not None and solo._state.keys[0].shape[2] == 2 * CAPACITY_STEP
+        assert solo._state is not None and solo._state.keys[0].shape[2] == capacity_for(len(PROMPT) + n) == 192
 
 
 def prefilled(engine: Engine) -> list:
@@ -79,3 +79,10 @@ def test_a_second_request_takes_the_graph_s_cache_into_the_batch(family_models: 
     run(engine, got)
     assert got["a"] == reference(path, PROMPT, 24)
     assert got["b"] == reference(path, other, 8)
+
+
+def test_capacities_step_by_64_then_by_a_sixteenth_to_an_eighth_of_the_fill() -> None:
+    assert [capacity_for(n) for n in (1, 64, 65, 1000, 1024, 1025, 5000)] == [64, 64, 128, 1024, 1024, 1152, 5120]
+    for n in range(1, 20000, 37):
+        c = capacity_for(n)
+        assert n <= c and c - n < max(64, n // 8)  # at most this many masked positions read
