@@ -5,20 +5,26 @@
 # 2. diag: bench.diagnose engine,worker: a single stream's per-token time in-process (stream_generate, the Engine with
 #    its solo steps compiled and uncompiled) and in a worker subprocess over bare ZeroMQ, split into feed / read /
 #    outside (worker/mlx_engine/solo.py SoloTimes); on CPUs 0-3, as the throughput section's servers;
-#    cache: bench/cache_bench.py, llama and qwen3_5 at 4k tokens (hot and SSD hits against cold TTFT).
+#    cache: bench/cache_bench.py, llama and qwen3_5 at 4k tokens (hot and SSD hits against cold TTFT);
+#    graphs: the throughput section again with MLX_USE_CUDA_GRAPHS=0 on every side (does MLX CUDA's graph capture
+#    make the ramp's new batch shapes slow?).
 # Everything lands in $OUT/final.tgz.
 set -u
 W=/tmp/bw R=/tmp/final
 mkdir -p "$R"
 timeout 260 python3 -m bench --profile gpu --out "$R/gpu" --work "$W" --deadline 220 --sections throughput \
   --concurrency 1,8,32 --rounds 3 > "$R/gpu-log.txt" 2>&1
-echo "throughput exit $?"; grep -A12 "^| target" "$R/gpu/results.md" | head -12
+echo "throughput exit $?"; sed -n '/^| clients | mlxsup \/ in-process/,/^$/p' "$R/gpu/results.md"
 cp -r "$W/state-throughput/logs" "$R/logs" 2>/dev/null
 case "${1:-diag}" in
   diag)
     timeout 200 taskset -c 0-3 python3 -m bench.diagnose --model "$W/models/bench-1b" --out "$R/diag.json" --parts engine,worker \
       --rounds 3 > "$R/diag.log" 2>&1
     echo "diagnose exit $?"; grep "^\[diagnose\]" "$R/diag.log" | cut -c1-3000 ;;
+  graphs)
+    MLX_USE_CUDA_GRAPHS=0 timeout 260 python3 -m bench --profile gpu --out "$R/gpu-nographs" --work "$W" --deadline 220 \
+      --sections throughput --concurrency 1,8,32 --rounds 3 > "$R/gpu-nographs-log.txt" 2>&1
+    echo "no graphs exit $?"; sed -n '/^| clients | mlxsup \/ in-process/,/^$/p' "$R/gpu-nographs/results.md" ;;
   cache)
     timeout 240 python3 bench/cache_bench.py --preset 1b --tokens 4096 --arch llama,qwen3_5 --out "$R/cache" \
       --work /tmp/cbw > "$R/cache-log.txt" 2>&1
