@@ -90,7 +90,7 @@ class Settings:
     load_timeout_s: float = 600.0
     prefill_step_size: int = 2048  # the most prompt tokens of a sequence one engine step prefills
     step_target_s: float = 0.25  # an engine step's target duration: prefill chunks are sized to it
-    warm_batch_shapes: str = "auto"  # workers run each batch size once before Ready: auto (GPU only), on, off (up to 10 s more per load)
+    warm_batch_shapes: str = "auto"  # idle workers run each batch size once (after Ready, a step at a time): auto (GPU only), on, off
     crash_limit: int = 3  # crashes within crash_window_s mark the model failed
     crash_window_s: float = 60.0
     crash_cooldown_s: float = 60.0  # a failed model is tried again after this, or on an explicit load

@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--step-target-s", type=float, default=0.25,
                    help="an engine step's target duration: each prefill chunk is sized to it from measured speed")
     p.add_argument("--warm-batch-shapes", choices=("auto", "on", "off"), default="auto",
-                   help="run every batch size once on dummy tokens before Ready (auto: on a GPU only)")
+                   help="run every batch size once on dummy tokens while idle, after Ready (auto: on a GPU only)")
     p.add_argument("--warm-budget-s", type=float, default=10.0, help="the most seconds the batch-shape warm-up takes")
     p.add_argument("--admit-window-ms", type=int, default=2,
                    help="after a submit, wait this long for more before stepping, so a burst is prefilled together")

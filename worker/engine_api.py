@@ -12,6 +12,7 @@ What an engine promises the loop:
 - `plan_step` sizes the next step and says what it predicts; `step` then runs it. A step that
   raises leaves the engine unusable: the loop fails the batch and ends the worker;
 - `fail_all` and `abort` remove requests at once, so `len(engine)` counts only live ones;
+- `warm_step` runs only while nothing waits in the inbox, and never delays more than one step;
 - `close_caches` and `settle` run once, at the end, after the last request has left.
 """
 
@@ -84,6 +85,10 @@ class EngineApi(Protocol):
 
     def fail_all(self, code: str, message: str) -> list[Failed]:
         """Remove every request in flight; the Failed each of their clients is owed."""
+        ...
+
+    def warm_step(self) -> bool:
+        """Idle work (a warm-up step), run by the loop only while its inbox is empty; False once there is none."""
         ...
 
     def close_caches(self) -> None: ...

@@ -6,7 +6,9 @@ evicts, aborts what is due, and says when the exit can run), then steps the engi
 is in flight, sends a heartbeat when one is due and reads the inbox: without waiting while
 requests are in flight or an exit is under way, else up to one idle interval. After a submit,
 further ones are awaited for `admit_window_ms` (up to `admit_max`), so a burst of arrivals is
-prefilled together rather than a few per step, each step a batch shape of its own. Heartbeats come
+prefilled together rather than a few per step, each step a batch shape of its own. Idle, with the
+inbox empty, the engine does its idle work a step per turn (`warm_step`: the batch-shape warm-up on a
+GPU), so a request waits for at most one such step. Heartbeats come
 from this loop, so a heartbeat proves the generation loop turns, not merely that a socket is open.
 
 Each step is sized by the engine to a time target (worker/step_cost.py), so the loop turns
@@ -77,6 +79,7 @@ class WorkerLoop:
         self.clock = clock
         self.memory = memory
         self._idle_ms = int(min(heartbeat_s, MAX_IDLE_WAIT_S) * 1000)
+        self._warming = True  # the engine may have idle work (warm_step) until it says it has none
         self.admit_window_ms = admit_window_ms  # after a submit, wait this long for more before the next step
         self.admit_max = admit_max  # ... until this many came (a prefill batch)
         self._next_heartbeat = 0.0
@@ -128,7 +131,10 @@ class WorkerLoop:
 
     def _read_inbox(self) -> None:
         idle = not len(self.engine) and self.shutdown.admitting
-        if not self.channel.wait(self._idle_ms if idle else 0):
+        warm = idle and self._warming  # idle work to do: look at the inbox, and if it is empty do one step of it
+        if not self.channel.wait(0 if warm or not idle else self._idle_ms):
+            if warm:
+                self._warming = self.engine.warm_step()
             return
         admitted = self._take_frames()
         # arrivals a few milliseconds apart join one prefill, not one step each (new batch shapes each time)

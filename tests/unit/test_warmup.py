@@ -1,5 +1,6 @@
-"""The batch-shape warm-up at load (issue 15): every generation batch size is run before Ready, within a
-time budget, and greedy output is still token for token mlx-lm's in one process.
+"""The batch-shape warm-up (issue 15): run a step at a time while the engine is idle (after Ready), it runs
+every generation batch size within a time budget, waits while a request is in flight, and greedy output is
+still token for token mlx-lm's in one process.
 
 Real MLX on the CPU, the tiny model, the product's Engine driven by submit/step (no sockets).
 """
@@ -46,7 +47,15 @@ def reference_tokens(model_path: Path, prompts: list[list[int]]) -> list[list[in
 def test_warm_up_runs_every_batch_size_and_greedy_output_stays_mlx_lms(model_dir: Path) -> None:
     engine = Engine(model_dir / "tiny", max_batch_size=16, prefill_batch_size=4, warm="on", warm_budget_s=120)
     warmed = engine.warmed
-    assert warmed is not None and warmed.complete
+    assert warmed is not None and warmed.steps == 0  # nothing before Ready: the worker loop runs it when idle
+    assert engine.warm_step() and warmed.steps == 1
+    engine.submit(Submit(rid="busy", max_tokens=3, prompt_ids=PROMPTS[0], temperature=0.0))
+    assert engine.warm_step() and warmed.steps == 1  # a request in flight: it waits
+    while len(engine):
+        engine.step()
+    while engine.warm_step():
+        pass
+    assert warmed.complete and engine.warmer is None  # over: the scratch generator is closed
     assert set(range(1, 17)) <= warmed.decode_sizes  # every generation batch size the engine can form
     assert warmed.arrivals_per_step == [1, 2, 3, 4]  # arrivals of 1..prefill_batch_size per step
     assert engine.graph is not None and engine.graph.warm_s is not None  # a solo's compiled step, traced at load
@@ -56,6 +65,7 @@ def test_warm_up_runs_every_batch_size_and_greedy_output_stays_mlx_lms(model_dir
 
 def test_warm_up_stops_at_its_budget_and_is_off_on_the_cpu_unless_asked(model_dir: Path) -> None:
     engine = Engine(model_dir / "tiny", max_batch_size=32, warm="on", warm_budget_s=0.0)
+    assert not engine.warm_step()  # the budget is spent by its first step
     assert engine.warmed is not None and not engine.warmed.complete and engine.warmed.steps == 1
     assert engine_tokens(engine, PROMPTS[:2]) == reference_tokens(model_dir / "tiny", PROMPTS[:2])
     assert not wants_warm_up("auto")  # MLX runs on the CPU here: nothing is built per shape

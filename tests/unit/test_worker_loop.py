@@ -200,6 +200,27 @@ def test_abort_withdraws_a_request_without_a_word() -> None:
     assert (r.bye().aborted, r.bye().drained) == (0, 0)
 
 
+def test_idle_work_runs_a_step_per_turn_only_while_nothing_is_in_flight_or_waiting() -> None:
+    r = rig()
+    r.engine.warm_steps = 5
+    warm = r.engine.warm_step
+
+    def warm_then_arrive() -> bool:
+        more = warm()
+        if r.engine.calls.count("warm") == 2:
+            r.channel.put(sub("a", 3))  # arrives during the second step of idle work
+        return more
+
+    r.engine.warm_step = warm_then_arrive  # type: ignore[method-assign]
+    r.engine.after_step[3] = lambda: r.engine.calls.append("a done")
+    r.channel.when_idle.append(lambda: r.channel.put(Evict("drain", 10)))
+    assert r.loop.run() == EXIT_OK
+    # the request is taken before the next step of idle work, which waits until it is done; no idle wait
+    # (a sleep on the inbox) happens while there is idle work left
+    assert r.engine.calls[:7] == ["warm", "warm", "submit a", "a done", "warm", "warm", "warm"]
+    assert r.channel.idle_waits == 1 and [f.rid for f in r.sent(Finished)] == ["a"]
+
+
 # --- what the loop reports ----------------------------------------------------------------
 
 

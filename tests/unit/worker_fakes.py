@@ -111,6 +111,7 @@ class FakeEngine:
     phase_error: str | None = None  # "close_caches" or "settle" raises
     calls: list[str] = field(default_factory=list)
     steps: int = 0
+    warm_steps: int = 0  # idle work left (warm_step)
 
     @property
     def rids(self) -> list[str]:
@@ -159,6 +160,13 @@ class FakeEngine:
         if self.steps in self.after_step:
             self.after_step[self.steps]()
         return chunks, finished
+
+    def warm_step(self) -> bool:
+        if self.warm_steps and not self.left:
+            self.warm_steps -= 1
+            self.calls.append("warm")
+            self.clock.now += STEP_S
+        return self.warm_steps > 0
 
     def fail_all(self, code: str, message: str) -> list[Failed]:
         failed = [Failed(rid, code, message) for rid in self.left]

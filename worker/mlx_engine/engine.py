@@ -17,8 +17,9 @@ A resumed request (Submit.resume_tokens) joins with its earlier tokens as its pr
 its text stream replayed through them, so its text continues exactly where its client's stopped;
 every chunk carries the ids of the tokens behind its text, which is what a resume continues from.
 
-Before Ready, the batch shapes a ramp of arrivals meets can be run once on dummy tokens
-(worker/mlx_engine/warmup.py; `warm`: auto = on a GPU only), so first requests do not wait for kernels.
+After Ready, while nothing is in flight, the batch shapes a ramp of arrivals meets can be run once on
+dummy tokens (`warm_step`, worker/mlx_engine/warmup.py; `warm`: auto = on a GPU only), so a ramp does
+not wait for kernels.
 
 Steps are bounded by time, not by a token count: before each step, the prefill chunk (the
 BatchGenerator's `prefill_step_size`, which it reads on every step) is sized by the step cost
@@ -61,7 +62,7 @@ from worker.mlx_engine.decode_graph import DecodeGraph, solo_modes
 from worker.mlx_engine.guided import Grammars, logprob_entries, penalty_processors, seeded_sampler
 from worker.mlx_engine.prompt_cache import CacheOptions, PromptCaches
 from worker.mlx_engine.solo import Solo, SoloResponse
-from worker.mlx_engine.warmup import wants_warm_up, warm_batch_shapes
+from worker.mlx_engine.warmup import ShapeWarmer, Warmed, wants_warm_up
 from worker.request_output import RequestOutput
 from worker.step_cost import PrefillSeq, StepCostModel, StepPlan, StepWork
 from worker.template_input import special_token_ids, template_messages, template_tools
@@ -99,7 +100,6 @@ def load_with_progress(model_path: Path, report: Callable[[str, float], None]) -
         if done / total - reported >= 0.05:
             reported = done / total
             report("weights", reported)
-    report("warm-up", 1.0)
     mx.eval(model(mx.array([[0]])))  # compiles the first kernels now, not in the first request
     return model, tokenizer
 
@@ -145,11 +145,11 @@ class Engine:
         self.graph = DecodeGraph(self.model) if compiled else None  # a solo's decode steps compiled
         if self.graph is not None and wants_warm_up(warm) and self.graph.warm():
             log.info("[load] model=%s warm_up=decode_graph s=%.2f", model_id, self.graph.warm_s)
-        self.warmed = warm_batch_shapes(self.model, max_batch_size, prefill_batch_size, prefill_step_size,
-                                        warm_budget_s, report) if wants_warm_up(warm) else None
-        if self.warmed is not None:
-            log.info("[load] model=%s warm_up=batch_shapes sizes=%d steps=%d s=%.2f complete=%s", model_id,
-                     len(self.warmed.decode_sizes), self.warmed.steps, self.warmed.seconds, self.warmed.complete)
+        # the batch shapes are warmed after Ready, a step at a time while idle (warm_step)
+        self.warmer = ShapeWarmer(self.model, max_batch_size, prefill_batch_size, prefill_step_size,
+                                  warm_budget_s) if wants_warm_up(warm) else None
+        self.warmed: Warmed | None = self.warmer.warmed if self.warmer is not None else None
+        self.model_id = model_id
         self._solo: Solo | None = None
         self._solo_plan: StepPlan | None = None  # the plan of every solo decode step (plan_step)
         self._solo_uids = 0
@@ -476,6 +476,21 @@ class Engine:
             self.abort(f.rid)
         return failed
 
+    def warm_step(self) -> bool:
+        """One step of the batch-shape warm-up (warmup.py), if nothing is in flight; False once it is over."""
+        warmer = self.warmer
+        if warmer is None:
+            return False
+        if len(self):
+            return True  # not now: later, when idle
+        if warmer.step():
+            return True
+        self.warmer = None
+        w = warmer.warmed
+        log.info("[warm] model=%s batch_shapes sizes=%d steps=%d s=%.2f complete=%s", self.model_id,
+                 len(w.decode_sizes), w.steps, w.seconds, w.complete)
+        return False
+
     def close_caches(self) -> None:
         if self.caches is not None:
             self.caches.close()
@@ -484,6 +499,9 @@ class Engine:
         """Release what MLX holds in its buffer cache; return the process footprint left."""
         self._solo = None
         self._pending = []
+        if self.warmer is not None:
+            self.warmer.close()
+            self.warmer = None
         self.gen.close()
         gc.collect()
         mx.clear_cache()
