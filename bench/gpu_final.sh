@@ -6,6 +6,7 @@
 #    its solo steps compiled and uncompiled) and in a worker subprocess over bare ZeroMQ, split into feed / read /
 #    outside (worker/mlx_engine/solo.py SoloTimes); on CPUs 0-3, as the throughput section's servers;
 #    cache: bench/cache_bench.py, llama and qwen3_5 at 4k tokens (hot and SSD hits against cold TTFT);
+#    cold: the cold start section (load + first token against in-process);
 #    graphs: the throughput section again with MLX_USE_CUDA_GRAPHS=0 on every side (does MLX CUDA's graph capture
 #    make the ramp's new batch shapes slow?).
 # Everything lands in $OUT/final.tgz.
@@ -21,6 +22,10 @@ case "${1:-diag}" in
     timeout 200 taskset -c 0-3 python3 -m bench.diagnose --model "$W/models/bench-1b" --out "$R/diag.json" --parts engine,worker \
       --rounds 3 > "$R/diag.log" 2>&1
     echo "diagnose exit $?"; grep "^\[diagnose\]" "$R/diag.log" | cut -c1-3000 ;;
+  cold)
+    timeout 230 python3 -m bench --profile gpu --out "$R/cold" --work "$W" --deadline 200 --sections cold_start \
+      > "$R/cold-log.txt" 2>&1
+    echo "cold exit $?"; grep "cold start" "$R/cold/results.md" | head -3; grep -h "\[warm\]" "$R"/logs/*.log | head -2 ;;
   graphs)
     MLX_USE_CUDA_GRAPHS=0 timeout 260 python3 -m bench --profile gpu --out "$R/gpu-nographs" --work "$W" --deadline 220 \
       --sections throughput --concurrency 1,8,32 --rounds 3 > "$R/gpu-nographs-log.txt" 2>&1
