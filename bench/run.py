@@ -278,6 +278,9 @@ class Bench:
             res["inproc_info"] = inproc.info
             await mlxsup.load(self.client, self.model_id)
             mlxsup.track()
+            if p.await_warm_up:
+                res["mlxsup_warm_up_s"] = await mlxsup.warmed_up(self.model_id, timeout=60)
+                self.log(f"mlxsup worker's idle warm-up: {res['mlxsup_warm_up_s']} s")
             for c in p.concurrency:
                 sides = list(SIDES) + ([DIAG_SIDE] if c == 1 else [])
                 wt = p.warmup_tokens.get(c, 0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -178,6 +179,21 @@ class Mlxsup(Managed):
         if body.get("pid"):
             self.seen.add(body["pid"])
         return body
+
+    async def warmed_up(self, model_id: str, timeout: float) -> float | None:
+        """Wait for the model's worker to log the end of its idle batch-shape warm-up (worker/mlx_engine/warmup.py:
+        it runs after Ready, so rounds measured meanwhile would share the GPU with it); its seconds, or None."""
+        log = self.state_dir / "logs" / f"worker-{model_id.replace('/', '--')}.log"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                m = re.search(r"\[warm\] model=\S+ batch_shapes .* s=([0-9.]+)", log.read_text())
+            except OSError:
+                m = None
+            if m:
+                return float(m.group(1))
+            await asyncio.sleep(0.2)
+        return None
 
     async def evict(self, client: httpx.AsyncClient, model_id: str, mode: str = "drain",
                     timeout_s: float | None = None, http_timeout: float = 120) -> dict:
