@@ -6,9 +6,10 @@ evicts, aborts what is due, and says when the exit can run), then steps the engi
 is in flight, sends a heartbeat when one is due and reads the inbox: without waiting while
 requests are in flight or an exit is under way, else up to one idle interval. After a submit,
 further ones are awaited for `admit_window_ms` (up to `admit_max`), so a burst of arrivals is
-prefilled together rather than a few per step, each step a batch shape of its own. Idle, with the
-inbox empty, the engine does its idle work a step per turn (`warm_step`: the batch-shape warm-up on a
-GPU), so a request waits for at most one such step. Heartbeats come
+prefilled together rather than a few per step, each step a batch shape of its own. Idle for
+IDLE_WORK_QUIET_S, with the inbox empty, the engine does its idle work a step per turn (`warm_step`:
+the batch-shape warm-up on a GPU), so a request waits for at most one such step, and a client that
+sends its next request at once never does. Heartbeats come
 from this loop, so a heartbeat proves the generation loop turns, not merely that a socket is open.
 
 Each step is sized by the engine to a time target (worker/step_cost.py), so the loop turns
@@ -60,6 +61,7 @@ log = logging.getLogger(__name__)
 
 ANNOUNCE_FRACTION = 0.5  # a step predicted to take more than this part of a heartbeat interval is announced
 MAX_IDLE_WAIT_S = 0.25  # idle, the inbox is waited on this long at most (so signals are seen soon)
+IDLE_WORK_QUIET_S = 1.0  # idle work (warm_step) waits for this long without requests: a client's next one comes sooner
 
 
 class WorkerLoop:
@@ -80,6 +82,7 @@ class WorkerLoop:
         self.memory = memory
         self._idle_ms = int(min(heartbeat_s, MAX_IDLE_WAIT_S) * 1000)
         self._warming = True  # the engine may have idle work (warm_step) until it says it has none
+        self._busy_at = clock()  # when a request was last in flight or a frame last came
         self.admit_window_ms = admit_window_ms  # after a submit, wait this long for more before the next step
         self.admit_max = admit_max  # ... until this many came (a prefill batch)
         self._next_heartbeat = 0.0
@@ -131,11 +134,17 @@ class WorkerLoop:
 
     def _read_inbox(self) -> None:
         idle = not len(self.engine) and self.shutdown.admitting
-        warm = idle and self._warming  # idle work to do: look at the inbox, and if it is empty do one step of it
-        if not self.channel.wait(0 if warm or not idle else self._idle_ms):
+        now = self.clock()
+        quiet_left = IDLE_WORK_QUIET_S - (now - self._busy_at)
+        warm = idle and self._warming and quiet_left <= 0  # idle work to do, and quiet long enough: one step of it
+        wait_ms = 0 if warm or not idle else self._idle_ms
+        if idle and self._warming and not warm:
+            wait_ms = max(1, min(wait_ms, int(quiet_left * 1000)))
+        if not self.channel.wait(wait_ms):
             if warm:
                 self._warming = self.engine.warm_step()
             return
+        self._busy_at = self.clock()
         admitted = self._take_frames()
         # arrivals a few milliseconds apart join one prefill, not one step each (new batch shapes each time)
         while 0 < admitted < self.admit_max and self.admit_window_ms and self.channel.wait(self.admit_window_ms):
@@ -220,6 +229,7 @@ class WorkerLoop:
         for done in finished:
             self.send(done)
         self.shutdown.note_finished(len(finished))
+        self._busy_at = self.clock()
 
     def _maybe_heartbeat(self) -> None:
         now = self.clock()

@@ -39,6 +39,7 @@ from protocol.messages import (
 from tests.unit.worker_fakes import STEP_S, FakeCaches, rig, sub
 from worker.engine_api import RequestRejected
 from worker.faults import FAULTS, Faults
+from worker.loop import IDLE_WORK_QUIET_S
 
 # --- the seam -----------------------------------------------------------------------------
 
@@ -200,25 +201,32 @@ def test_abort_withdraws_a_request_without_a_word() -> None:
     assert (r.bye().aborted, r.bye().drained) == (0, 0)
 
 
-def test_idle_work_runs_a_step_per_turn_only_while_nothing_is_in_flight_or_waiting() -> None:
+def test_idle_work_runs_a_step_per_turn_only_after_a_quiet_second_with_nothing_in_flight_or_waiting() -> None:
     r = rig()
+    start = r.clock.now
     r.engine.warm_steps = 5
     warm = r.engine.warm_step
+    warmed_at: list[float] = []
 
     def warm_then_arrive() -> bool:
+        warmed_at.append(r.clock.now)
         more = warm()
-        if r.engine.calls.count("warm") == 2:
+        if len(warmed_at) == 2:
             r.channel.put(sub("a", 3))  # arrives during the second step of idle work
+        if not more:
+            r.channel.put(Evict("drain", 10))
         return more
 
     r.engine.warm_step = warm_then_arrive  # type: ignore[method-assign]
-    r.engine.after_step[3] = lambda: r.engine.calls.append("a done")
-    r.channel.when_idle.append(lambda: r.channel.put(Evict("drain", 10)))
+    done_at: list[float] = []
+    r.engine.after_step[3] = lambda: (r.engine.calls.append("a done"), done_at.append(r.clock.now))
     assert r.loop.run() == EXIT_OK
-    # the request is taken before the next step of idle work, which waits until it is done; no idle wait
-    # (a sleep on the inbox) happens while there is idle work left
+    # the request is taken before the next step of idle work, which waits until it is done and a quiet second
+    # has passed; idle work starts a quiet second after start-up too
     assert r.engine.calls[:7] == ["warm", "warm", "submit a", "a done", "warm", "warm", "warm"]
-    assert r.channel.idle_waits == 1 and [f.rid for f in r.sent(Finished)] == ["a"]
+    assert warmed_at[0] >= start + IDLE_WORK_QUIET_S and warmed_at[2] >= done_at[0] + IDLE_WORK_QUIET_S
+    assert warmed_at[2] < done_at[0] + IDLE_WORK_QUIET_S + 0.1  # and not much later: no full idle sleeps
+    assert [f.rid for f in r.sent(Finished)] == ["a"]
 
 
 # --- what the loop reports ----------------------------------------------------------------
