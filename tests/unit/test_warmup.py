@@ -48,6 +48,8 @@ def test_warm_up_runs_every_batch_size_and_greedy_output_stays_mlx_lms(model_dir
     engine = Engine(model_dir / "tiny", max_batch_size=16, prefill_batch_size=4, warm="on", warm_budget_s=120)
     warmed = engine.warmed
     assert warmed is not None and warmed.steps == 0  # nothing before Ready: the worker loop runs it when idle
+    assert engine.graph is not None and engine.graph.warm_s is None
+    assert engine.warm_step() and engine.graph.warm_s is not None  # first a solo's compiled step, traced
     assert engine.warm_step() and warmed.steps == 1
     engine.submit(Submit(rid="busy", max_tokens=3, prompt_ids=PROMPTS[0], temperature=0.0))
     assert engine.warm_step() and warmed.steps == 1  # a request in flight: it waits
@@ -58,14 +60,14 @@ def test_warm_up_runs_every_batch_size_and_greedy_output_stays_mlx_lms(model_dir
     assert warmed.complete and engine.warmer is None  # over: the scratch generator is closed
     assert set(range(1, 17)) <= warmed.decode_sizes  # every generation batch size the engine can form
     assert warmed.arrivals_per_step == [1, 2, 3, 4]  # arrivals of 1..prefill_batch_size per step
-    assert engine.graph is not None and engine.graph.warm_s is not None  # a solo's compiled step, traced at load
     assert len(engine) == 0 and engine.batch_size() == 0  # its own generator untouched
     assert engine_tokens(engine, PROMPTS) == reference_tokens(model_dir / "tiny", PROMPTS)
 
 
 def test_warm_up_stops_at_its_budget_and_is_off_on_the_cpu_unless_asked(model_dir: Path) -> None:
     engine = Engine(model_dir / "tiny", max_batch_size=32, warm="on", warm_budget_s=0.0)
-    assert not engine.warm_step()  # the budget is spent by its first step
+    assert engine.warm_step()  # the decode graph's trace
+    assert not engine.warm_step()  # the budget is spent by the batch shapes' first step
     assert engine.warmed is not None and not engine.warmed.complete and engine.warmed.steps == 1
     assert engine_tokens(engine, PROMPTS[:2]) == reference_tokens(model_dir / "tiny", PROMPTS[:2])
     assert not wants_warm_up("auto")  # MLX runs on the CPU here: nothing is built per shape

@@ -13,7 +13,7 @@ positions. Recurrent layers (ArraysCache: fixed-shape state) pass through as the
 Models whose caches are all KVCache and ArraysCache (Llama, Qwen3 dense and MoE, the Qwen3.5
 hybrids) use it; the rest (sliding windows, quantized caches) decode uncompiled. The graph is
 traced once per capacity per worker (the first token past a capacity pays it; the first capacity is
-traced at load where the engine warms up). Capacities step by 64 positions up to 1024 and by 1/8 to
+traced by the engine's idle warm-up, after Ready). Capacities step by 64 positions up to 1024 and by 1/8 to
 1/16 of the fill beyond: attention reads at most that many masked positions (a 512-position step
 cost the `small` preset 8% a token on this CPU), and a long context is traced ~8 times per doubling.
 
@@ -104,7 +104,7 @@ class DecodeGraph:
 
     def warm(self) -> bool:
         """Trace the step at the first capacity, and build its kernels, on a dummy token, so that a first request
-        does not wait for it (the engine's warm-up at load). False: this model's caches do not fit the graph."""
+        does not wait for it (the engine's idle warm-up, Engine.warm_step). False: this model's caches do not fit the graph."""
         t0 = time.perf_counter()
         cache = make_prompt_cache(self.model)
         self.model(mx.array([[0]]), cache=cache)

@@ -143,9 +143,8 @@ class Engine:
         self.cost = StepCostModel(step_target_s, prefill_step_size, time_one_token(self.model))
         self.solo_on, compiled = solo_modes(solo)  # a request alone runs the generate_step way (mlx_engine/solo.py)
         self.graph = DecodeGraph(self.model) if compiled else None  # a solo's decode steps compiled
-        if self.graph is not None and wants_warm_up(warm) and self.graph.warm():
-            log.info("[load] model=%s warm_up=decode_graph s=%.2f", model_id, self.graph.warm_s)
-        # the batch shapes are warmed after Ready, a step at a time while idle (warm_step)
+        # the decode graph's first trace and the batch shapes are warmed after Ready, a step at a time while idle
+        self._trace_graph = self.graph is not None and wants_warm_up(warm)
         self.warmer = ShapeWarmer(self.model, max_batch_size, prefill_batch_size, prefill_step_size,
                                   warm_budget_s) if wants_warm_up(warm) else None
         self.warmed: Warmed | None = self.warmer.warmed if self.warmer is not None else None
@@ -477,12 +476,18 @@ class Engine:
         return failed
 
     def warm_step(self) -> bool:
-        """One step of the batch-shape warm-up (warmup.py), if nothing is in flight; False once it is over."""
+        """One step of the warm-up, if nothing is in flight: the decode graph's first trace, then the batch shapes
+        (warmup.py); False once it is over."""
         warmer = self.warmer
+        if len(self):
+            return self._trace_graph or warmer is not None  # not now: later, when idle
+        if self._trace_graph and self.graph is not None:
+            self._trace_graph = False
+            if self.graph.warm():
+                log.info("[warm] model=%s decode_graph s=%.2f", self.model_id, self.graph.warm_s)
+            return True
         if warmer is None:
             return False
-        if len(self):
-            return True  # not now: later, when idle
         if warmer.step():
             return True
         self.warmer = None
