@@ -97,9 +97,11 @@ class Solo:
         """generate_step's `_step`: the next token (scheduled, not evaluated) and its logprobs. Single tokens go
         through the compiled graph where there is one."""
         with mx.stream(generation_stream):
-            if (self._state is None and self.graph is not None and ids.size == 1
-                    and self.graph.fits(self.cache)):
-                self._state = self.graph.start(self.cache)
+            if self._state is None and self.graph is not None and ids.size == 1:
+                if self.graph.fits(self.cache):
+                    self._state = self.graph.start(self.cache)
+                elif self.fed:  # filled and still not fit: this model's caches cannot run compiled; decided once
+                    self.graph = None
             if self._state is not None:
                 assert self.graph is not None
                 logprobs = self.graph.feed(self._state, ids)
