@@ -133,10 +133,12 @@ def test_a_stream_whose_worker_is_killed_resumes_with_the_text_of_an_uninterrupt
     assert 'mlxsup_suspended_requests_total{cause="crash",model="tiny"} 1.0' in metrics
     assert 'mlxsup_resumes_total{model="tiny",outcome="resumed"} 1.0' in metrics
 
-    # a whole (non-streamed) request resumes too: its client only waits longer
+    # a whole (non-streamed) request resumes too: its client only waits longer. Its worker is stopped (SIGSTOP)
+    # before it is sent, so the kill surely finds it in flight: 300 tokens can take less than one status poll
     client = openai.OpenAI(base_url=d.v1, api_key="unused", max_retries=0, timeout=120)
     pid = d.model("tiny")["pid"]
     result: dict = {}
+    os.kill(pid, signal.SIGSTOP)
     whole = threading.Thread(target=lambda: result.update(done=client.completions.create(
         model="tiny", prompt=PROMPT, max_tokens=TOKENS, **GREEDY)))
     whole.start()
