@@ -134,17 +134,17 @@ class WorkerLoop:
 
     def _read_inbox(self) -> None:
         idle = not len(self.engine) and self.shutdown.admitting
-        now = self.clock()
-        quiet_left = IDLE_WORK_QUIET_S - (now - self._busy_at)
-        warm = idle and self._warming and quiet_left <= 0  # idle work to do, and quiet long enough: one step of it
-        wait_ms = 0 if warm or not idle else self._idle_ms
-        if idle and self._warming and not warm:
-            wait_ms = max(1, min(wait_ms, int(quiet_left * 1000)))
+        wait_ms, warm = (self._idle_ms if idle else 0), False
+        if idle and self._warming:  # idle work waits for a quiet IDLE_WORK_QUIET_S, then runs a step per turn
+            quiet_left = IDLE_WORK_QUIET_S - (self.clock() - self._busy_at)
+            warm = quiet_left <= 0
+            wait_ms = 0 if warm else max(1, min(wait_ms, int(quiet_left * 1000)))
         if not self.channel.wait(wait_ms):
             if warm:
                 self._warming = self.engine.warm_step()
             return
-        self._busy_at = self.clock()
+        if self._warming:
+            self._busy_at = self.clock()
         admitted = self._take_frames()
         # arrivals a few milliseconds apart join one prefill, not one step each (new batch shapes each time)
         while 0 < admitted < self.admit_max and self.admit_window_ms and self.channel.wait(self.admit_window_ms):
@@ -229,7 +229,8 @@ class WorkerLoop:
         for done in finished:
             self.send(done)
         self.shutdown.note_finished(len(finished))
-        self._busy_at = self.clock()
+        if self._warming:  # once the idle work is over, the per-token path reads no clock for it
+            self._busy_at = self.clock()
 
     def _maybe_heartbeat(self) -> None:
         now = self.clock()

@@ -49,6 +49,8 @@ def capacity_for(n: int) -> int:
     """The buffer capacity for a fill of n positions: n rounded up to a step of max(MIN_STEP, ~n/16..n/8)."""
     step = max(MIN_STEP, 1 << max(0, n.bit_length() - 4))
     return -(-n // step) * step
+
+
 SOLO_MODES = ("auto", "compiled", "plain", "off")
 
 
@@ -99,7 +101,8 @@ class DecodeGraph:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self._step = mx.compile(self._forward)
-        self._kinds: tuple[str, ...] = ()
+        # each layer's cache kind, as make_prompt_cache builds them: the graph's layout (used where they `fit`)
+        self._kinds = tuple("kv" if type(c) is KVCache else "arrays" for c in make_prompt_cache(model))
         self.warm_s: float | None = None  # how long warm() took, once it ran
 
     def warm(self) -> bool:
@@ -124,7 +127,6 @@ class DecodeGraph:
 
     def start(self, cache: list) -> DecodeState:
         """The graph's state for a prefilled cache (which `fits`)."""
-        self._kinds = tuple("kv" if type(c) is KVCache else "arrays" for c in cache)
         kv: list[Any] = [c for c in cache if type(c) is KVCache]  # filled (fits): keys and values are arrays
         recurrent: list[Any] = [c for c in cache if type(c) is ArraysCache]
         n = kv[0].offset
