@@ -65,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="memory bandwidth in GB/s for the decode bound (default: the GPU's datasheet figure)")
     ap.add_argument("--server-cpus", default=None,
                     help="CPUs every side's server runs on: auto (first quarter), '' (unpinned), or e.g. 0-3")
+    ap.add_argument("--mlxsup-env", action="append", default=[], metavar="K=V",
+                    help="environment for the throughput section's mlxsup daemon and its workers (repeatable)")
     args = ap.parse_args(argv)
 
     p = PROFILES[args.profile]
@@ -80,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         p = replace(p, bandwidth_gbs=args.bandwidth_gbs)
     if args.server_cpus is not None:
         p = replace(p, server_cpus=args.server_cpus)
+    if args.mlxsup_env:
+        p = replace(p, mlxsup_env=tuple(args.mlxsup_env))
     if args.cache_bench:
         p = replace(p, run_cache_bench=args.cache_bench == "run")
     out = args.out or REPO / "bench" / "results" / p.profile

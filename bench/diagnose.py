@@ -24,6 +24,9 @@ worker   a real worker subprocess (`python -m worker`) driven over ZeroMQ by a b
 arrival  in-process BatchGenerator at 32 sequences: all inserted at once (the bench's ceiling) vs
          inserted a few per step, as requests reach mlxsup's worker over ZeroMQ; the steps' times for
          (generation batch, prefill batch) sizes seen for the first time vs again (MLX kernel compile)
+cudnn    MLX CUDA's attention through cuDNN or not (MLX_CUDA_USE_CUDNN_SDPA=1/0, one subprocess each): cuDNN builds
+         a graph for every new (q, k, mask) shape and stride. A batch-1 prefill of prompt lengths seen for the first
+         time vs again, a long prompt's prefill speed (2048-token chunks, warm), and `arrival` under each setting
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -152,6 +156,47 @@ def part_arrival(model_dir: str, n: int, tokens: int, rounds: int) -> dict:
     return {"n": n, "tokens": tokens, "runs": out,
             "step_ms_first_seen_shape": {"count": len(step_first), "p50": q(step_first, 50), "p95": q(step_first, 95)},
             "step_ms_seen_before": {"count": len(step_again), "p50": q(step_again, 50), "p95": q(step_again, 95)}}
+
+
+def prefill_shapes(model_dir: str) -> dict:
+    """Batch-1 prefill step times (ms) for lengths new to this process vs seen; a warm 4096-token prefill's tok/s."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, _ = load(model_dir)
+
+    def prefill(n: int, chunk: int = 2048) -> float:
+        cache = make_prompt_cache(model)
+        ids = mx.array([[(7 * i) % 1000 + 10 for i in range(n)]])
+        t0 = time.perf_counter()
+        for a in range(0, n, chunk):
+            mx.eval(model(ids[:, a:a + chunk], cache=cache))
+        return time.perf_counter() - t0
+
+    prefill(16)  # the first kernels, whatever the shape
+    lengths = list(range(40, 56))
+    first = [prefill(n) for n in lengths]
+    again = [prefill(n) for n in lengths]
+    prefill(4096)
+    long_s = [prefill(4096) for _ in range(3)]
+    q = lambda xs: round(percentile(xs, 50) * 1e3, 2)  # noqa: E731
+    return {"prefill_ms_new_length_p50": q(first), "prefill_ms_new_length_max": round(max(first) * 1e3, 2),
+            "prefill_ms_seen_length_p50": q(again), "prefill_4096_tok_s": round(4096 / percentile(long_s, 50), 1)}
+
+
+def part_cudnn(model_dir: str, rounds: int) -> dict:
+    out = {}
+    for flag in ("1", "0"):
+        with tempfile.TemporaryDirectory() as d:
+            argv = [sys.executable, "-m", "bench.diagnose", "--model", model_dir, "--out", f"{d}/r.json",
+                    "--parts", "prefill_shapes,arrival", "--rounds", str(rounds)]
+            p = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=900,
+                               env={**os.environ, "MLX_CUDA_USE_CUDNN_SDPA": flag})
+            res = json.loads(Path(f"{d}/r.json").read_text()) if Path(f"{d}/r.json").exists() else {}
+        out[f"cudnn={flag}"] = {k: res.get(k) for k in ("prefill_shapes", "arrival")} | (
+            {"stderr_tail": p.stderr[-800:]} if p.returncode else {})
+    return out
 
 
 def itl_ms(stamps: list[float]) -> float:
@@ -535,6 +580,10 @@ def main() -> int:
                 res[part] = part_chains(args.rounds)
             elif part == "arrival":
                 res[part] = part_arrival(args.model, 32, 256, args.rounds)
+            elif part == "prefill_shapes":
+                res[part] = prefill_shapes(args.model)
+            elif part == "cudnn":
+                res[part] = part_cudnn(args.model, args.rounds)
         except Exception as exc:
             res[part] = {"error": repr(exc)}
         res.setdefault("elapsed_s", {})[part] = round(time.perf_counter() - t, 1)

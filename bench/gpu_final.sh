@@ -8,14 +8,20 @@
 #    cache: bench/cache_bench.py, llama and qwen3_5 at 4k tokens (hot and SSD hits against cold TTFT);
 #    cold: the cold start section (load + first token against in-process);
 #    graphs: the throughput section again with MLX_USE_CUDA_GRAPHS=0 on every side (does MLX CUDA's graph capture
-#    make the ramp's new batch shapes slow?).
+#    make the ramp's new batch shapes slow?);
+#    cudnn: the throughput section again with MLX_CUDA_USE_CUDNN_SDPA=0 for mlxsup's workers only (cuDNN builds an
+#    attention graph per new prefill shape); cudnn_diag: bench.diagnose cudnn (prefill shapes, long prefill speed,
+#    arrivals, cuDNN on and off).
+# SKIP_THROUGHPUT=1 skips step 1.
 # Everything lands in $OUT/final.tgz.
 set -u
 W=/tmp/bw R=/tmp/final
 mkdir -p "$R"
-timeout 260 python3 -m bench --profile gpu --out "$R/gpu" --work "$W" --deadline 220 --sections throughput \
-  --concurrency 1,8,32 --rounds 3 > "$R/gpu-log.txt" 2>&1
-echo "throughput exit $?"; sed -n '/^| clients | mlxsup \/ in-process/,/^$/p' "$R/gpu/results.md"
+if [ -z "${SKIP_THROUGHPUT:-}" ]; then
+  timeout 260 python3 -m bench --profile gpu --out "$R/gpu" --work "$W" --deadline "${TP_DEADLINE:-220}" \
+    --sections throughput --concurrency 1,8,32 --rounds 3 > "$R/gpu-log.txt" 2>&1
+  echo "throughput exit $?"; sed -n '/^| clients | mlxsup \/ in-process/,/^$/p' "$R/gpu/results.md"
+fi
 cp -r "$W/state-throughput/logs" "$R/logs" 2>/dev/null
 case "${1:-diag}" in
   diag)
@@ -30,6 +36,16 @@ case "${1:-diag}" in
     MLX_USE_CUDA_GRAPHS=0 timeout 260 python3 -m bench --profile gpu --out "$R/gpu-nographs" --work "$W" --deadline 220 \
       --sections throughput --concurrency 1,8,32 --rounds 3 > "$R/gpu-nographs-log.txt" 2>&1
     echo "no graphs exit $?"; sed -n '/^| clients | mlxsup \/ in-process/,/^$/p' "$R/gpu-nographs/results.md" ;;
+  cudnn)
+    timeout 260 python3 -m bench --profile gpu --out "$R/gpu-nocudnn" --work "$W" --deadline "${TP_DEADLINE:-220}" \
+      --sections throughput --concurrency 1,8,32 --rounds 3 --mlxsup-env MLX_CUDA_USE_CUDNN_SDPA=0 \
+      > "$R/gpu-nocudnn-log.txt" 2>&1
+    echo "mlxsup without cuDNN attention exit $?"; sed -n '/^| clients | mlxsup \/ in-process/,/^$/p' "$R/gpu-nocudnn/results.md"
+    sed -n '/^| clients | side/,/^$/p' "$R/gpu/results.md" "$R/gpu-nocudnn/results.md" | grep -v "mlx_lm.server" ;;
+  cudnn_diag)
+    timeout 300 taskset -c 0-3 python3 -m bench.diagnose --model "$W/models/bench-1b" --out "$R/diag-cudnn.json" \
+      --parts cudnn --rounds 2 > "$R/diag-cudnn.log" 2>&1
+    echo "diagnose exit $?"; grep "^\[diagnose\]" "$R/diag-cudnn.log" | cut -c1-3000 ;;
   cache)
     timeout 240 python3 bench/cache_bench.py --preset 1b --tokens 4096 --arch llama,qwen3_5 --out "$R/cache" \
       --work /tmp/cbw > "$R/cache-log.txt" 2>&1

@@ -53,6 +53,9 @@ class Params:
     # the throughput section waits for mlxsup's worker to end its batch-shape warm-up (a GPU's: it runs after Ready,
     # while idle) before any round, so no side is measured while it runs
     await_warm_up: bool = False
+    # extra environment for the throughput section's mlxsup daemon and so its workers ("K=V" each): an A/B of a
+    # worker setting against the same in-process baseline, e.g. MLX_CUDA_USE_CUDNN_SDPA=0
+    mlxsup_env: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -270,7 +270,8 @@ class Bench:
             "chat-template prefix (a few tokens) from earlier requests; mlxsup has no prompt cache yet",
         ]}
         inproc = InProc(self.model_dir, self.work / "logs" / "inproc.log")
-        mlxsup = Mlxsup(self.work / "models", self.work / "state-throughput")
+        mlxsup = Mlxsup(self.work / "models", self.work / "state-throughput",
+                        env=dict(kv.split("=", 1) for kv in p.mlxsup_env))
         mlxlm = MlxLmServer(self.model_dir, self.work / "logs" / "mlx_lm_server.log")
         servers = {"inproc": inproc, "mlxsup": mlxsup, "mlx_lm.server": mlxlm}
         try:
