@@ -24,9 +24,10 @@ worker   a real worker subprocess (`python -m worker`) driven over ZeroMQ by a b
 arrival  in-process BatchGenerator at 32 sequences: all inserted at once (the bench's ceiling) vs
          inserted a few per step, as requests reach mlxsup's worker over ZeroMQ; the steps' times for
          (generation batch, prefill batch) sizes seen for the first time vs again (MLX kernel compile)
-cudnn    MLX CUDA's attention through cuDNN or not (MLX_CUDA_USE_CUDNN_SDPA=1/0, one subprocess each): cuDNN builds
-         a graph for every new (q, k, mask) shape and stride. A batch-1 prefill of prompt lengths seen for the first
-         time vs again, a long prompt's prefill speed (2048-token chunks, warm), and `arrival` under each setting
+cudnn    MLX CUDA's attention through cuDNN or not (one subprocess each: MLX_CUDA_USE_CUDNN_SDPA=1, =0, and =1 with
+         the worker's route, worker/mlx_engine/attention.py, MLXSUP_DIAG_ATTENTION=routed): cuDNN builds a graph for
+         every new (q, k, mask) shape and stride. A batch-1 prefill of prompt lengths seen for the first time vs
+         again, a long prompt's prefill speed (2048-token chunks, warm), and `arrival` under each setting
 """
 
 from __future__ import annotations
@@ -187,14 +188,14 @@ def prefill_shapes(model_dir: str) -> dict:
 
 def part_cudnn(model_dir: str, rounds: int) -> dict:
     out = {}
-    for flag in ("1", "0"):
+    for flag, route in (("1", "fast"), ("1", "routed"), ("0", "fast")):
         with tempfile.TemporaryDirectory() as d:
             argv = [sys.executable, "-m", "bench.diagnose", "--model", model_dir, "--out", f"{d}/r.json",
                     "--parts", "prefill_shapes,arrival", "--rounds", str(rounds)]
             p = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=900,
-                               env={**os.environ, "MLX_CUDA_USE_CUDNN_SDPA": flag})
+                               env={**os.environ, "MLX_CUDA_USE_CUDNN_SDPA": flag, "MLXSUP_DIAG_ATTENTION": route})
             res = json.loads(Path(f"{d}/r.json").read_text()) if Path(f"{d}/r.json").exists() else {}
-        out[f"cudnn={flag}"] = {k: res.get(k) for k in ("prefill_shapes", "arrival")} | (
+        out[f"cudnn={flag},attention={route}"] = {k: res.get(k) for k in ("prefill_shapes", "arrival")} | (
             {"stderr_tail": p.stderr[-800:]} if p.returncode else {})
     return out
 
@@ -561,6 +562,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     res: dict = {"python": sys.executable, "env_pythonpath": os.environ.get("PYTHONPATH")}
+    if route := os.environ.get("MLXSUP_DIAG_ATTENTION"):  # the worker's attention setting, for the in-process parts
+        from worker.mlx_engine.attention import install
+        res["attention_routed"] = install(route)
     for part in args.parts.split(","):
         t = time.perf_counter()
         try:

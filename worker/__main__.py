@@ -53,6 +53,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="a request alone decodes the generate_step way (worker/mlx_engine/solo.py): its steps compiled"
                         " where the model's caches allow (decode_graph.py), or plain; auto: compiled unless MLX runs"
                         " on CUDA; off: always batched")
+    p.add_argument("--attention", choices=("auto", "fast", "routed"), default="auto",
+                   help="routed: a short prefill's attention runs unfused, not through cuDNN, which builds a graph per"
+                        " new prompt shape (worker/mlx_engine/attention.py); fast: always MLX's fused kernels;"
+                        " auto: routed on CUDA only")
     p.add_argument("--lifeline", action="store_true", help="exit when stdin reaches EOF")
     p.add_argument("--hot-cache-bytes", type=int, default=0, help="hot prefix cache budget (0: off)")
     p.add_argument("--ssd-cache-root", type=Path, default=None,
@@ -198,7 +202,8 @@ def serve_model(args: argparse.Namespace, sock: zmq.Socket, shutdown: Shutdown, 
             engine = Engine(args.model_path, max_batch_size=args.max_batch_size,
                             prefill_step_size=args.prefill_step_size, report=report, cache=cache,
                             model_id=args.model_id, step_target_s=args.step_target_s,
-                            warm=args.warm_batch_shapes, warm_budget_s=args.warm_budget_s, solo=args.solo)
+                            warm=args.warm_batch_shapes, warm_budget_s=args.warm_budget_s, solo=args.solo,
+                            attention=args.attention)
     except Exception as exc:
         log.error("[load] model=%s path=%s failed: %s", args.model_id, args.model_path, exc)
         return EXIT_LOAD_FAILED

@@ -58,6 +58,7 @@ from protocol.messages import (
 from worker.chat_format import ConstraintError, family_of, grammar_for, parser_for, starts_in_think
 from worker.engine_api import RequestRejected
 from worker.memory import process_memory_bytes
+from worker.mlx_engine.attention import install as attention_route
 from worker.mlx_engine.decode_graph import DecodeGraph, solo_modes
 from worker.mlx_engine.guided import Grammars, logprob_entries, penalty_processors, seeded_sampler
 from worker.mlx_engine.prompt_cache import CacheOptions, PromptCaches
@@ -115,9 +116,10 @@ class Engine:
     def __init__(self, model_path: Path, max_batch_size: int = 32, prefill_batch_size: int = 8,
                  prefill_step_size: int = 2048, report: Callable[[str, float], None] = lambda *_: None,
                  cache: CacheOptions | None = None, model_id: str = "", step_target_s: float = 0.25,
-                 warm: str = "auto", warm_budget_s: float = 10.0, solo: str = "auto",
+                 warm: str = "auto", warm_budget_s: float = 10.0, solo: str = "auto", attention: str = "auto",
                  loader: Callable[[Path, Callable[[str, float], None]], tuple] = load_with_progress) -> None:
         t0 = time.perf_counter()
+        self.attention_routed = attention_route(attention)  # short prefills unfused on CUDA (mlx_engine/attention.py)
         self.model, self.tokenizer = loader(model_path, report)  # a group's rank: its shard (mlx_engine/group.py)
         config = json.loads((model_path / "config.json").read_text())
         text_config = {**config, **(config.get("text_config") or {})}  # Qwen3.5 and other multimodal layouts
