@@ -24,6 +24,9 @@ worker   a real worker subprocess (`python -m worker`) driven over ZeroMQ by a b
 arrival  in-process BatchGenerator at 32 sequences: all inserted at once (the bench's ceiling) vs
          inserted a few per step, as requests reach mlxsup's worker over ZeroMQ; the steps' times for
          (generation batch, prefill batch) sizes seen for the first time vs again (MLX kernel compile)
+long     a long prompt's TTFT in one process: the product's Engine (submit/step, its step cost model sizing the
+         prefill chunks; every step's chunk and seconds) against mlx_lm.stream_generate, each after two warm-up
+         prompts of the same length (other tokens)
 cudnn    MLX CUDA's attention through cuDNN or not (one subprocess each: MLX_CUDA_USE_CUDNN_SDPA=1, =0, and =1 with
          the worker's route, worker/mlx_engine/attention.py, MLXSUP_DIAG_ATTENTION=routed): cuDNN builds a graph for
          every new (q, k, mask) shape and stride. A batch-1 prefill of prompt lengths seen for the first time vs
@@ -184,6 +187,42 @@ def prefill_shapes(model_dir: str) -> dict:
     q = lambda xs: round(percentile(xs, 50) * 1e3, 2)  # noqa: E731
     return {"prefill_ms_new_length_p50": q(first), "prefill_ms_new_length_max": round(max(first) * 1e3, 2),
             "prefill_ms_seen_length_p50": q(again), "prefill_4096_tok_s": round(4096 / percentile(long_s, 50), 1)}
+
+
+def part_long(model_dir: str, n: int = 4194, rounds: int = 2) -> dict:
+    import mlx.core as mx  # noqa: F401
+    from mlx_lm import stream_generate
+
+    from protocol.messages import Submit
+    from worker.mlx_engine.engine import Engine
+
+    engine = Engine(Path(model_dir), warm="off")
+    vocab = engine.vocab_size - 10
+    prompt = lambda seed: [(i * 7919 + seed * 104729) % vocab + 5 for i in range(n)]  # noqa: E731
+
+    def engine_ttft(seed: int) -> dict:
+        steps = []
+        t0 = time.perf_counter()
+        engine.submit(Submit(rid=f"r{seed}", max_tokens=4, prompt_ids=prompt(seed), temperature=0.0, ignore_eos=True))
+        first = None
+        while len(engine):
+            plan = engine.plan_step()
+            ts = time.perf_counter()
+            chunks, finished = engine.step()
+            steps.append((plan.prefill_tokens, round((time.perf_counter() - ts) * 1e3, 1)))
+            if first is None and (chunks or finished):
+                first = time.perf_counter() - t0
+        return {"ttft_ms": round((first or 0) * 1e3, 1), "steps_tokens_ms": steps}
+
+    def stream_ttft(seed: int) -> float:
+        t0 = time.perf_counter()
+        for _ in stream_generate(engine.model, engine.tokenizer, prompt(seed), max_tokens=1):
+            return round((time.perf_counter() - t0) * 1e3, 1)
+        return 0.0
+
+    warm = [engine_ttft(s) for s in (1, 2)] + [stream_ttft(s) for s in (3, 4)]
+    return {"tokens": n, "warm_up": warm, "engine": [engine_ttft(10 + r) for r in range(rounds)],
+            "stream_generate_ttft_ms": [stream_ttft(20 + r) for r in range(rounds)]}
 
 
 def part_cudnn(model_dir: str, rounds: int) -> dict:
@@ -586,6 +625,8 @@ def main() -> int:
                 res[part] = part_arrival(args.model, 32, 256, args.rounds)
             elif part == "prefill_shapes":
                 res[part] = prefill_shapes(args.model)
+            elif part == "long":
+                res[part] = part_long(args.model, rounds=max(2, args.rounds))
             elif part == "cudnn":
                 res[part] = part_cudnn(args.model, args.rounds)
         except Exception as exc:

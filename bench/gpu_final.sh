@@ -11,7 +11,7 @@
 #    make the ramp's new batch shapes slow?);
 #    cudnn: the throughput section again with MLX_CUDA_USE_CUDNN_SDPA=0 for mlxsup's workers only (cuDNN builds an
 #    attention graph per new prefill shape); cudnn_diag: bench.diagnose cudnn (prefill shapes, long prefill speed,
-#    arrivals, cuDNN on and off).
+#    arrivals, cuDNN on and off); long: bench.diagnose long (a 4194-token prompt's TTFT, Engine vs stream_generate).
 # SKIP_THROUGHPUT=1 skips step 1.
 # Everything lands in $OUT/final.tgz.
 set -u
@@ -42,6 +42,11 @@ case "${1:-diag}" in
       > "$R/gpu-nocudnn-log.txt" 2>&1
     echo "mlxsup without cuDNN attention exit $?"; sed -n '/^| clients | mlxsup \/ in-process/,/^$/p' "$R/gpu-nocudnn/results.md"
     sed -n '/^| clients | side/,/^$/p' "$R/gpu/results.md" "$R/gpu-nocudnn/results.md" | grep -v "mlx_lm.server" ;;
+  long)
+    [ -d "$W/models/bench-1b" ] || python3 -m supervisor make-model --preset 1b "$W/models/bench-1b" > /dev/null
+    timeout 200 taskset -c 0-3 python3 -m bench.diagnose --model "$W/models/bench-1b" --out "$R/diag-long.json" \
+      --parts long --rounds 2 > "$R/diag-long.log" 2>&1
+    echo "diagnose exit $?"; grep "^\[diagnose\]" "$R/diag-long.log" | cut -c1-6000 ;;
   cudnn_diag)
     timeout 300 taskset -c 0-3 python3 -m bench.diagnose --model "$W/models/bench-1b" --out "$R/diag-cudnn.json" \
       --parts cudnn --rounds 2 > "$R/diag-cudnn.log" 2>&1
