@@ -36,6 +36,12 @@ pass at load, more than a token of a prefill costs), so the first chunk is conse
 a chunk never grows past GROWTH times the largest one measured, so one bad fit costs a few
 slow steps, not one huge one; a chunk that does not finish the prompts is rounded down to 2^k or
 3 * 2^(k-1) tokens, so steps come in few shapes (MLX may compile kernels for each new shape).
+A step measured at more than OUTLIER times the fit's prediction is learned as OUTLIER times it:
+such a step did one-time work (MLX CUDA builds a cuDNN graph or kernels for a shape new to the
+process, 0.05-2.5 s on an H200), and taken at face value it taught the fit that big chunks are
+slow, so the planner picked other sizes, which were new shapes again (bench.diagnose long: a
+4194-token prompt's TTFT 0.15-3.5 s until the chunks settled at 2048, then 45 ms). A machine that
+really slowed down is still learned, a factor OUTLIER per step.
 Coefficients are non-negative least squares over recent steps, older ones forgotten
 geometrically (a machine's speed changes with its load); p0 is fitted only while the sizes measured
 differ enough to tell it from a (else 0), and a chunk the fit cannot change is probed once every
@@ -51,6 +57,7 @@ MIN_CHUNK = 4  # a floor against degenerate steps; a model this slow per token m
 GROWTH = 4.0  # a chunk is at most this many times the largest chunk measured so far
 FORGETTING = 0.9  # weight of an observation one step older
 EXPLORE_AFTER = 4  # prefilling steps of one size in a row, the fit unable to split their cost, before another size
+OUTLIER = 3.0  # a step is learned as at most this many times its prediction (the rest: one-time work)
 MIN_SPREAD = 1e-3  # how much the sizes measured must differ (1 - cos^2 of tokens vs 1) to fit a fixed cost
 _SCALE_CONTEXT = 1024.0  # the attention feature in units of 1k tokens, so both features are O(tokens)
 
@@ -266,12 +273,15 @@ class StepCostModel:
 
     def observe(self, plan: StepPlan, elapsed_s: float) -> None:
         """Fold one step's measured wall time into the fits."""
+        fitted = self.decode_fit.coef() is not None  # an unfitted decode counts as prefill: the safe side
         if plan.prefill_tokens <= 0:
             if plan.in_flight > 0:  # it waited for the decode launched before it, and only for that
-                self.decode_fit.add(1.0, float(plan.in_flight), elapsed_s)
+                bound = OUTLIER * self.decode_s(plan.in_flight) if fitted else elapsed_s
+                self.decode_fit.add(1.0, float(plan.in_flight), min(elapsed_s, bound))
             return
-        fitted = self.decode_fit.coef() is not None  # an unfitted decode counts as prefill: the safe side
         prefill = max(0.0, elapsed_s - (self.decode_s(plan.in_flight) if fitted else 0.0))
+        if self.prefill_fit.coef() is not None:
+            prefill = min(prefill, OUTLIER * self.prefill_s(plan.prefill_tokens, plan.attention))
         self.prefill_fit.add(1.0, float(plan.prefill_tokens), plan.attention, prefill)
         self.largest_measured = max(self.largest_measured, plan.chunk)
         self.repeats = self.repeats + 1 if plan.chunk == self.last_measured else 1

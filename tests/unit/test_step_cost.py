@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from worker.step_cost import GROWTH, NonNegativeFit, PrefillSeq, StepCostModel, StepWork, bucket
+from worker.step_cost import GROWTH, OUTLIER, NonNegativeFit, PrefillSeq, StepCostModel, StepWork, bucket
 
 
 class Machine:
@@ -211,3 +211,40 @@ def test_a_fixed_cost_is_learned_while_chunks_grow() -> None:
         assert predicted == pytest.approx(measured, rel=0.05)
     small = StepWork(8, (PrefillSeq(8, 0),), 8)
     assert model.plan(small).predicted_s == pytest.approx(gpu.step_s(small, 8), rel=0.05)
+
+
+def test_a_one_time_slow_step_does_not_shrink_the_chunks() -> None:
+    """A step that built a graph for a new shape (0.6 s for a 2048-token chunk on an H200, against 30 ms) is
+    learned as OUTLIER times its prediction: the next long prompt still goes in at the largest chunk, the same
+    shapes again, not in smaller ones that would each be new."""
+    gpu = gpu_like()
+    model = StepCostModel(target_s=0.25, max_chunk=2048, seed_token_s=0.03)
+    prefill_prompt(model, gpu, prompt=6000)  # settled
+    work = StepWork(0, (PrefillSeq(6000, 0),), 0)
+    plan = model.plan(work)
+    assert plan.chunk == 2048
+    model.observe(plan, 20 * gpu.step_s(work, plan.chunk))  # the build
+    assert model.plan(work).chunk == 2048
+    steps = prefill_prompt(model, gpu, prompt=6000)
+    assert [c for c, _ in steps][:2] == [2048, 2048]
+
+
+def test_a_machine_that_really_slowed_down_is_still_learned() -> None:
+    """Ten times slower for good: each step is learned as at most OUTLIER times its prediction, so the
+    predictions climb by that factor a step until they meet what is measured."""
+    model = StepCostModel(target_s=0.25, max_chunk=2048, seed_token_s=0.03)
+    prefill_prompt(model, gpu_like(), prompt=6000)
+    decode_steps(model, gpu_like(), 8, 5)
+    slow = Machine(a=1e-4, k=1e-8, d1=0.04 / 8, p0=0.45)
+    decode_steps(model, slow, 8, 30)
+    work = StepWork(8, in_flight=8)
+    assert model.plan(work).predicted_s == pytest.approx(slow.step_s(work, 0), rel=0.1)
+    left = 100000
+    for _ in range(30):
+        work = StepWork(8, (PrefillSeq(left, 100000 - left),), 8)
+        plan = model.plan(work)
+        measured = slow.step_s(work, plan.chunk)
+        model.observe(plan, measured)
+        left -= plan.chunk
+    assert plan.predicted_s == pytest.approx(measured, rel=0.15)
+    assert OUTLIER * 0.004 < 0.04  # a single step could not have taught it this
