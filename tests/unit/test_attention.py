@@ -53,7 +53,8 @@ def test_only_short_prefills_go_unfused(monkeypatch: pytest.MonkeyPatch) -> None
     routed_attention(*qkv(2, 8, 2, 40, 40), scale=0.1, mask="causal")  # a batch's prefill
     routed_attention(*qkv(1, 8, 2, 1, 300), scale=0.1, mask=None)  # a decode step: one query
     routed_attention(*qkv(1, 8, 2, 4, 4), scale=0.1, mask=None, sinks=mx.zeros((8,)))  # gpt-oss's sinks
-    assert calls == ["unfused", "fast", "unfused"]
+    routed_attention(*qkv(2, 8, 2, 40, 40), scale=0.1, mask="causal", force_fused=True)  # asked for the kernel
+    assert calls == ["unfused", "fast", "unfused", "fast"]
     big_q = mx.zeros((1, 32, 2048, 16), dtype=mx.bfloat16)
     big_k = mx.zeros((1, 8, 4096, 16), dtype=mx.bfloat16)
     assert 32 * 2048 * 4096 > SHORT_SCORES

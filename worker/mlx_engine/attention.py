@@ -37,7 +37,7 @@ def wants_route(mode: str) -> bool:
 def install(mode: str) -> bool:
     """Route short prefills unfused (mode routed, or auto on CUDA), else keep mx.fast's; True if routed."""
     routed = wants_route(mode)
-    mx.fast.scaled_dot_product_attention = routed_attention if routed else _fast
+    setattr(mx.fast, "scaled_dot_product_attention", routed_attention if routed else _fast)  # noqa: B010  (a patch)
     return routed
 
 
@@ -46,9 +46,9 @@ def is_short_prefill(q: mx.array, k: mx.array) -> bool:
 
 
 def routed_attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask=None, sinks=None,
-                     stream=None) -> mx.array:
-    if stream is not None or not is_short_prefill(q, k):
-        return _fast(q, k, v, scale=scale, mask=mask, sinks=sinks, stream=stream)
+                     force_fused: bool = False, stream=None) -> mx.array:
+    if force_fused or stream is not None or not is_short_prefill(q, k):
+        return _fast(q, k, v, scale=scale, mask=mask, sinks=sinks, force_fused=force_fused, stream=stream)
     return unfused_attention(q, k, v, scale, mask, sinks)
 
 
