@@ -273,15 +273,17 @@ class StepCostModel:
 
     def observe(self, plan: StepPlan, elapsed_s: float) -> None:
         """Fold one step's measured wall time into the fits."""
-        fitted = self.decode_fit.coef() is not None  # an unfitted decode counts as prefill: the safe side
+        # the plan's prediction is the fits' now (nothing was learned since it was made): no solve for the bound
+        fitted = self.decode_fit.n > 0  # an unfitted decode counts as prefill: the safe side
         if plan.prefill_tokens <= 0:
             if plan.in_flight > 0:  # it waited for the decode launched before it, and only for that
-                bound = OUTLIER * self.decode_s(plan.in_flight) if fitted else elapsed_s
-                self.decode_fit.add(1.0, float(plan.in_flight), min(elapsed_s, bound))
+                self.decode_fit.add(1.0, float(plan.in_flight),
+                                    min(elapsed_s, OUTLIER * plan.predicted_s) if fitted else elapsed_s)
             return
-        prefill = max(0.0, elapsed_s - (self.decode_s(plan.in_flight) if fitted else 0.0))
-        if self.prefill_fit.coef() is not None:
-            prefill = min(prefill, OUTLIER * self.prefill_s(plan.prefill_tokens, plan.attention))
+        decode = self.decode_s(plan.in_flight)
+        prefill = max(0.0, elapsed_s - (decode if fitted else 0.0))
+        if self.prefill_fit.n > 0:
+            prefill = min(prefill, OUTLIER * (plan.predicted_s - decode))
         self.prefill_fit.add(1.0, float(plan.prefill_tokens), plan.attention, prefill)
         self.largest_measured = max(self.largest_measured, plan.chunk)
         self.repeats = self.repeats + 1 if plan.chunk == self.last_measured else 1

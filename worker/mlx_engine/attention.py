@@ -24,7 +24,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 ATTENTION_MODES = ("auto", "fast", "routed")
-SHORT_SCORES = 1 << 26  # 128 MiB of bfloat16 scores: one 1024-token prompt at 32 heads x 2, 8 of 512 tokens
+SHORT_SCORES = 1 << 26  # 128 MiB of bfloat16 scores: a 1024-token prompt at 64 heads, or 8 of 512 at 32 heads
 _fast = mx.fast.scaled_dot_product_attention
 
 
