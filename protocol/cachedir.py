@@ -76,7 +76,7 @@ def clear_dir(directory: Path) -> tuple[int, int]:
             continue
         path = directory / name
         try:
-            size = path.stat().st_size
+            size = path.lstat().st_size  # a symlink is removed, never followed
             path.unlink()
         except OSError:
             continue

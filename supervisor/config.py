@@ -19,7 +19,7 @@ from typing import cast
 
 from supervisor.cache_config import DEFAULTS as CACHE_DEFAULTS
 from supervisor.cache_config import CacheConfig, parse_cache
-from supervisor.hosts import host_name, parse_origin
+from supervisor.hosts import host_name, is_loopback, parse_origin
 from supervisor.registry import ModelSpec, from_config
 from supervisor.units import is_number, parse_size
 
@@ -99,6 +99,7 @@ class Settings:
     max_resumes: int = 2  # a request whose worker crashed or was evicted under pressure resumes at most so often
     resume_timeout_s: float = 120.0  # ... and within this long of each suspension, else it fails
     api_key: str | None = None  # when set, every route but /health and the bare /ui page needs "Authorization: Bearer <key>"
+    insecure_no_key: bool = False  # serve beyond loopback without an api_key (else `serve` refuses to start)
     allowed_hosts: list[str] = field(default_factory=list)  # Host names beyond localhost, loopback and `host`
     allowed_origins: list[str] = field(default_factory=list)  # web origins whose pages may call the API (CORS)
     hf_cache: Path | None = field(default_factory=default_hf_cache)  # None: no Hugging Face discovery
@@ -111,6 +112,14 @@ class Settings:
     default_model: str | None = None
     response_store_count: int = 1000  # /v1/responses kept for previous_response_id, least recently used out
     response_store_bytes: int = 64 * 2**20
+
+    def security_warning(self) -> str | None:
+        """What is wrong with listening where this daemon listens without a key; None: nothing."""
+        if self.api_key or is_loopback(host_name(self.host) or self.host):
+            return None
+        return (f"listening on {self.host} without an API key: anyone who can reach this address can use every "
+                "model and admin route (the Host check is not authentication); set [server] api_key or "
+                "MLXSUP_API_KEY, or listen on 127.0.0.1")
 
     def model_cache(self, spec: ModelSpec) -> CacheConfig:
         """A model's effective cache settings: its own overrides, then [cache], then the defaults."""
@@ -153,6 +162,7 @@ _SERVER_KEYS: dict[str, type | tuple[type, ...]] = {
     "warm_batch_shapes": str,
     "max_resumes": int, "resume_timeout_s": (int, float),
     "model_aliases": dict, "default_model": str, "response_store_count": int, "response_store_bytes": int,
+    "insecure_no_key": bool,
 }
 _MEMORY_KEYS = {
     "ceiling": "memory_ceiling_bytes", "reserve": "memory_reserve_bytes", "worker_overhead": "worker_overhead_bytes",
@@ -193,7 +203,7 @@ def load_file(path: Path, settings: Settings) -> Settings:
         expected = _SERVER_KEYS.get(key)
         if expected is None:
             raise ConfigError(f"{path}: server.{key}: unknown key")
-        if not isinstance(value, expected) or isinstance(value, bool):
+        if not isinstance(value, expected) or (isinstance(value, bool) and expected is not bool):
             raise ConfigError(f"{path}: server.{key}: expected {expected}, got {value!r}")
         if key in ("state_dir", "hf_cache"):
             value = Path(str(value)).expanduser() if value else None

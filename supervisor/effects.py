@@ -42,7 +42,7 @@ class WorkerHandle(Protocol):
     """One worker OS process as the router drives it (process.WorkerProcess is the real one)."""
 
     returncode: int | None
-    exited: asyncio.Event  # set once the process has been reaped, never before
+    exited: asyncio.Event  # set once the process has been reaped (never before) and its output read
 
     @property
     def pid(self) -> int | None: ...

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from supervisor.process import WorkerProcess, set_within
+from supervisor.tasks import background
 
 log = logging.getLogger(__name__)
 
@@ -206,16 +207,16 @@ class GroupProcess:
             log.error("[group] model=%s could not start every rank: %s", self.model_id, exc)
             for rank in self.ranks:
                 rank.signal(signal.SIGKILL, f"another rank of its group could not start: {exc}")
-            await asyncio.gather(*(r.exited.wait() for r in self.ranks if r.proc is not None))
+            await asyncio.gather(*(r.exited.wait() for r in self.ranks if r.pid is not None))
             for rank in self.ranks:
-                if rank.proc is None:  # never spawned: nothing to wait for (stop() must not wait on it)
+                if rank.pid is None:  # never spawned: nothing to wait for (stop() must not wait on it)
                     rank.started.set()
                     rank.exited.set()
             self.exited.set()
             raise
         log.info("[group] model=%s started ranks=%d backend=%s shard=%s pids=%s", self.model_id, self.group.ranks,
                  self.group.backend, self.group.shard, [r.pid for r in self.ranks])
-        self._watch = asyncio.create_task(self._watch_ranks(), name=f"group[{self.model_id}]")
+        self._watch = background(self._watch_ranks(), name=f"group[{self.model_id}]")
 
     async def _watch_ranks(self) -> None:
         waits = {asyncio.ensure_future(p.exited.wait()): r for r, p in enumerate(self.ranks)}

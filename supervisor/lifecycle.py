@@ -10,6 +10,7 @@ in (effects.py). Rules:
 - A crash or a failed load is written in the model's record: restarts back off, and a crash
   loop or a failed load marks the model failed until a cool-down (or an explicit load).
 - Slow work (spawn, stop) runs as tasks; nothing here awaits between a check and its act.
+- Every task is started by tasks.background: kept until done, its exception logged, never lost.
 - A hang kill never blocks the loop: the stack dump and the SIGKILL run as a task.
 """
 
@@ -28,6 +29,7 @@ from supervisor.effects import Clock, LifecycleMetrics, MemoryProbe, Messenger, 
 from supervisor.process import exit_meaning, model_args, worker_argv
 from supervisor.registry import ModelSpec, Registry
 from supervisor.reports import EvictReport
+from supervisor.tasks import background
 from supervisor.workers import ModelRecord, Spare, State, Worker
 
 log = logging.getLogger(__name__)
@@ -75,7 +77,7 @@ class Lifecycle(Generic[MetricsT]):
                                       s.pressure_soft, s.pressure_hard)
         self._pressure = level
         if level is not None and self.spare is not None:  # the spare is pure overhead: it goes first
-            asyncio.create_task(self._stop_spare(), name="stop[spare]")
+            background(self._stop_spare(), name="stop[spare]")
         if not self.workers:
             return
         self._watch_liveness(self.clock.monotonic())
@@ -109,7 +111,7 @@ class Lifecycle(Generic[MetricsT]):
         if worker.process is None:
             return
         if dump_stacks:
-            worker.killing = asyncio.create_task(worker.process.kill_after_stack_dump(STACK_DUMP_WAIT_S, reason),
+            worker.killing = background(worker.process.kill_after_stack_dump(STACK_DUMP_WAIT_S, reason),
                                                  name=f"kill[{worker.spec.id}]")
         else:
             worker.process.signal(signal.SIGKILL, reason)
@@ -190,7 +192,7 @@ class Lifecycle(Generic[MetricsT]):
             log.info("[load] model=%s on the spare pid=%s", spec.id, process.pid)
             self.transport.send(identity, Load(args=args))
         self._replenish_spare()  # at most one spawn per load: a spare that keeps dying cannot loop
-        asyncio.create_task(self._run(worker, spawned=spare is None), name=f"run[{spec.id}]")
+        background(self._run(worker, spawned=spare is None), name=f"run[{spec.id}]")
         return worker
 
     async def _run(self, worker: Worker, spawned: bool) -> None:
@@ -212,7 +214,7 @@ class Lifecycle(Generic[MetricsT]):
         argv = worker_argv(self.transport.endpoint, identity.decode(), self.settings.heartbeat_s, ["--spare"])
         spare = Spare(identity, self.spawn("spare", argv, self.settings.worker_log("spare")))
         self.spare = spare
-        asyncio.create_task(self._run_spare(spare), name="run[spare]")
+        background(self._run_spare(spare), name="run[spare]")
 
     async def _run_spare(self, spare: Spare) -> None:
         try:
@@ -243,12 +245,14 @@ class Lifecycle(Generic[MetricsT]):
         rc = worker.process.returncode
         tail = list(worker.process.stderr_tail)
         evicted = worker.state is State.EVICTING
+        refused = worker.state is State.FAILED  # failed before its exit (router._on_refused)
         if not evicted:
             meaning = exit_meaning(rc)
             record.last_error = (reason or worker.kill_reason or f"worker exited with code {rc}"
                                  + (f" ({meaning})" if meaning else "") + (f": {tail[-1]}" if tail else ""))
             record.last_stderr = tail[-10:]
-            record.note_crash(self.clock.monotonic(), self.settings, load_failed=rc == EXIT_LOAD_FAILED)
+            # a refused worker speaks another protocol version: its next one would be refused too
+            record.note_crash(self.clock.monotonic(), self.settings, load_failed=rc == EXIT_LOAD_FAILED or refused)
             log.error("[crash] model=%s pid=%s exit=%s: %s", spec.id, worker.pid, rc, record.last_error)
             self.metrics.crashes.labels(spec.id).inc()
             if worker.info is None:
@@ -267,7 +271,8 @@ class Lifecycle(Generic[MetricsT]):
             if not pending.done():
                 pending.set_exception(error)
         worker.replies.clear()
-        worker.move(State.STOPPED if evicted else State.FAILED)
+        if not refused:
+            worker.move(State.STOPPED if evicted else State.FAILED)
         if self.workers.get(spec.id) is worker:
             del self.workers[spec.id]
         self._by_identity.pop(worker.identity, None)
@@ -297,12 +302,13 @@ class Lifecycle(Generic[MetricsT]):
     def _begin_evict(self, worker: Worker, mode: str, timeout_s: float | None, reason: str) -> asyncio.Task:
         """Mark the worker evicting in this very turn and start the sequence; idempotent."""
         if worker.evicting is None:
-            worker.move(State.EVICTING)
+            if worker.state is not State.FAILED:  # a refused worker is killed already: only its end is waited for
+                worker.move(State.EVICTING)
             worker.evict_reason = reason
             timeout = self.settings.evict_timeout_s if timeout_s is None else timeout_s
             log.info("[evict] model=%s pid=%s reason=%s mode=%s", worker.spec.id, worker.pid, reason, mode)
             self.metrics.evictions.labels(worker.spec.id, reason).inc()
-            worker.evicting = asyncio.create_task(self._evict(worker, mode, timeout), name=f"evict[{worker.spec.id}]")
+            worker.evicting = background(self._evict(worker, mode, timeout), name=f"evict[{worker.spec.id}]")
         elif mode == "now" and worker.info is not None:
             self.transport.send(worker.identity, Evict(mode="now", deadline_s=0))  # tighten a drain
         return worker.evicting

@@ -6,8 +6,8 @@ Functions of plain values, no I/O, no logging, no clock: the router hands them a
   admission, TTL or soft pressure; only hard pressure may take one, and then the least
   recently used unpinned one;
 - a pinned worker is never chosen here at all (only an explicit evict removes it);
-- memory of a worker already being evicted counts as used until it is gone, and as on its way
-  back: decisions wait for it rather than evicting more;
+- memory of a worker already being evicted (or refused, and being killed) counts as used until it
+  is gone, and as on its way back: decisions wait for it rather than evicting more;
 - a worker is hung only when its loop is silent past hang_timeout_s and, if its last message
   announced a step, also far past what that step's work predicts (STEP_OVERRUN times).
 """
@@ -16,11 +16,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+LEAVING = frozenset({"evicting", "failed"})  # on their way out: their memory is coming back
+
 
 @dataclass(frozen=True)
 class WorkerView:
     id: str
-    state: str  # "loading" | "ready" | "evicting"
+    state: str  # "loading" | "ready" | "evicting" | "failed" (refused, on its way out)
     bytes: int  # measured footprint; the estimate while loading
     busy: bool
     pinned: bool
@@ -48,7 +50,7 @@ def idle_lru(views: list[WorkerView]) -> list[WorkerView]:
 def admit(need: int, views: list[WorkerView], ceiling: int, max_loaded: int | None) -> Admission:
     """Can a new worker needing `need` bytes start, and which idle workers must go first?"""
     used = sum(v.bytes for v in views)
-    leaving = [v for v in views if v.state == "evicting"]
+    leaving = [v for v in views if v.state in LEAVING]
     staying = len(views) - len(leaving)
     over_bytes = used + need - ceiling
     over_count = staying + 1 - max_loaded if max_loaded else 0
@@ -72,7 +74,7 @@ def admit(need: int, views: list[WorkerView], ceiling: int, max_loaded: int | No
 
 def pressure_victim(views: list[WorkerView], level: str | None) -> tuple[str, bool] | None:
     """Under memory pressure, the worker to evict and whether it is busy (then abort, don't drain)."""
-    if level is None or any(v.state == "evicting" for v in views):
+    if level is None or any(v.state in LEAVING for v in views):
         return None  # nothing to do, or memory is already on its way back
     idle = idle_lru(views)
     if idle:

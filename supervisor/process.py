@@ -9,8 +9,14 @@ Ctrl-C reaches only the supervisor, which then orders the exit.
 Before a hang kill, `dump_stacks` asks the worker for its Python stacks (DUMP_STACKS_SIGNAL, then
 SIGCONT so a stopped worker can write them) and waits, bounded, until they are in its log.
 
-Invariant: `exited` is set only after the process has been reaped. WorkerProcess is the real
-effects.WorkerHandle; the router makes one through the Spawn that daemon.build_router gives it.
+Its stderr is read in chunks as they come (asyncio's SubprocessProtocol, no line limit) and split here,
+a logged line cut at LINE_MAX_BYTES with the count of what was cut. Its exit is seen when asyncio's child
+watcher reaps it, apart from its pipes: its output is read to its end, or for PIPE_LINGER_S at most after
+the exit (a process it started may hold the pipe open for good), then `exited` is set.
+
+Invariant: `exited` is set only after the process has been reaped, and always within PIPE_LINGER_S of
+that. WorkerProcess is the real effects.WorkerHandle; the router makes one through the Spawn that
+daemon.build_router gives it.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import sys
 import time
 from logging.handlers import RotatingFileHandler
 from pathlib import Path
+from typing import cast
 
 import psutil
 
@@ -33,6 +40,8 @@ from protocol.messages import DUMP_STACKS_SIGNAL, EXIT_CRASHED, EXIT_LOAD_FAILED
 log = logging.getLogger(__name__)
 
 STDERR_TAIL_LINES = 40
+LINE_MAX_BYTES = 8192  # a longer line of a worker's stderr is cut there, in the logs, with the count cut
+PIPE_LINGER_S = 2.0  # how long after its exit a worker's stderr is still read (a child of it may hold it open)
 STACK_DUMP_MARK = "(most recent call first)"  # faulthandler's header of each thread's stack
 STACK_DUMP_QUIET_S = 0.1  # a dump is one burst: this long without a new line after it began ends it
 LOG_MAX_BYTES = 10 * 2**20
@@ -66,6 +75,64 @@ async def set_within(event: asyncio.Event, timeout: float | None) -> bool:
         return False
 
 
+class Lines:
+    """Bytes in, whole lines out, none longer than `cap` bytes: the rest of a longer line is counted, not kept.
+
+    There is no line limit to overrun (a worker may log a megabyte on one line) and no unbounded buffer.
+    """
+
+    def __init__(self, cap: int = LINE_MAX_BYTES) -> None:
+        self.cap = cap
+        self._head = bytearray()
+        self._cut = 0  # bytes of the current line beyond `cap`
+
+    def feed(self, data: bytes) -> list[str]:
+        lines: list[str] = []
+        start = 0
+        while True:
+            end = data.find(b"\n", start)
+            piece = data[start:] if end < 0 else data[start:end]
+            room = max(0, self.cap - len(self._head))
+            self._head += piece[:room]
+            self._cut += max(0, len(piece) - room)
+            if end < 0:
+                return lines
+            lines.append(self._line())
+            start = end + 1
+
+    def flush(self) -> list[str]:
+        """The last line, if the output ended without a newline."""
+        return [self._line()] if self._head or self._cut else []
+
+    def _line(self) -> str:
+        line = self._head.decode("utf-8", "replace").rstrip()
+        if self._cut:
+            line += f" ... [cut {self._cut} bytes]"
+        self._head.clear()
+        self._cut = 0
+        return line
+
+
+class _Pipes(asyncio.SubprocessProtocol):
+    """The OS side of one WorkerProcess: its stderr in chunks as they come, its exit as soon as it is reaped."""
+
+    def __init__(self, owner: WorkerProcess) -> None:
+        self.owner = owner
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.owner._spawned(cast(asyncio.SubprocessTransport, transport))
+
+    def pipe_data_received(self, fd: int, data: bytes | str) -> None:
+        self.owner._received(cast(bytes, data))
+
+    def pipe_connection_lost(self, fd: int, exc: Exception | None) -> None:
+        if fd == 2:
+            self.owner._stderr_closed()
+
+    def process_exited(self) -> None:
+        self.owner._process_exited()
+
+
 class WorkerProcess:
     def __init__(self, model_id: str, argv: list[str], log_path: Path | None = None,
                  pid_dir: Path | None = None, env: dict[str, str] | None = None) -> None:
@@ -74,102 +141,128 @@ class WorkerProcess:
         self.env = env or {}  # over the supervisor's environment (a group's rank: its GPU)
         self.log_path = log_path
         self.pid_dir = pid_dir
-        self.proc: asyncio.subprocess.Process | None = None
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
         self.returncode: int | None = None
         self.started = asyncio.Event()  # set once the spawn succeeded or failed
         self.exited = asyncio.Event()
         self.signals_sent: list[str] = []
         self.kill_reason: str | None = None  # why this supervisor sent SIGKILL, for the reap log
-        self._tasks: list[asyncio.Task] = []
+        self._pid: int | None = None
+        self._transport: asyncio.SubprocessTransport | None = None
+        self._lines = Lines()
+        self._stderr_open = True
+        self._linger: asyncio.TimerHandle | None = None  # ends the reading of stderr a while after the exit
+        self._sink: RotatingFileHandler | None = None
+        self._sink_path: Path | None = None
         self._last_line_at = 0.0
         self._stack_dump: asyncio.Event | None = None  # set by the stderr pump when a requested dump begins
 
     @property
     def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
+        return self._pid
 
     async def start(self) -> None:
         env = one_gpu(dict(os.environ, PYTHONUNBUFFERED="1"), self.env)
         try:
-            self.proc = await asyncio.create_subprocess_exec(
-                *self.argv,
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.DEVNULL,
-                stderr=asyncio.subprocess.PIPE,
-                env=env,
-                start_new_session=True,
-            )
+            await asyncio.get_running_loop().subprocess_exec(
+                lambda: _Pipes(self), *self.argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.PIPE, env=env, start_new_session=True)
         except OSError:
             self.exited.set()
             raise
         finally:
             self.started.set()
-        log.info("[spawn] model=%s pid=%d", self.model_id, self.proc.pid)
-        if self.pid_dir is not None:  # so the next start can reap it if this supervisor dies hard
-            self._pidfile().write_text(json.dumps({"pid": self.proc.pid, "model": self.model_id}))
-        self._tasks = [
-            asyncio.create_task(self._pump_stderr(), name=f"stderr[{self.model_id}]"),
-            asyncio.create_task(self._reap(), name=f"reap[{self.model_id}]"),
-        ]
 
     def assign(self, model_id: str, log_path: Path | None) -> None:
         """A spare became this model's worker: its lines go to that model's log from now on."""
         self.model_id = model_id
         self.log_path = log_path
 
-    async def _pump_stderr(self) -> None:
-        """Worker stderr -> the model's own rotated log, and the supervisor's log with a prefix."""
-        assert self.proc and self.proc.stderr
-        sink, sink_path = None, None
-        try:
-            async for raw in self.proc.stderr:
-                line = raw.decode("utf-8", "replace").rstrip()
-                self.stderr_tail.append(line)
-                self._last_line_at = time.monotonic()
-                if self._stack_dump is not None and STACK_DUMP_MARK in line:
-                    self._stack_dump.set()
-                if self.log_path != sink_path:
-                    if sink:
-                        sink.close()
-                    sink_path = self.log_path
-                    sink = RotatingFileHandler(sink_path, maxBytes=LOG_MAX_BYTES, backupCount=LOG_BACKUPS) \
-                        if sink_path else None
-                    if sink:  # the worker writes no time stamp: each line gets one here, as it arrives
-                        sink.setFormatter(WORKER_LOG_FORMAT)
-                if sink:
-                    sink.emit(logging.makeLogRecord({"msg": line}))
-                log.info("[%s pid=%d] %s", self.model_id, self.proc.pid, line)
-        finally:
-            if sink:
-                sink.close()
+    # --- what the OS tells (_Pipes), each in its own loop turn, the spawn first ----------------
 
-    async def _reap(self) -> None:
-        assert self.proc
-        self.returncode = await self.proc.wait()
+    def _spawned(self, transport: asyncio.SubprocessTransport) -> None:
+        self._transport = transport
+        self._pid = transport.get_pid()
+        log.info("[spawn] model=%s pid=%d", self.model_id, self._pid)
+        if self.pid_dir is not None:  # so the next start can reap it if this supervisor dies hard
+            self._pidfile().write_text(json.dumps({"pid": self._pid, "model": self.model_id}))
+
+    def _received(self, data: bytes) -> None:
+        for line in self._lines.feed(data):
+            self._line(line)
+
+    def _line(self, line: str) -> None:
+        """One line of the worker's stderr -> its tail, the model's own rotated log, the supervisor's log."""
+        self.stderr_tail.append(line)
+        self._last_line_at = time.monotonic()
+        if self._stack_dump is not None and STACK_DUMP_MARK in line:
+            self._stack_dump.set()
+        if self.log_path != self._sink_path:
+            if self._sink:
+                self._sink.close()
+            self._sink_path = self.log_path
+            self._sink = RotatingFileHandler(self._sink_path, maxBytes=LOG_MAX_BYTES, backupCount=LOG_BACKUPS) \
+                if self._sink_path else None
+            if self._sink:  # the worker writes no time stamp: each line gets one here, as it arrives
+                self._sink.setFormatter(WORKER_LOG_FORMAT)
+        if self._sink:
+            self._sink.emit(logging.makeLogRecord({"msg": line}))
+        log.info("[%s pid=%d] %s", self.model_id, self._pid, line)
+
+    def _stderr_closed(self) -> None:
+        for line in self._lines.flush():
+            self._line(line)
+        self._stderr_open = False
+        if self._sink:
+            self._sink.close()
+            self._sink = None
+        if self.returncode is not None:
+            self._reaped()
+
+    def _process_exited(self) -> None:
+        """Reaped (by asyncio's child watcher), whether or not its stderr is still open."""
+        assert self._transport is not None
+        self.returncode = self._transport.get_returncode()
+        if not self._stderr_open:
+            self._reaped()
+        else:  # the rest of its output, if it comes soon; a child of it may hold the pipe open for good
+            self._linger = asyncio.get_running_loop().call_later(PIPE_LINGER_S, self._stop_reading)
+
+    def _stop_reading(self) -> None:
+        log.warning("[reap] model=%s pid=%s exited %.1fs ago and its stderr is still open (held by a process it "
+                    "started?): no longer read", self.model_id, self._pid, PIPE_LINGER_S)
+        assert self._transport is not None
+        self._transport.close()  # closes our ends of its pipes: _stderr_closed follows
+
+    def _reaped(self) -> None:
+        """Its exit and the end of its output: logged, and `exited` set."""
+        if self._linger is not None:
+            self._linger.cancel()
+        assert self._transport is not None
+        self._transport.close()  # our end of its stdin (the lifeline) too
         if self.pid_dir is not None:
             self._pidfile().unlink(missing_ok=True)
         if self.returncode == -signal.SIGKILL and self.kill_reason is not None:
-            log.warning("[reap] model=%s pid=%d SIGKILLed by the supervisor: %s", self.model_id, self.proc.pid,
+            log.warning("[reap] model=%s pid=%d SIGKILLed by the supervisor: %s", self.model_id, self._pid,
                         self.kill_reason)
         elif self.returncode == -signal.SIGKILL:
             log.error("[reap] model=%s pid=%d was SIGKILLed by another process (the OS out of memory? a user?)",
-                      self.model_id, self.proc.pid)
+                      self.model_id, self._pid)
         else:
-            log.info("[reap] model=%s pid=%d exit=%d", self.model_id, self.proc.pid, self.returncode)
+            log.info("[reap] model=%s pid=%d exit=%s", self.model_id, self._pid, self.returncode)
         self.exited.set()
 
     def _pidfile(self) -> Path:
-        assert self.pid_dir is not None and self.proc is not None
-        return self.pid_dir / f"worker-{self.proc.pid}.json"
+        assert self.pid_dir is not None and self._pid is not None
+        return self.pid_dir / f"worker-{self._pid}.json"
 
     def signal(self, sig: signal.Signals, why: str | None = None) -> None:
         """Send `sig`; `why` (required in spirit for SIGKILL) is what the reap log will say."""
-        if self.proc and self.returncode is None:
+        if self._transport is not None and self.returncode is None:
             if sig == signal.SIGKILL:
                 self.kill_reason = why or "no reason given"
             try:
-                self.proc.send_signal(sig)
+                self._transport.send_signal(sig)
                 self.signals_sent.append(sig.name)
             except ProcessLookupError:
                 pass
@@ -181,7 +274,7 @@ class WorkerProcess:
         holding the GIL still answers; one that cannot (in uninterruptible sleep, or gone) costs
         `timeout_s` at most.
         """
-        if self.proc is None or self.returncode is not None:
+        if self._pid is None or self.returncode is not None:
             return False
         deadline = time.monotonic() + timeout_s
         self._stack_dump = asyncio.Event()
@@ -219,9 +312,6 @@ class WorkerProcess:
                           self.model_id, self.pid, kill_timeout_s)
                 self.signal(signal.SIGKILL, f"the kill ladder: no exit {kill_timeout_s:.1f}s after SIGTERM")
                 await self.exited.wait()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self.proc and self.proc.stdin:
-            self.proc.stdin.close()
         return {"exit": self.returncode, "signals": list(self.signals_sent), "wait_s": time.monotonic() - t0}
 
 

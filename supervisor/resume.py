@@ -36,6 +36,7 @@ from supervisor.config import Settings
 from supervisor.effects import Clock, MemoryProbe, Messenger, Spawn
 from supervisor.lifecycle import Lifecycle, MetricsT
 from supervisor.registry import Registry
+from supervisor.tasks import background
 from supervisor.workers import State, Stream, Worker
 
 log = logging.getLogger(__name__)
@@ -105,7 +106,8 @@ class Resumption(Lifecycle[MetricsT]):
     # --- submit, abort, release ----------------------------------------------------------
 
     def _submit(self, lease: Lease, msg: Submit) -> Stream:
-        stream = Stream(msg.rid, msg, lease)
+        resumable = self.settings.max_resumes > 0  # else neither the Submit nor the token ids are kept
+        stream = Stream(msg.rid, msg if resumable else None, lease)
         self._send(lease.worker, stream, msg)
         return stream
 
@@ -199,8 +201,8 @@ class Resumption(Lifecycle[MetricsT]):
         log.warning("[resume] model=%s rid=%s suspended why=%s pid=%s tokens=%d resumes=%d/%d",
                     model_id, stream.rid, cause, worker.pid, len(stream.token_ids), stream.resumes,
                     self.settings.max_resumes)
-        suspension.task = asyncio.create_task(self._resume(suspension), name=f"resume[{stream.rid}]")
-        suspension.deadline = asyncio.create_task(self._expire(suspension), name=f"resume-deadline[{stream.rid}]")
+        suspension.task = background(self._resume(suspension), name=f"resume[{stream.rid}]")
+        suspension.deadline = background(self._expire(suspension), name=f"resume-deadline[{stream.rid}]")
 
     # --- resuming ------------------------------------------------------------------------
 

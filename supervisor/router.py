@@ -42,6 +42,7 @@ from supervisor.lifecycle import MetricsT
 from supervisor.registry import ModelSpec
 from supervisor.reports import LoadProgress, ModelStatus, RecentEviction, SpareStatus, Status
 from supervisor.resume import Lease, Resumption
+from supervisor.tasks import background
 from supervisor.workers import ModelRecord, State, Worker
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ class Router(Resumption[MetricsT]):
             if spec.pinned:
                 self._start(spec)
         self._replenish_spare()
-        self._housekeeping = asyncio.create_task(self._keep_house(), name="housekeeping")
+        self._housekeeping = background(self._keep_house(), name="housekeeping")
 
     # --- routing -----------------------------------------------------------------------
 
@@ -94,7 +95,7 @@ class Router(Resumption[MetricsT]):
             if worker.state is State.READY:
                 worker.leases += 1
                 return Lease(self, worker)
-            if worker.state is State.EVICTING:
+            if worker.state in (State.EVICTING, State.FAILED):  # on its way out: decide again once it is gone
                 await worker.gone.wait()
                 continue
             worker.leases += 1
@@ -104,7 +105,9 @@ class Router(Resumption[MetricsT]):
                 worker.leases -= 1
 
     async def _evictions_done(self) -> None:
-        await asyncio.gather(*(w.gone.wait() for w in list(self.workers.values()) if w.state is State.EVICTING))
+        """Wait until every worker on its way out (evicting, or refused: policy.LEAVING) is gone."""
+        await asyncio.gather(*(w.gone.wait() for w in list(self.workers.values())
+                               if w.state in (State.EVICTING, State.FAILED)))
 
     def _insufficient(self, spec: ModelSpec, decision: policy.Admission) -> errors.InsufficientMemory:
         views = self._views()
@@ -130,7 +133,8 @@ class Router(Resumption[MetricsT]):
     async def ask(self, model_id: str, build: Callable[[str], Message], timeout_s: float) -> Message | None:
         """Send `build(rid)` to the model's worker and return its reply; None when no worker runs.
 
-        Waits out a load (the ready worker answers) and an eviction; a worker that exits before
+        Waits out a load (the ready worker answers), an eviction and a refused worker's end (each
+        wait ends in another state or with the worker gone, so the loop never spins); a worker that exits before
         it answers fails the pending reply, and the model is looked at again. None is returned in
         the turn that found no worker, so a caller that acts on it before its next await acts
         while none can start. Raises WorkerDied if the worker is unreachable, TimeoutError
@@ -140,10 +144,10 @@ class Router(Resumption[MetricsT]):
             worker = self.workers.get(model_id)
             if worker is None:
                 return None
-            if worker.state is State.EVICTING:
+            if worker.state in (State.EVICTING, State.FAILED):
                 await worker.gone.wait()
                 continue
-            if worker.state is State.LOADING:
+            if worker.state is State.LOADING:  # its load ends in READY, or in FAILED or gone (never stays LOADING)
                 try:
                     await asyncio.shield(worker.ready)
                 except errors.MlxsupError:
@@ -271,13 +275,23 @@ class Router(Resumption[MetricsT]):
     }
 
     def _on_refused(self, identity: bytes, reason: str) -> None:
+        """A worker of another protocol version: it fails in this very turn (every wait on it ends and none
+        starts) and is killed; its exit then marks the model failed, since its next worker would be refused too."""
         worker = self._by_identity.get(identity)
         log.error("[protocol] refused worker %r: %s", identity, reason)
-        if worker is not None:
-            self.records[worker.spec.id].last_error = f"protocol mismatch: {reason}"
-            if not worker.ready.done():
-                worker.ready.set_exception(errors.ModelLoadFailed(f"the worker was refused: {reason}"))
-            self._kill(worker, f"protocol mismatch: {reason}")
+        if worker is None or worker.state is State.FAILED:  # one of its later frames: refused already
+            return
+        why = f"protocol mismatch: {reason}"
+        self.records[worker.spec.id].last_error = why
+        if worker.state is not State.EVICTING:  # an evicting one ends as evicted
+            worker.move(State.FAILED)
+        if not worker.ready.done():
+            worker.ready.set_exception(errors.ModelLoadFailed(f"the worker was refused: {reason}"))
+        for pending in worker.replies.values():
+            if not pending.done():
+                pending.set_exception(errors.WorkerDied(f"the worker of '{worker.spec.id}' was refused: {reason}"))
+        worker.replies.clear()
+        self._kill(worker, why)
 
     # --- status ------------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from protocol.codec import ProtocolError, VersionMismatch, decode, encode
 from protocol.messages import Message
 from supervisor.config import router_socket
 from supervisor.effects import Handler, Refusal
+from supervisor.tasks import background
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ class Transport:
         self.dropped = 0
 
     def start(self, on_message: Handler, on_refused: Refusal) -> None:
-        self._reader = asyncio.create_task(self._read(on_message, on_refused), name="reader[router]")
+        self._reader = background(self._read(on_message, on_refused), name="reader[router]")
 
     async def _read(self, on_message: Handler, on_refused: Refusal) -> None:
         while True:

@@ -36,11 +36,11 @@ class State(enum.StrEnum):
 
 
 TRANSITIONS: dict[State, frozenset[State]] = {
-    State.LOADING: frozenset({State.READY, State.EVICTING, State.FAILED}),  # Ready; an evict; it died loading
-    State.READY: frozenset({State.EVICTING, State.FAILED}),  # an evict; a crash
+    State.LOADING: frozenset({State.READY, State.EVICTING, State.FAILED}),  # Ready; an evict; it died, or was refused
+    State.READY: frozenset({State.EVICTING, State.FAILED}),  # an evict; a crash, or refused
     State.EVICTING: frozenset({State.STOPPED}),  # reaped (however it ended: an evicted worker is not failed)
     State.STOPPED: frozenset(),  # a stopped or failed worker is done; the model's next one is a new Worker
-    State.FAILED: frozenset(),
+    State.FAILED: frozenset(),  # a refused worker is FAILED from its refusal on; it is reaped in that state
 }
 
 
@@ -69,7 +69,8 @@ class Stream:
 
     def put(self, text: str, ids: list[int], extra: dict | None = None) -> None:
         """Output for the client (answer text, typed extras) and the ids of the tokens behind it (kept for a resume)."""
-        self.token_ids.extend(ids)
+        if self.submit is not None:
+            self.token_ids.extend(ids)
         self.queue.put_nowait((text, len(ids), extra))
 
     def fail(self, error: errors.MlxsupError) -> None:

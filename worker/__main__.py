@@ -5,7 +5,7 @@ the worker pays its imports (about a second: transformers, mlx-lm), reports Stan
 a Load message then gives it the model's arguments, parsed exactly as if they had been on its
 command line, and it goes on as that model's worker. The exit, whoever asks for it (SIGTERM,
 the lifeline on stdin, an Evict), is worker/shutdown.py's; the faults `--fault` injects for
-tests are worker/faults.py's.
+tests are worker/faults.py's, and the replies `--script` scripts worker/mlx_engine/scripted.py's.
 DUMP_STACKS_SIGNAL (SIGUSR1) makes faulthandler write every thread's Python stack to stderr,
 which the supervisor keeps in this worker's log: it asks for them before it kills a hung worker.
 """
@@ -71,6 +71,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fault", action="append", default=[], choices=sorted(FAULTS),
                    help="testing only: misbehave on purpose (repeatable): "
                    + "; ".join(f"{name}: {what}" for name, what in sorted(FAULTS.items())))
+    p.add_argument("--script", type=Path, default=None,
+                   help="testing only: answer matching chat requests with the replies of this JSON script"
+                        " (worker/scripted.py)")
     p.add_argument("--group-rank", type=int, default=None,
                    help="a worker group's rank (0 leads and talks to the supervisor; see worker/group_main.py)")
     p.add_argument("--group-size", type=int, default=1)
@@ -125,6 +128,10 @@ def main(argv: list[str] | None = None) -> int:
             name_process(args.model_id, argv)
         faults = Faults(args.fault)
         faults.apply_to_signals()
+        if args.script is not None:
+            from worker.mlx_engine import scripted  # imports MLX: only where a script is given
+
+            scripted.install(args.script)
         code = serve_model(args, sock, shutdown, faults, log)
     except Exception:
         log.exception("[crash] model=%s: unexpected error; exiting with code %d", args.model_id, EXIT_CRASHED)

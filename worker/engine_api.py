@@ -5,8 +5,9 @@ engine (worker/mlx_engine/engine.py) in a worker and against a fake in tests/uni
 This module imports nothing that imports MLX, and neither does anything the loop imports.
 
 What an engine promises the loop:
-- every request `submit` admits ends in exactly one Finished (from `step`) or Failed (from
-  `fail_all`), unless the loop withdraws it with `abort` (the client is gone: nothing is sent);
+- every request `submit` admits ends in exactly one Finished or Failed (from `step`: a request it
+  had to end, such as one whose grammar failed mid-request) or Failed (from `fail_all`), unless the
+  loop withdraws it with `abort` (the client is gone: nothing is sent);
 - `submit` raises RequestRejected for a request the engine refuses (its code goes to the client
   in Failed); any other exception from it is the engine's own failure;
 - `plan_step` sizes the next step and says what it predicts; `step` then runs it. A step that
@@ -79,8 +80,8 @@ class EngineApi(Protocol):
 
     def plan_step(self) -> StepPlan: ...
 
-    def step(self) -> tuple[list[list], list[Finished]]:
-        """Run the planned step: text chunks [[rid, text, n_tokens], ...] and the requests that finished."""
+    def step(self) -> tuple[list[list], list[Finished | Failed]]:
+        """Run the planned step: text chunks [[rid, text, n_tokens], ...] and the requests that ended."""
         ...
 
     def fail_all(self, code: str, message: str) -> list[Failed]:

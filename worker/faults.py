@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import logging
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterable
@@ -32,10 +33,12 @@ FAULTS: dict[str, str] = {
     "ssd-slow": "the SSD writer is slow",
     "crash-in-loop": "raise an unexpected exception in the loop while a request runs",
     "step-raises": "the engine's step raises (as MLX or mlx-lm may), leaving its generator unusable",
+    "megabyte-lines": "write a 1 MiB line to stderr at the first engine step and every LOUD_EVERY-th after it",
 }
 
 SLOW_STEP_S = 0.4  # slow-steps: added to every engine step
 SLOW_WRITE_S = 0.25  # ssd-slow: added to every block the SSD writer writes
+LOUD_EVERY = 100  # megabyte-lines: steps between two 1 MiB lines
 STALL_DEPTH = 4  # ssd-stall: the writer stops forever halfway through the block at this depth of its chain
 
 
@@ -47,7 +50,11 @@ class Faults(frozenset[str]):
         unknown = chosen - FAULTS.keys()
         if unknown:
             raise ValueError(f"unknown faults {sorted(unknown)}; known: {sorted(FAULTS)}")
-        return super().__new__(cls, chosen)
+        faults = super().__new__(cls, chosen)
+        faults._steps = 0
+        return faults
+
+    _steps: int
 
     # --- process start ------------------------------------------------------------------
 
@@ -72,6 +79,11 @@ class Faults(frozenset[str]):
             time.sleep(SLOW_STEP_S)
         if "crash-in-loop" in self:
             raise RuntimeError("fault: crash-in-loop")
+        if "megabyte-lines" in self:
+            if self._steps % LOUD_EVERY == 0:  # one line, no newline inside: what a pipe reader must survive
+                sys.stderr.write("[fault] " + "x" * 2**20 + "\n")
+                sys.stderr.flush()
+            self._steps += 1
 
     def after_step(self) -> None:
         """step-raises: the engine's step failing as MLX or mlx-lm may (inside the step's error handling)."""

@@ -19,6 +19,11 @@ Blocks of models with snapshot layers may carry a snapshot (worker/mlx_engine/la
 the index knows which do, so a lookup reads only the one snapshot it uses, and a block first
 written without a snapshot is written again when one comes for it.
 
+Privacy: a block's header holds its prompt's token ids, so the directory (and any parent made for it) is
+created 0700 and an existing one narrowed to it, and files are created 0600. Temp files have random names
+and are opened O_CREAT|O_EXCL|O_NOFOLLOW, so a symlink planted at a would-be name is never written
+through; the rebuild reads only regular files (a symlink or FIFO named *.kvb is removed unread).
+
 Failure: an unwritable directory or a failed write (full disk) turns the SSD cache off with
 a warning; serving goes on with the hot cache. `clear` bumps an epoch so that a write already
 under way is discarded rather than indexed. `close` lets the writer finish the queue, joins
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import threading
 import time
 from collections import OrderedDict, deque
@@ -48,6 +54,29 @@ log = logging.getLogger(__name__)
 
 DEFAULT_QUEUE_BYTES = 256 * 2**20
 READERS = max(2, min(8, os.cpu_count() or 2))  # threads that read and check a hit's blocks at once
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def private_dir(directory: Path) -> None:
+    """`directory` and any missing parent created 0700; the directory itself narrowed to 0700 if it was wider."""
+    missing = [p for p in (directory, *directory.parents) if not p.exists()]
+    for p in reversed(missing):
+        try:
+            p.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
+    if directory.stat().st_mode & 0o077:
+        os.chmod(directory, 0o700)
+
+
+def temp_name(final: Path) -> Path:
+    """A temp file's name beside `final`: random, so no other user can plant something there beforehand."""
+    return final.with_name(f"{final.name}.{secrets.token_hex(8)}{TEMP_SUFFIX}")
+
+
+def create_private(path: Path) -> int:
+    """A new file, 0600, opened for writing; fails if anything (a symlink included) is at `path` already."""
+    return os.open(path, _CREATE, 0o600)
 
 
 @dataclass(slots=True)
@@ -85,9 +114,9 @@ class SsdCache:
         self._thread: threading.Thread | None = None
         self._pool: ThreadPoolExecutor | None = None
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            probe = self.dir / f".probe-{os.getpid()}{TEMP_SUFFIX}"
-            probe.write_bytes(b"")
+            private_dir(self.dir)
+            probe = temp_name(self.dir / ".probe")
+            os.close(create_private(probe))
             probe.unlink()
         except OSError as exc:
             self._disable(f"cache directory {self.dir} is not writable: {exc}")
@@ -164,10 +193,14 @@ class SsdCache:
                 continue
             if not name.endswith(BLOCK_SUFFIX):
                 continue
+            if not entry.is_file(follow_symlinks=False):  # a symlink or FIFO: never opened, never followed
+                log.info("[cache] model=%s ssd=rebuild removed=%s reason='not a regular file'", self.model_id, name)
+                removed += self._remove(Path(entry.path))
+                continue
             try:
                 key = bytes.fromhex(name[: -len(BLOCK_SUFFIX)])
                 header = read_header(Path(entry.path), self.fingerprint, key, self.layout)
-                st = entry.stat()
+                st = entry.stat(follow_symlinks=False)
             except (ValueError, OSError) as exc:  # BadBlock is a ValueError
                 log.info("[cache] model=%s ssd=rebuild removed=%s reason=%r", self.model_id, name, str(exc))
                 removed += self._remove(Path(entry.path))
@@ -306,7 +339,7 @@ class SsdCache:
             if self._abandon:
                 break
             final = self.path(block.key)
-            tmp = final.with_name(f"{final.name}.{os.getpid()}{TEMP_SUFFIX}")
+            tmp = temp_name(final)
             try:
                 size = self._write_file(tmp, block)
                 os.replace(tmp, final)
@@ -332,7 +365,7 @@ class SsdCache:
 
     def _write_file(self, tmp: Path, block: BlockData) -> int:
         self.faults.before_ssd_write()
-        with open(tmp, "wb") as f:
+        with os.fdopen(create_private(tmp), "wb") as f:
             self.faults.during_ssd_write(f, block.nbytes, block.depth, tmp.name)
             size = write_block(f, block, self.fingerprint, self.layout)
             f.flush()

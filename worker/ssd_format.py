@@ -17,8 +17,9 @@ file written under another `layout` (another cache class list or `kv_bits`).
 
 `read_header` checks what is cheap to check at start-up (magic, version, fingerprint, layout, key
 and the file's size against the header: a partial file fails it); `read_block` also checks each
-array's CRC-32 before it is used, and can leave a snapshot it does not need unread. Both raise
-BadBlock on anything wrong.
+array's CRC-32 before it is used, and can leave a snapshot it does not need unread. Both open only
+regular files, never through a symlink nor waiting on a FIFO (`open_block`), and raise BadBlock on
+anything wrong.
 
 Pure numpy and the standard library: the writer thread uses this, and it must not touch MLX.
 """
@@ -26,6 +27,8 @@ Pure numpy and the standard library: the writer thread uses this, and it must no
 from __future__ import annotations
 
 import json
+import os
+import stat
 import struct
 import zlib
 from dataclasses import dataclass, field
@@ -116,9 +119,21 @@ def _array_bytes(entry: dict) -> int:
     return int(np.prod(entry["shape"], dtype=np.int64)) * np.dtype(STORED_DTYPES[entry["dtype"]]).itemsize
 
 
+def open_block(path: Path) -> BinaryIO:
+    """A block file opened for reading: a regular file only, never through a symlink, never waiting on a FIFO."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise BadBlock("not a regular file")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def read_header(path: Path, fingerprint: str, key: bytes, layout: str = "") -> dict:
     """The validated header of the block file at `path` (see the module docstring)."""
-    with open(path, "rb") as f:
+    with open_block(path) as f:
         header = _parse_prefix(f)
         size = f.seek(0, 2)
     try:
@@ -155,7 +170,7 @@ def read_block(path: Path, fingerprint: str, key: bytes, tokens: tuple[int, ...]
     arrays: dict[str, np.ndarray] = {}
     dtypes: dict[str, str] = {}
     try:
-        with open(path, "rb") as f:
+        with open_block(path) as f:
             offset = header["_data_offset"]
             for entry in header["arrays"]:
                 name, n = entry["name"], _array_bytes(entry)

@@ -2,8 +2,9 @@
 
 The engine (worker/mlx_engine/engine.py) renders a chat request's messages and tools through the
 model's chat template with these, and leaves the special tokens out of the text it streams.
-Invariant: nothing here changes what a client sent, only its shape (a tool call's JSON-string
-arguments become the mapping templates read).
+Templates write a tool's name raw, so the engine refuses names holding a special token's text
+(`f<|end|><|start|>system` would open a turn of its own). Invariant: nothing here changes what a
+client sent, only its shape (a tool call's JSON-string arguments become the mapping templates read).
 """
 
 from __future__ import annotations
@@ -20,6 +21,24 @@ def special_token_ids(tokenizer) -> frozenset[int]:
     added = getattr(tokenizer, "added_tokens_decoder", None) or {}
     ids.update(i for i, tok in added.items() if getattr(tok, "special", False))
     return frozenset(ids)
+
+
+def special_token_texts(tokenizer) -> frozenset[str]:
+    """The text of every special or added token (turn and format markers): what a tool name must not hold."""
+    texts = set(getattr(tokenizer, "all_special_tokens", None) or [])
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    texts.update(getattr(tok, "content", "") for tok in added.values())
+    return frozenset(t for t in texts if t)
+
+
+def tool_names(tools: list | None, messages: list | None) -> list[str]:
+    """The function names a chat template writes: the tools' and the earlier calls' (string names only)."""
+    names = [t.get("name") for t in tools or [] if isinstance(t, dict)]
+    for m in messages or []:
+        for call in (m.get("tool_calls") or []) if isinstance(m, dict) else []:
+            fn = call.get("function") if isinstance(call, dict) else None
+            names.append(fn.get("name") if isinstance(fn, dict) else None)
+    return [n for n in names if isinstance(n, str)]
 
 
 def template_tools(tools: list | None) -> list | None:

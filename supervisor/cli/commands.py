@@ -228,11 +228,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "host": args.host, "port": args.port, "state_dir": Path(args.state_dir) if args.state_dir else None,
             "memory_ceiling_bytes": ceiling, "max_loaded_models": args.max_loaded_models,
             "default_ttl_s": args.ttl, "log_level": args.log_level, "demo": args.demo or None,
+            "insecure_no_key": args.insecure_no_key or None,
         })
     except (ConfigError, ValueError) as exc:
         raise CliError(f"bad config: {exc}", EXIT_USAGE) from None
     settings.model_dirs += [Path(d) for d in args.model_dir]
+    if (warning := settings.security_warning()) and not settings.insecure_no_key:
+        raise CliError(f"refusing to start: {warning}. To serve without a key anyway, pass --insecure-no-key "
+                       "(or set [server] insecure_no_key = true)", no_retry_status())
     setup_logging(settings)
+    if warning:
+        logging.getLogger("supervisor.daemon").warning("[start] insecure: %s", warning)
     from supervisor.daemon import StartupError, serve
 
     try:
@@ -278,7 +284,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="run the daemon")
-    s.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
+    s.add_argument("--host", default=None, help="bind address (default 127.0.0.1); any other needs an API key "
+                   "or --insecure-no-key")
+    s.add_argument("--insecure-no-key", action="store_true",
+                   help="listen beyond loopback without an API key (anyone who reaches the port can use it)")
     s.add_argument("--port", type=int, default=None, help=f"HTTP port (default {DEFAULT_PORT}; 0 picks one)")
     s.add_argument("--model-dir", action="append", default=[], help="a folder of model folders (repeatable)")
     s.add_argument("--config", default=None, help="TOML config file (or MLXSUP_CONFIG)")

@@ -60,6 +60,8 @@ class Api(Protocol):
 
     def delta(self, text: str, extra: dict | None) -> list[bytes]: ...
 
+    def record(self, text: str, extra: dict | None) -> None: ...  # a whole response's delta: nothing written
+
     def end(self, fin: Finished) -> list[bytes]: ...
 
     def ping(self) -> bytes: ...
@@ -78,6 +80,9 @@ class AnthropicApi:
 
     def delta(self, text: str, extra: dict | None) -> list[bytes]:
         return [sse_event(e) for e in self.shaper.feed(text, extra)]
+
+    def record(self, text: str, extra: dict | None) -> None:
+        self.shaper.feed(text, extra)
 
     def end(self, fin: Finished) -> list[bytes]:
         return [sse_event(e) for e in self.shaper.finish(fin)]
@@ -101,6 +106,9 @@ class ResponsesApi:
 
     def delta(self, text: str, extra: dict | None) -> list[bytes]:
         return [responses_event(e) for e in self.shaper.feed(text, extra)]
+
+    def record(self, text: str, extra: dict | None) -> None:
+        self.shaper.feed(text, extra)
 
     def end(self, fin: Finished) -> list[bytes]:
         return [responses_event(e) for e in self.shaper.finish(fin)]
@@ -158,11 +166,12 @@ class AgentRoutes:
     # --- OpenAI Responses ---------------------------------------------------------------------
 
     def _history(self, response_id: str) -> list[dict]:
-        stored = self.store.get(response_id)
-        if stored is None:
-            raise errors.NotFound(f"Previous response with id '{response_id}' not found (never stored, deleted, "
-                                  "or dropped from the daemon's bounded store).", param="previous_response_id")
-        return stored.conversation
+        conversation = self.store.conversation(response_id)
+        if conversation is None:
+            raise errors.NotFound(f"Previous response with id {response_id[:100]!r} not found (never stored, "
+                                  "deleted, or it or an earlier turn of its conversation dropped from the daemon's "
+                                  "bounded store).", param="previous_response_id")
+        return conversation
 
     async def responses(self, request: Request) -> Response:
         wanted = parse_responses(await self.kit.read_json(request, self.settings.max_body_bytes), self._history)
@@ -172,15 +181,15 @@ class AgentRoutes:
 
         def keep(body: dict) -> None:
             if wanted.store and body["status"] in ("completed", "incomplete"):
-                self.store.put(body, [*wanted.conversation, api.shaper.turn()])
+                self.store.put(body, [*wanted.turn, api.shaper.turn()], wanted.previous_id)
 
         return await self.serve(request, parsed, api, keep)
 
     async def get_response(self, request: Request) -> Response:
         stored = self.store.get(request.path_params["response_id"])
         if stored is None:
-            raise errors.NotFound(f"Response with id '{request.path_params['response_id']}' not found.")
-        return JSONResponse(stored.response)
+            raise errors.NotFound(f"Response with id {request.path_params['response_id'][:100]!r} not found.")
+        return Response(stored, media_type="application/json")
 
     async def delete_response(self, request: Request) -> Response:
         response_id = request.path_params["response_id"]
@@ -194,7 +203,7 @@ class AgentRoutes:
                     on_done: Callable[[dict], None] | None = None) -> Response:
         """Run a request and answer in `api`'s shapes; `on_done` gets the whole response once it is complete."""
         if not parsed.stream:
-            fin = await self.run_whole(request, parsed, api.delta)
+            fin = await self.run_whole(request, parsed, api.record)
             body = api.whole(fin)
             if on_done is not None:
                 on_done(body)
@@ -215,8 +224,7 @@ class AgentRoutes:
     async def _stream(self, call: Calls, starting: asyncio.Task, api: Api,
                       on_done: Callable[[dict], None] | None) -> AsyncIterator[bytes]:
         every = self.settings.sse_keepalive_s
-        for event in api.opening():
-            yield event
+        yield b"".join(api.opening())
         try:
             while not starting.done():  # a cold load
                 await asyncio.wait({starting}, timeout=every)
@@ -229,18 +237,15 @@ class AgentRoutes:
                         yield api.ping()
                         continue
                     if isinstance(item, Finished):
-                        for chunk in [*api.delta(item.text, item.extra), *api.end(item)]:
-                            yield chunk
+                        yield b"".join([*api.delta(item.text, item.extra), *api.end(item)])
                         if on_done is not None:
                             on_done(api.whole(item))
                         return
-                    text, _, extra = item
-                    for chunk in api.delta(text, extra):
-                        yield chunk
+                    if events := api.delta(item[0], item[2]):  # a delta's events in one write
+                        yield b"".join(events)
         except errors.MlxsupError as exc:
             log.info("[agents] stream failed rid=%s code=%s", call.parsed.submit.rid, exc.code)
-            for chunk in api.failed(exc):
-                yield chunk
+            yield b"".join(api.failed(exc))
         finally:
             if not starting.done():
                 starting.cancel()

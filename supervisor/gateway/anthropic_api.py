@@ -11,18 +11,22 @@ server: top-level fields it has no use for (`metadata`, `cache_control`, `servic
 fields) are ignored; a `system` message inside `messages` is folded into the system prompt; a content
 block of a type it does not know is skipped with a logged warning. What matters is still refused with
 Anthropic's error body (`anthropic_error_body`): a missing `max_tokens`, a bad role, a `tool_result`
-whose `tool_use` no earlier assistant turn made, an image (no vision yet).
+whose `tool_use` no earlier assistant turn made, an image (no vision yet), a `metadata` that is not
+an object with an optional string `user_id`, an empty stop sequence, and a tool name (of a tool or a
+`tool_use` block) outside Anthropic's `^[a-zA-Z0-9_-]{1,128}$`: names reach the chat template
+unescaped, so that rule is what keeps template markup out of them.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Any
 
 from protocol.messages import Submit
 from supervisor.errors import MlxsupError
-from supervisor.gateway.openai_api import MAX_STOP_LEN, MAX_TOKENS_LIMIT, Parsed, new_id
+from supervisor.gateway.openai_api import MAX_STOP_LEN, MAX_TOKENS_LIMIT, Parsed, new_id, valid_name
 from supervisor.units import is_number
 
 log = logging.getLogger(__name__)
@@ -31,6 +35,7 @@ MAX_STOP_SEQUENCES = 16
 TOOL_CHOICES = ("auto", "any", "tool", "none")
 MEDIA_BLOCKS = ("image", "document", "search_result")
 IGNORED_BLOCKS = ("redacted_thinking",)
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,128}")  # Anthropic's rule for tool names, by fullmatch
 EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}  # kept by Anthropic for its own models; nothing to give a local one
 
 # Anthropic's error types by HTTP status (https://docs.anthropic.com/en/api/errors).
@@ -55,6 +60,12 @@ def anthropic_error_body(exc: MlxsupError) -> dict:
 
 def _bad(message: str) -> AnthropicInvalid:
     return AnthropicInvalid(message)
+
+
+def _tool_name(name: Any, where: str) -> str:
+    if not valid_name(name, TOOL_NAME):
+        raise _bad(f"{where}: String should match pattern '^[a-zA-Z0-9_-]{{1,128}}$'")
+    return name
 
 
 def _number(body: dict, key: str, lo: float, hi: float) -> float | None:
@@ -124,6 +135,7 @@ def _assistant(blocks: list[dict], where: str, known_calls: set[str]) -> dict:
             call_id, name, args = block.get("id"), block.get("name"), block.get("input", {})
             if not isinstance(call_id, str) or not isinstance(name, str) or not isinstance(args, dict):
                 raise _bad(f"{where}.{j}: a tool_use block needs a string 'id' and 'name' and an object 'input'")
+            _tool_name(name, f"{where}.{j}.name")
             known_calls.add(call_id)
             calls.append({"id": call_id, "type": "function",
                           "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}})
@@ -199,6 +211,7 @@ def _tools(body: dict) -> list[dict] | None:
         name, schema = tool.get("name"), tool.get("input_schema")
         if not isinstance(name, str) or not name:
             raise _bad(f"tools.{j}.name: Field required")
+        _tool_name(name, f"tools.{j}.name")
         if not isinstance(schema, dict):
             raise _bad(f"tools.{j}.input_schema: must be a JSON schema object")
         out.append({"name": name, "description": str(tool.get("description") or ""), "parameters": schema})
@@ -224,7 +237,7 @@ def _tool_choice(body: dict, tools: list[dict] | None) -> tuple[list[dict] | Non
         return tools, {"type": "tool", "names": names, "parallel": parallel}
     name = choice.get("name")
     if name not in names:
-        raise _bad(f"tool_choice.name: {name!r} is not one of the tools ({', '.join(names)})")
+        raise _bad(f"tool_choice.name: {str(name)[:128]!r} is not one of the tools ({', '.join(names)[:1000]})")
     return tools, {"type": "tool", "names": [name], "parallel": False}
 
 
@@ -275,7 +288,21 @@ def _stop_sequences(body: dict) -> list[str]:
         raise _bad("stop_sequences: must be a list of strings")
     if len(stops) > MAX_STOP_SEQUENCES or any(len(s) > MAX_STOP_LEN for s in stops):
         raise _bad(f"stop_sequences: at most {MAX_STOP_SEQUENCES}, each at most {MAX_STOP_LEN} characters")
+    if "" in stops:
+        raise _bad("stop_sequences: each stop sequence must be a non-empty string")
     return [s for s in stops if s.strip()]
+
+
+def _check_metadata(body: dict) -> None:
+    """`metadata`, which Anthropic defines as an object with an optional `user_id` (a string, at most 256)."""
+    value = body.get("metadata")
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise _bad("metadata: Input should be an object")
+    user_id = value.get("user_id")
+    if user_id is not None and (not isinstance(user_id, str) or len(user_id) > 256):
+        raise _bad("metadata.user_id: must be a string of at most 256 characters")
 
 
 def _model(body: Any) -> str:
@@ -299,6 +326,7 @@ def parse_messages(body: Any, counting: bool = False) -> Parsed:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise _bad("stream: must be a boolean")
+    _check_metadata(body)
     messages = _conversation(body)
     tools, constraint = _tool_choice(body, _tools(body))
     json_format, kwargs = _output_config(body)

@@ -34,12 +34,13 @@ from supervisor.config import Settings
 from supervisor.config_view import effective
 from supervisor.gateway.agent_routes import HttpKit, agent_routes
 from supervisor.gateway.anthropic_api import anthropic_error_body
-from supervisor.gateway.body import decode_json
+from supervisor.gateway.body import decode_json, decode_json_off_loop
 from supervisor.gateway.call import Calls
 from supervisor.gateway.guard import WebGuard
 from supervisor.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from supervisor.gateway.openai_api import Parsed, parse_chat, parse_completion
-from supervisor.gateway.openai_shape import Choice, Shaper
+from supervisor.gateway.openai_shape import Shaper
+from supervisor.gateway.transcript import Transcript
 from supervisor.gateway.ui import UI_PATH, Dashboard
 from supervisor.router import Router
 from supervisor.units import is_number
@@ -152,7 +153,7 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 async def read_json(request: Request, limit: int) -> Any:
-    return decode_json(await read_body(request, limit))
+    return await decode_json_off_loop(await read_body(request, limit))
 
 
 class Gateway:
@@ -171,9 +172,15 @@ class Gateway:
         parsed = parse(await read_json(request, self.settings.max_body_bytes))
         call = Calls(self.router, parsed, request.url.path)
         shaper = Shaper(parsed, self.router.registry.resolve(parsed.model).id)
+        if not parsed.stream:  # a client that leaves during the load or the prefill is seen at once, too
+            try:
+                return await unless_client_leaves(self._whole(call, shaper), request.receive,
+                                                  f"whole[{parsed.submit.rid}]")
+            finally:
+                call.close()
         starting = asyncio.create_task(call.start(), name=f"start[{parsed.submit.rid}]")
         try:
-            done, _ = await asyncio.wait({starting}, timeout=self.settings.sse_keepalive_s if parsed.stream else None)
+            done, _ = await asyncio.wait({starting}, timeout=self.settings.sse_keepalive_s)
         except asyncio.CancelledError:  # the server is going away under this request: leave nothing held
             starting.cancel()
             call.close()
@@ -185,12 +192,7 @@ class Gateway:
         except BaseException:
             call.close()
             raise
-        if parsed.stream:
-            return SSEResponse(self._sse(call, shaper), call.close)
-        try:
-            return await self._whole(request, call, shaper)
-        finally:
-            call.close()
+        return SSEResponse(self._sse(call, shaper), call.close)
 
     async def _sse_waiting(self, call: Calls, starting: asyncio.Task, shaper: Shaper) -> AsyncIterator[bytes]:
         try:
@@ -222,35 +224,34 @@ class Gateway:
                 first = index not in started
                 started.add(index)
                 if isinstance(item, Finished):
-                    if first or shaper.has_delta(item.text, item.extra):
-                        yield sse(shaper.chunk(index, item.text, item.extra, first=first))
-                    yield sse(shaper.chunk(index, "", None, finish_reason=item.finish_reason))
+                    said = first or shaper.has_delta(item.text, item.extra)
+                    chunks = [shaper.chunk(index, item.text, item.extra, first=first)] if said else []
+                    chunks.append(shaper.chunk(index, "", None, finish_reason=item.finish_reason))
+                    yield b"".join(sse(c) for c in chunks)  # one write for the end's chunks
                     finished[index] = item
                     continue
                 yield sse(shaper.chunk(index, item[0], item[2], first=first))
-            if call.parsed.include_usage:
-                yield sse(shaper.usage_chunk([finished[i] for i in sorted(finished)]))
-            yield SSE_DONE
+            usage = [shaper.usage_chunk([finished[i] for i in sorted(finished)])] if call.parsed.include_usage else []
+            yield b"".join([*(sse(u) for u in usage), SSE_DONE])
         except errors.MlxsupError as exc:
             yield sse(exc.body())
         finally:
             await events.aclose()
 
-    async def _whole(self, request: Request, call: Calls, shaper: Shaper) -> Response:
-        async def collect() -> Response:
-            said = [Choice() for _ in call.calls]
-            finished: dict[int, Finished] = {}
-            async for index, item in call.events():
-                if item is None:
-                    continue
-                if isinstance(item, Finished):
-                    said[index].add(item.text, item.extra)
-                    finished[index] = item
-                else:
-                    said[index].add(item[0], item[2])
-            return JSONResponse(shaper.whole(said, [finished[i] for i in range(len(said))]))
-
-        return await unless_client_leaves(collect(), request.receive, "collect")
+    async def _whole(self, call: Calls, shaper: Shaper) -> Response:
+        """Start and collect every choice; an error before the first token is the response's status."""
+        await call.start()
+        said = [Transcript() for _ in call.calls]
+        finished: dict[int, Finished] = {}
+        async for index, item in call.events():
+            if item is None:
+                continue
+            if isinstance(item, Finished):
+                said[index].feed(item.text, item.extra)
+                finished[index] = item
+            else:
+                said[index].feed(item[0], item[2])
+        return JSONResponse(shaper.whole(said, [finished[i] for i in range(len(said))]))
 
     async def models(self, request: Request) -> Response:
         created = int(self.started)
@@ -274,6 +275,7 @@ class Gateway:
 
     async def status(self, request: Request) -> Response:
         return JSONResponse({"version": __version__, "uptime_s": round(time.time() - self.started, 1),
+                             "security_warning": self.settings.security_warning(),
                              **self.router.status().to_dict()})
 
     async def load(self, request: Request) -> Response:
@@ -396,13 +398,14 @@ class RequireApiKey:
 
     def __init__(self, app: ASGIApp, key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {key}".encode()
         self.key = key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in self.OPEN:
             headers = dict(scope["headers"])
-            bearer = hmac.compare_digest(headers.get(b"authorization", b""), self.expected)
+            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+            # the scheme is case-insensitive (RFC 7235: `bearer` is as good as `Bearer`)
+            bearer = hmac.compare_digest(token.strip(b" "), self.key) and scheme.lower() == b"bearer"
             if not bearer and not hmac.compare_digest(headers.get(b"x-api-key", b""), self.key):
                 err = errors.Unauthorized("a valid API key is required: send 'Authorization: Bearer <key>' "
                                           "or 'x-api-key: <key>'")

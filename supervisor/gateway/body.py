@@ -9,10 +9,13 @@ body can fail is a 400 here, not a 500 somewhere after it. Invariants of a value
 - every string in it, keys included, encodes to UTF-8: a JSON `\\ud800` escape decodes to a lone
   surrogate, which would otherwise blow up wherever the string is next encoded (the response
   echoing it, msgpack to the worker, the tokenizer).
+A body past OFF_LOOP_BYTES is decoded in a thread (`decode_json_off_loop`): decoding megabytes of
+JSON takes long enough to stall every other request and /health if it ran on the event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from typing import Any
@@ -21,6 +24,7 @@ from supervisor.errors import InvalidRequest
 
 MAX_DEPTH = 100  # OpenAI bodies nest a few levels; JSON schemas of tools a few dozen at most
 MAX_INT_DIGITS = 100
+OFF_LOOP_BYTES = 1 << 20  # a body this large is decoded in a thread, off the event loop
 
 # A lone surrogate can only come from a \uD800-\uDFFF escape (the UTF-8 decoder refuses encoded ones),
 # so a body without one needs no string check.
@@ -43,6 +47,13 @@ def decode_json(raw: bytes) -> Any:
         raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
     check_value(value, strings=_SURROGATE_ESCAPE.search(raw) is not None)
     return value
+
+
+async def decode_json_off_loop(raw: bytes) -> Any:
+    """decode_json, in a thread when `raw` is large enough to stall the event loop."""
+    if len(raw) < OFF_LOOP_BYTES:
+        return decode_json(raw)
+    return await asyncio.to_thread(decode_json, raw)
 
 
 def _integer(digits: str) -> int:

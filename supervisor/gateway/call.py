@@ -5,8 +5,10 @@ and releases the lease (telling the worker to abort if the request still runs) o
 completion, error, client disconnect, shutdown. Metrics are observed there, once per request.
 A request whose worker ends under it may be suspended and resumed on the next one
 (supervisor/resume.py): its events just pause, and `next_within(keepalive_s)` lets the caller
-write something to the client meanwhile. A request with several choices (n, or several prompts)
-has one Call each, grouped in `Calls`.
+write something to the client meanwhile. Reading an event starts no task (one keep-alive timer per
+Call, moved on lazily), and deltas queued together come out as one (transcript.merged), so a
+client gets one write for them. A request with several choices (n, or several prompts) has one
+Call each, grouped in `Calls`.
 """
 
 from __future__ import annotations
@@ -20,12 +22,12 @@ from typing import cast
 from protocol.messages import Finished, Submit
 from supervisor import errors
 from supervisor.gateway.openai_api import Parsed
+from supervisor.gateway.transcript import Delta, merged, span
 from supervisor.router import Lease, Router
-from supervisor.workers import Stream
 
 log = logging.getLogger(__name__)
 STATUS_DISCONNECTED = 499  # the client left before the end (nginx's code for it)
-Delta = tuple[str, int, dict | None]  # answer text, tokens, typed extras (reasoning, tool-call pieces, logprobs)
+_TICK = object()  # a Call's keep-alive timer's wake-up, put in its stream's queue while it waits there
 
 
 class Call:
@@ -43,8 +45,11 @@ class Call:
         self.status = STATUS_DISCONNECTED  # the HTTP status this request's outcome maps to
         self.t0 = time.monotonic()
         self.t_first: float | None = None
-        self._stream: Stream | None = None
-        self._pending: asyncio.Future | None = None  # a wait for the next event that outlived a keep-alive
+        self._queue: asyncio.Queue = asyncio.Queue()  # its stream's events (the stream's own queue once submitted)
+        self._held: object | None = None  # an item taken from the queue that did not merge into the last delta
+        self._timer: asyncio.TimerHandle | None = None  # the keep-alive timer (while one is set)
+        self._deadline = 0.0  # the latest keep-alive wait's end, on the loop's clock
+        self._waiting = False  # a keep-alive wait is on: a tick may wake it
         self._closed = False
 
     @property
@@ -55,7 +60,7 @@ class Call:
         """Route, submit and wait for the first event: an error up to here is the response's status."""
         try:
             self.lease = await self.router.acquire(self.parsed.model)
-            self._stream = self.lease.submit(self.submit)
+            self._queue = self.lease.submit(self.submit).queue
             self.first = await self.next()
         except errors.MlxsupError as exc:
             self.outcome, self.status = exc.code, exc.status
@@ -68,22 +73,68 @@ class Call:
         return item
 
     async def next_within(self, keepalive_s: float | None) -> Delta | Finished | None:
-        """The next event; None when none came within `keepalive_s` (it is still awaited by the next call).
+        """The next event, deltas already queued merged into it; None when none came within `keepalive_s`.
 
-        An event already queued, or a wait with no time limit, costs no task: this runs once per token."""
-        stream = self._stream
-        assert stream is not None
-        if self._pending is None:
-            if not stream.queue.empty():
-                return self._took(stream.queue.get_nowait())
+        This runs once per token, so it starts no task: it awaits the stream's queue itself, and one
+        keep-alive timer per Call, moved on lazily, wakes it (a tick in the queue) when the time is up."""
+        item, self._held = self._held, None
+        if item is None and (item := self._queued()) is None:
             if keepalive_s is None:
-                return self._took(await stream.queue.get())
-            self._pending = asyncio.ensure_future(stream.queue.get())
-        done, _ = await asyncio.wait({self._pending}, timeout=keepalive_s)
-        if not done:
-            return None
-        pending, self._pending = self._pending, None
-        return self._took(pending.result())
+                item = await self._queue.get()  # no tick comes: one is put only while a keep-alive wait is on
+            elif (item := await self._wait(keepalive_s)) is _TICK:
+                return None
+        if isinstance(item, tuple) and not self._queue.empty():
+            item = self._coalesce(item)
+        return self._took(item)
+
+    def _queued(self) -> object | None:
+        """The next item already queued; a tick there is stale (its wait got an event first) and dropped."""
+        queue = self._queue
+        while not queue.empty():
+            item = queue.get_nowait()
+            if item is not _TICK:
+                return item
+        return None
+
+    async def _wait(self, keepalive_s: float) -> object:
+        """The next item, or a tick once `keepalive_s` passed: the one timer is set, or moved on when it fires."""
+        loop = asyncio.get_running_loop()
+        self._deadline = loop.time() + keepalive_s
+        if self._timer is None or self._timer.when() > self._deadline:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = loop.call_at(self._deadline, self._tick, loop)
+        self._waiting = True
+        try:
+            return await self._queue.get()
+        finally:
+            self._waiting = False
+
+    def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The keep-alive timer: moved on to the latest wait's deadline, or, past it, wakes that wait."""
+        assert self._timer is not None
+        if self._deadline > self._timer.when():
+            self._timer = loop.call_at(self._deadline, self._tick, loop)
+            return
+        self._timer = None
+        if self._waiting:
+            self._queue.put_nowait(_TICK)
+
+    def _coalesce(self, delta: Delta) -> Delta:
+        """`delta` and the deltas queued behind it as one, as far as they join (transcript.span); the first
+        item that does not is held for the next call. One SSE event then carries what several would."""
+        reach = span(delta)
+        if reach is None:
+            return delta  # it joins nothing, and nothing joins it
+        run, last = [delta], reach[1]  # `last`: the last part (in ORDER) the run says
+        while (item := self._queued()) is not None:
+            reach = span(item) if isinstance(item, tuple) else None
+            if reach is None or reach[0] < last:
+                self._held = item
+                break
+            run.append(cast(Delta, item))
+            last = max(last, reach[1])
+        return merged(run) if len(run) > 1 else delta
 
     def _took(self, item: object) -> Delta | Finished:
         if isinstance(item, errors.MlxsupError):
@@ -99,8 +150,9 @@ class Call:
         if self._closed:
             return
         self._closed = True
-        if self._pending is not None:
-            self._pending.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self.lease is not None:
             self.lease.abort(self.submit.rid)  # a no-op once the worker has finished it
             self.lease.release()

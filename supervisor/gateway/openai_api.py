@@ -7,11 +7,18 @@ relies on; the fields OpenAI's clients send that mean nothing to a local server 
 accepted and dropped, so those clients work unchanged. The Submit is API-neutral: tools as
 {"name", "description", "parameters"}, tool_choice and response_format as a decoding
 `constraint`; the response shapes live in openai_shape.py.
+
+What reaches the chat template as text it does not escape is held to the vendors' own rules, so a
+client cannot write template markup through it: function and message names match NAME
+(`^[a-zA-Z0-9_-]{1,64}$`, OpenAI's); logit_bias keys are decimal ASCII token ids within int32.
+Seeds are int64 values, each its own random stream (never wrapped onto another's); a request asks
+for at most MAX_SEQUENCES sequences in all (prompts x n).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +35,11 @@ MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
 MAX_PROMPTS = 64
+MAX_SEQUENCES = MAX_PROMPTS  # prompts x n of one request: each a sequence in the worker's batch
+MAX_TOKEN_ID = 2**31 - 1
+SEED_RANGE = (-(2**63), 2**63 - 1)  # int64; mapped one-to-one onto the worker's uint64 seeds
+NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # function and message names (OpenAI's rule), by fullmatch
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")  # ASCII digits only: str.isdigit() also takes "²" and "٣"
 
 # Accepted and ignored: OpenAI fields with no meaning for a local server, which clients (the openai SDK's
 # defaults, LangChain, litellm, openai-agents) send anyway. Refusing them breaks those clients.
@@ -60,6 +72,19 @@ class Parsed:
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def valid_name(name: Any, rule: re.Pattern[str] = NAME) -> bool:
+    """A function or participant name by `rule`: ASCII letters, digits, `_` and `-` only, so it cannot
+    hold a chat template's special tokens (`<|end|>`), quotes or newlines."""
+    return isinstance(name, str) and rule.fullmatch(name) is not None
+
+
+def _name(name: Any, where: str) -> str:
+    if not valid_name(name):
+        raise InvalidRequest(f"'{where}' must match the pattern '^[a-zA-Z0-9_-]{{1,64}}$' (letters, digits, "
+                             "underscores and dashes, at most 64)", param=where)
+    return name
 
 
 def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float:
@@ -131,10 +156,11 @@ def _logit_bias(value: Any) -> list | None:
         raise InvalidRequest("'logit_bias' must be an object mapping token ids to biases", param="logit_bias")
     pairs = []
     for key, bias in value.items():
-        if not (isinstance(key, str) and key.isdigit()) or not is_number(bias) or not -100 <= bias <= 100:
-            raise InvalidRequest("'logit_bias' maps token ids (as strings) to numbers from -100 to 100",
-                                 param="logit_bias")
-        pairs.append([int(key), float(bias)])
+        token_id = int(key) if _TOKEN_ID.fullmatch(key) else MAX_TOKEN_ID + 1
+        if token_id > MAX_TOKEN_ID or not is_number(bias) or not -100 <= bias <= 100:
+            raise InvalidRequest(f"'logit_bias' maps token ids (decimal strings from 0 to {MAX_TOKEN_ID}) to "
+                                 "numbers from -100 to 100", param="logit_bias")
+        pairs.append([token_id, float(bias)])
     return pairs or None
 
 
@@ -142,16 +168,14 @@ def _sampling(body: dict) -> dict:
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise InvalidRequest("'ignore_eos' must be a boolean", param="ignore_eos")
-    seed = body.get("seed")
-    if seed is not None and not is_number(seed, integer=True):
-        raise InvalidRequest("'seed' must be an integer", param="seed")
+    seed = _integer(body, "seed", None, *SEED_RANGE)
     return {
         "temperature": _number(body, "temperature", 1.0, 0.0, 2.0),
         "top_p": _number(body, "top_p", 1.0, 0.0, 1.0),
         "top_k": _integer(body, "top_k", 0, 0, MAX_TOKENS_LIMIT),
         "min_p": _number(body, "min_p", 0.0, 0.0, 1.0),
         "ignore_eos": ignore_eos,
-        "seed": None if seed is None else seed % 2**63,
+        "seed": None if seed is None else seed % 2**64,  # one-to-one: -1 is 2**64 - 1, no other seed's
         "presence_penalty": _number(body, "presence_penalty", 0.0, -2.0, 2.0),
         "frequency_penalty": _number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         "repetition_penalty": _number(body, "repetition_penalty", 1.0, 0.01, 10.0),
@@ -159,15 +183,19 @@ def _sampling(body: dict) -> dict:
     }
 
 
-def _n(body: dict) -> int:
-    return _integer(body, "n", 1, 1, MAX_N) or 1
+def _n(body: dict, prompts: int = 1) -> int:
+    n = _integer(body, "n", 1, 1, MAX_N) or 1
+    if n * prompts > MAX_SEQUENCES:
+        raise InvalidRequest(f"{prompts} prompts x n={n} asks for {n * prompts} sequences; one request may ask "
+                             f"for at most {MAX_SEQUENCES}", param="n")
+    return n
 
 
 def fan_out(first: Submit, n: int, prompts: int = 1) -> list[Submit]:
     """One Submit per choice: `first` and its copies, each its own request id and, when seeded, its own seed."""
     out = []
     for i in range(n * prompts):
-        seed = None if first.seed is None else (first.seed + i % n) % 2**63
+        seed = None if first.seed is None else (first.seed + i % n) % 2**64
         out.append(dataclasses.replace(first, rid=f"{first.rid}-{i}" if i else first.rid, seed=seed))
     return out
 
@@ -198,6 +226,7 @@ def _tool_calls(calls: Any, where: str) -> list[dict]:
         fn = call.get("function") if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise InvalidRequest(f"{where}[{j}] must have a function with a name", param=f"{where}[{j}]")
+        _name(fn["name"], f"{where}[{j}].function.name")
         args = fn.get("arguments", "{}")
         if not isinstance(args, (str, dict)):
             raise InvalidRequest(f"{where}[{j}].function.arguments must be a JSON string",
@@ -226,7 +255,7 @@ def _message(m: Any, i: int) -> dict:
         if m.get("tool_call_id") is not None:
             out["tool_call_id"] = str(m["tool_call_id"])
     if isinstance(m.get("name"), str) and m["name"]:
-        out["name"] = m["name"]
+        out["name"] = _name(m["name"], f"{where}.name")
     return out
 
 
@@ -246,6 +275,7 @@ def _tools(body: dict) -> list[dict] | None:
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise InvalidRequest(f"tools[{j}] must be {{'type': 'function', 'function': {{'name': ...}}}}",
                                  param=f"tools[{j}]")
+        _name(fn["name"], f"tools[{j}].function.name")
         params = fn.get("parameters") or {"type": "object", "properties": {}}
         if not isinstance(params, dict):
             raise InvalidRequest(f"tools[{j}].function.parameters must be a JSON schema object",
@@ -277,7 +307,8 @@ def _tool_choice(body: dict, tools: list[dict] | None) -> tuple[list[dict] | Non
         raise InvalidRequest("'tool_choice' must be 'none', 'auto', 'required' or "
                              "{'type': 'function', 'function': {'name': ...}}", param="tool_choice")
     if name not in names:
-        raise InvalidRequest(f"'tool_choice' names function '{name}', which is not in 'tools'", param="tool_choice")
+        raise InvalidRequest(f"'tool_choice' names function {name[:64]!r}, which is not in 'tools'",
+                             param="tool_choice")
     return tools, {"type": "tool", "names": [name], "parallel": False}
 
 
@@ -379,7 +410,7 @@ def parse_completion(body: Any) -> Parsed:
     logprobs = _integer(body, "logprobs", None, 0, MAX_COMPLETION_LOGPROBS)
     prompts = _prompts(body.get("prompt"))
     max_tokens = _integer(body, "max_tokens", 16, 1, MAX_TOKENS_LIMIT) or 16
-    n = _n(body)
+    n = _n(body, len(prompts))
     first = Submit(rid=new_id("cmpl"), max_tokens=max_tokens, stop=stop,
                    logprobs=-1 if logprobs is None else logprobs, **_sampling(body))
     choices = []

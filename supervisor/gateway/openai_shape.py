@@ -3,7 +3,8 @@
 The worker sends typed deltas (answer text, and in a chunk's extras: reasoning, tool-call pieces,
 logprobs); this module writes them in OpenAI's shapes: `delta.content`, `delta.reasoning_content`,
 `delta.tool_calls` (index, id and name first, then arguments in pieces), `logprobs.content`, and
-the whole `message` joined from the same pieces, so a streamed and a whole response say the same.
+the whole `message` from the same deltas' transcript (transcript.py), so a streamed and a whole
+response say the same.
 Invariant: tool-call markup never reaches `content` (the worker's parser removed it); a choice
 that made calls finishes with "tool_calls".
 """
@@ -11,10 +12,10 @@ that made calls finishes with "tool_calls".
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 from protocol.messages import Finished
 from supervisor.gateway.openai_api import Parsed
+from supervisor.gateway.transcript import Transcript
 
 
 def usage(finished: list[Finished], per_prompt: int = 1) -> dict:
@@ -28,29 +29,6 @@ def usage(finished: list[Finished], per_prompt: int = 1) -> dict:
 
 def _bytes(text: str) -> list[int]:
     return list(text.encode("utf-8", "surrogatepass"))
-
-
-@dataclass
-class Choice:
-    """What one choice has said so far, for the whole response."""
-
-    content: list[str] = field(default_factory=list)
-    reasoning: list[str] = field(default_factory=list)
-    calls: dict[int, dict] = field(default_factory=dict)
-    logprobs: list[list] = field(default_factory=list)
-
-    def add(self, text: str, extra: dict | None) -> None:
-        if text:
-            self.content.append(text)
-        if not extra:
-            return
-        if extra.get("reasoning"):
-            self.reasoning.append(extra["reasoning"])
-        for index, call_id, name, args in extra.get("calls") or []:
-            call = self.calls.setdefault(index, {"id": call_id, "type": "function",
-                                                 "function": {"name": name, "arguments": ""}})
-            call["function"]["arguments"] += args
-        self.logprobs.extend(extra.get("logprobs") or [])
 
 
 class Shaper:
@@ -126,19 +104,21 @@ class Shaper:
 
     # --- whole -----------------------------------------------------------------------------
 
-    def whole(self, said: list[Choice], finished: list[Finished]) -> dict:
+    def whole(self, said: list[Transcript], finished: list[Finished]) -> dict:
         choices = []
         for index, (choice, fin) in enumerate(zip(said, finished)):
-            text = "".join(choice.content)
+            text = "".join(choice.answer)
             if not self.chat:
                 choices.append({"index": index, "text": text, "logprobs": self._completion_logprobs(choice.logprobs),
                                 "finish_reason": fin.finish_reason})
                 continue
-            message: dict = {"role": "assistant", "content": text if text or not choice.calls else None}
-            if choice.reasoning:
-                message["reasoning_content"] = "".join(choice.reasoning)
-            if choice.calls:
-                message["tool_calls"] = [choice.calls[i] for i in sorted(choice.calls)]
+            calls = [{"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": c.text}}
+                     for c in choice.calls()]
+            message: dict = {"role": "assistant", "content": text if text or not calls else None}
+            if reasoning := choice.joined("reasoning"):
+                message["reasoning_content"] = reasoning
+            if calls:
+                message["tool_calls"] = calls
             choices.append({"index": index, "message": message, "logprobs": self._chat_logprobs(choice.logprobs),
                             "finish_reason": fin.finish_reason})
         return {**self._envelope(self.object, choices), "usage": usage(finished, self.per_prompt)}

@@ -12,6 +12,10 @@ With `previous_response_id`, the stored conversation (response_store.py, looked 
 `history`) comes first and only the new turn is in `input`; `instructions` are the new request's
 only, as OpenAI does. A `function_call_output` must answer a call made earlier in the conversation.
 Unknown fields get a 400 naming them, those OpenAI's clients send by default are ignored.
+
+What the response echoes is kept by the store, so it is held to the API's limits: `metadata` is at
+most 16 string pairs (keys up to 64 characters, values up to 512); function names, of tools and of
+calls in `input`, match openai_api.NAME (they reach the chat template unescaped).
 """
 
 from __future__ import annotations
@@ -23,24 +27,27 @@ from typing import Any
 
 from protocol.messages import Submit
 from supervisor.errors import InvalidRequest
-from supervisor.gateway.openai_api import MAX_TOKENS_LIMIT, Parsed, new_id
+from supervisor.gateway.openai_api import MAX_TOKENS_LIMIT, Parsed, new_id, valid_name
 from supervisor.units import is_number
 
 log = logging.getLogger(__name__)
 
-IGNORED = {"metadata", "user", "include", "truncation", "service_tier", "prompt_cache_key", "safety_identifier",
+IGNORED = {"user", "include", "truncation", "service_tier", "prompt_cache_key", "safety_identifier",
            "prompt_cache_retention", "max_tool_calls", "top_logprobs", "stream_options"}
 PARAMS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text", "reasoning",
           "max_output_tokens", "temperature", "top_p", "stream", "store", "previous_response_id",
-          "background"} | IGNORED
+          "background", "metadata"} | IGNORED
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal", "summary_text", "reasoning_text")
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
 
 
 @dataclass
 class ResponsesRequest:
     parsed: Parsed
-    conversation: list[dict]  # the messages before `instructions`: the stored history and this turn's input
+    turn: list[dict]  # this request's own `input` as messages (the store keeps it, not the history before it)
     store: bool
     previous_id: str | None
     echo: dict = field(default_factory=dict)  # request fields the response object repeats
@@ -48,6 +55,26 @@ class ResponsesRequest:
 
 def _bad(message: str, param: str | None = None) -> InvalidRequest:
     return InvalidRequest(message, param=param)
+
+
+def _name(name: Any, where: str) -> str:
+    if not valid_name(name):
+        raise _bad(f"'{where}' must match the pattern '^[a-zA-Z0-9_-]{{1,64}}$' (letters, digits, underscores "
+                   "and dashes, at most 64)", where)
+    return name
+
+
+def metadata(value: Any) -> dict:
+    """`metadata` as the API defines it: at most 16 pairs of strings, keys up to 64 characters, values 512."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or len(value) > MAX_METADATA_PAIRS:
+        raise _bad(f"'metadata' must be an object of at most {MAX_METADATA_PAIRS} key-value pairs", "metadata")
+    for key, text in value.items():
+        if len(key) > MAX_METADATA_KEY or not isinstance(text, str) or len(text) > MAX_METADATA_VALUE:
+            raise _bad(f"'metadata' keys must be strings of at most {MAX_METADATA_KEY} characters and its values "
+                       f"strings of at most {MAX_METADATA_VALUE}", "metadata")
+    return value
 
 
 def _text(content: Any, where: str) -> str:
@@ -102,6 +129,7 @@ def _messages(items: Any, known_calls: set[str]) -> list[dict]:
             call_id, name, args = item.get("call_id"), item.get("name"), item.get("arguments", "{}")
             if not isinstance(call_id, str) or not isinstance(name, str) or not isinstance(args, str):
                 raise _bad(f"{where}: a function_call needs string 'call_id', 'name' and 'arguments'", where)
+            _name(name, f"{where}.name")
             known_calls.add(call_id)
             assistant().setdefault("tool_calls", []).append(
                 {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}})
@@ -139,6 +167,7 @@ def _tools(body: dict) -> list[dict] | None:
         name, params = tool.get("name"), tool.get("parameters") or {"type": "object", "properties": {}}
         if not isinstance(name, str) or not name:
             raise _bad(f"tools[{j}].name is required", f"tools[{j}].name")
+        _name(name, f"tools[{j}].name")
         if not isinstance(params, dict):
             raise _bad(f"tools[{j}].parameters must be a JSON schema object", f"tools[{j}].parameters")
         out.append({"name": name, "description": str(tool.get("description") or ""), "parameters": params})
@@ -164,7 +193,7 @@ def _tool_choice(body: dict, tools: list[dict] | None) -> tuple[list[dict] | Non
         raise _bad("'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'name': ...}",
                    "tool_choice")
     if name not in names:
-        raise _bad(f"'tool_choice' names function '{name}', which is not in 'tools'", "tool_choice")
+        raise _bad(f"'tool_choice' names function {name[:64]!r}, which is not in 'tools'", "tool_choice")
     return tools, {"type": "tool", "names": [name], "parallel": False}
 
 
@@ -233,9 +262,10 @@ def parse_responses(body: Any, history: Callable[[str], list[dict]]) -> Response
         raise _bad("'instructions' must be a string", "instructions")
     if body.get("input") is None:
         raise _bad("'input' is required", "input")
-    earlier = [dict(m) for m in history(previous)] if previous else []
+    earlier = history(previous) if previous else []
     known = {c["id"] for m in earlier for c in m.get("tool_calls") or []}
-    conversation = earlier + _messages(body["input"], known)
+    turn = _messages(body["input"], known)
+    conversation = earlier + turn
     tools, constraint = _tool_choice(body, _tools(body))
     json_format, text_echo = _text_format(body)
     kwargs, reasoning_echo = _reasoning(body)
@@ -252,7 +282,7 @@ def parse_responses(body: Any, history: Callable[[str], list[dict]]) -> Response
             "parallel_tool_calls": body.get("parallel_tool_calls", True), "tool_choice": body.get("tool_choice", "auto"),
             "tools": body.get("tools") or [], "temperature": submit.temperature, "top_p": submit.top_p,
             "text": text_echo, "reasoning": reasoning_echo or {"effort": None, "summary": None},
-            "metadata": body.get("metadata") or {}, "store": body.get("store", True), "truncation": "disabled"}
-    return ResponsesRequest(Parsed(model, submit, bool(body.get("stream")), False), conversation,
+            "metadata": metadata(body.get("metadata")), "store": body.get("store", True), "truncation": "disabled"}
+    return ResponsesRequest(Parsed(model, submit, bool(body.get("stream")), False), turn,
                             body.get("store", True) is not False, previous, echo)
 

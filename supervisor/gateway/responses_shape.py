@@ -3,10 +3,9 @@
 The worker's typed deltas become output items in order: `reasoning` (its text as reasoning_text),
 `message` (one `output_text` part), `function_call` (call_id, name, arguments as a JSON string,
 streamed as `response.function_call_arguments.delta`). One `ResponseShaper` writes both the events
-and the whole response from the same deltas, so they say the same. Invariants: every event has the
-next `sequence_number`; an item is `added` before its deltas and `done` before the next item is
-added; whitespace-only text (the blank line between a thought and a call) makes no message item; a
-stream ends with `response.completed` (or `response.incomplete` at max_output_tokens), or with
+and the whole response from the same transcript (transcript.py: an item is one of its parts, added
+before its deltas and done before the next is added; whitespace-only text makes none), so they say
+the same. Invariants: every event has the next `sequence_number`; a stream ends with `response.completed` (or `response.incomplete` at max_output_tokens), or with
 `error` and `response.failed`.
 """
 
@@ -19,6 +18,9 @@ from typing import Any
 
 from protocol.messages import Finished
 from supervisor.errors import MlxsupError
+from supervisor.gateway.transcript import PIECE, START, Part, Step, Transcript
+
+TAGS = {"reasoning": "rs", "text": "msg", "call": "fc"}  # a transcript part's item id prefix
 
 
 def sse_event(event: dict) -> bytes:
@@ -41,9 +43,7 @@ class ResponseShaper:
         self.model = model
         self.echo = echo
         self.created = int(time.time())
-        self.items: list[dict] = []
-        self._open: int | None = None
-        self._blank = ""
+        self.said = Transcript()
         self._seq = 0
 
     def _event(self, kind: str, **fields: Any) -> dict:
@@ -55,17 +55,21 @@ class ResponseShaper:
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status, "error": error,
                 "incomplete_details": incomplete, "model": self.model,
-                "output": [self._public(i) for i in self.items] if status != "in_progress" else [],
+                "output": [self._item(p) for p in self.said.parts] if status != "in_progress" else [],
                 "usage": usage(fin) if fin else None, "user": None, **self.echo}
 
-    @staticmethod
-    def _public(item: dict) -> dict:
-        item = {k: v for k, v in item.items() if not k.startswith("_")}
-        if item["type"] == "message":
-            item["content"] = [{"type": "output_text", "text": item.pop("text"), "annotations": [], "logprobs": []}]
-        elif item["type"] == "reasoning":
-            item["content"] = [{"type": "reasoning_text", "text": item.pop("text")}]
-        return item
+    def _item(self, part: Part, status: str | None = None, text: str | None = None) -> dict:
+        """A part as an output item; `text`: what its content says so far (all of it when None)."""
+        status = status or ("in_progress" if part is self.said.open else "completed")
+        text = part.text if text is None else text
+        if part.kind == "call":
+            return {"type": "function_call", "id": part.tag, "call_id": part.call_id, "name": part.name,
+                    "arguments": text, "status": status}
+        if part.kind == "reasoning":
+            return {"type": "reasoning", "id": part.tag, "status": status, "summary": [],
+                    "content": [{"type": "reasoning_text", "text": text}]}
+        return {"type": "message", "id": part.tag, "status": status, "role": "assistant",
+                "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
 
     # --- events -------------------------------------------------------------------------------
 
@@ -74,83 +78,45 @@ class ResponseShaper:
         return [self._event("response.created", response=response),
                 self._event("response.in_progress", response=response)]
 
-    def _close(self) -> list[dict]:
-        if self._open is None:
-            return []
-        index, self._open = self._open, None
-        item = self.items[index]
-        item["status"] = "completed"
-        public = self._public(item)
-        where = {"item_id": item["id"], "output_index": index}
-        if item["type"] == "function_call":
-            events = [self._event("response.function_call_arguments.done", **where, name=item["name"],
+    def _events(self, step: Step) -> list[dict]:
+        what, part, piece = step
+        where = {"item_id": part.tag, "output_index": part.index}
+        if what == START:
+            part.tag = _item_id(TAGS[part.kind])
+            where["item_id"] = part.tag
+            item = self._item(part, "in_progress", "")
+            events = [self._event("response.output_item.added", output_index=part.index, item=item)]
+            if part.kind != "call":
+                events.append(self._event("response.content_part.added", **where, content_index=0,
+                                          part=item["content"][0]))
+            return events
+        if what == PIECE:
+            if part.kind == "call":
+                return [self._event("response.function_call_arguments.delta", **where, delta=piece)]
+            name = "response.output_text.delta" if part.kind == "text" else "response.reasoning_text.delta"
+            extra: dict[str, list] = {"logprobs": []} if part.kind == "text" else {}
+            return [self._event(name, **where, content_index=0, delta=piece, **extra)]
+        item = self._item(part, "completed")
+        if part.kind == "call":
+            events = [self._event("response.function_call_arguments.done", **where, name=part.name,
                                   arguments=item["arguments"])]
         else:
-            part = public["content"][0]
-            kind = "output_text" if item["type"] == "message" else "reasoning_text"
-            events = [self._event(f"response.{kind}.done", **where, content_index=0, text=part["text"]),
-                      self._event("response.content_part.done", **where, content_index=0, part=part)]
-        return events + [self._event("response.output_item.done", output_index=index, item=public)]
-
-    def _begin(self, item: dict) -> list[dict]:
-        events = self._close()
-        self.items.append(item)
-        self._open = len(self.items) - 1
-        public = self._public(item)
-        events.append(self._event("response.output_item.added", output_index=self._open, item=public))
-        if item["type"] != "function_call":
-            part = {**public["content"][0], "text": ""}
-            events.append(self._event("response.content_part.added", item_id=item["id"], output_index=self._open,
-                                      content_index=0, part=part))
-        return events
-
-    def _append(self, kind: str, text: str) -> list[dict]:
-        events = []
-        if self._open is None or self.items[self._open]["type"] != kind:
-            fresh: dict[str, Any] = {"type": kind, "id": _item_id("rs" if kind == "reasoning" else "msg"),
-                                     "status": "in_progress", "text": ""}
-            if kind == "reasoning":
-                fresh["summary"] = []
-            else:
-                fresh["role"] = "assistant"
-            events += self._begin(fresh)
-        item = self.items[self._open]  # type: ignore[index]
-        item["text"] += text
-        name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
-        extra: dict[str, list] = {"logprobs": []} if kind == "message" else {}
-        return events + [self._event(name, item_id=item["id"], output_index=self._open, content_index=0,
-                                     delta=text, **extra)]
+            content = item["content"][0]
+            kind = "output_text" if part.kind == "text" else "reasoning_text"
+            events = [self._event(f"response.{kind}.done", **where, content_index=0, text=content["text"]),
+                      self._event("response.content_part.done", **where, content_index=0, part=content)]
+        return events + [self._event("response.output_item.done", output_index=part.index, item=item)]
 
     def feed(self, text: str, extra: dict | None) -> list[dict]:
-        events: list[dict] = []
-        extra = extra or {}
-        if extra.get("reasoning"):
-            events += self._append("reasoning", extra["reasoning"])
-        if text:
-            text, self._blank = self._blank + text, ""
-            if text.strip():
-                events += self._append("message", text)
-            else:
-                self._blank = text
-        for _, call_id, name, args in extra.get("calls") or []:
-            if call_id:
-                self._blank = ""
-                events += self._begin({"type": "function_call", "id": _item_id("fc"), "call_id": call_id,
-                                       "name": name, "arguments": "", "status": "in_progress"})
-            item = self.items[self._open] if self._open is not None else None
-            if item is None or item["type"] != "function_call" or not args:
-                continue
-            item["arguments"] += args
-            events.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
-                                      output_index=self._open, delta=args))
-        return events
+        return [e for step in self.said.feed(text, extra) for e in self._events(step)]
 
     def status(self, fin: Finished) -> str:
         return "incomplete" if fin.finish_reason == "length" else "completed"
 
     def finish(self, fin: Finished) -> list[dict]:
         status = self.status(fin)
-        return self._close() + [self._event(f"response.{status}", response=self.response(status, fin))]
+        closing = [e for step in self.said.close() for e in self._events(step)]
+        return closing + [self._event(f"response.{status}", response=self.response(status, fin))]
 
     def failed(self, exc: MlxsupError) -> list[dict]:
         error = {"code": "server_error", "message": exc.message}
@@ -158,19 +124,16 @@ class ResponseShaper:
                 self._event("response.failed", response=self.response("failed", error=error))]
 
     def whole(self, fin: Finished) -> dict:
-        self._close()
+        self.said.close()
         return self.response(self.status(fin), fin)
 
     def turn(self) -> dict:
         """The response's output as the assistant's chat message, for a follow-up's conversation."""
-        message: dict = {"role": "assistant", "content": ""}
-        for item in self.items:
-            if item["type"] == "message":
-                message["content"] += item["text"]
-            elif item["type"] == "reasoning":
-                message["reasoning_content"] = message.get("reasoning_content", "") + item["text"]
-            else:
-                message.setdefault("tool_calls", []).append(
-                    {"id": item["call_id"], "type": "function",
-                     "function": {"name": item["name"], "arguments": item["arguments"]}})
+        message: dict = {"role": "assistant", "content": self.said.joined("text")}
+        if reasoning := self.said.joined("reasoning"):
+            message["reasoning_content"] = reasoning
+        calls = [{"id": p.call_id, "type": "function", "function": {"name": p.name, "arguments": p.text}}
+                 for p in self.said.parts if p.kind == "call"]
+        if calls:
+            message["tool_calls"] = calls
         return message

@@ -133,3 +133,18 @@ def test_config_show_logs_and_ui_ask_the_running_daemon_with_the_key_from_the_co
     assert_gone([int(pid)])
     down = mlxsup("ui", "--url", "http://127.0.0.1:9", env={**elsewhere, "BROWSER": str(browser)})
     assert down.returncode == 3 and "not running" in down.stderr
+
+
+def test_serve_beyond_loopback_without_a_key_refuses_unless_told_and_then_warns(
+        daemon: Daemon, daemon_factory, model_dir: Path, tmp_path: Path) -> None:
+    """The Host check is not authentication: `serve --host 0.0.0.0` with no key said nothing."""
+    state = tmp_path / "refused"
+    refused = mlxsup("serve", "--host", "0.0.0.0", "--port", "0", "--state-dir", str(state),
+                     env={"XDG_CONFIG_HOME": str(tmp_path / "no-config")})
+    assert refused.returncode == 2, refused.stderr
+    assert "without an API key" in refused.stderr and "--insecure-no-key" in refused.stderr
+    assert not (state / "daemon.json").exists()
+    assert daemon.status()["security_warning"] is None  # loopback: nothing to warn of
+    exposed = daemon_factory("--host", "0.0.0.0", "--insecure-no-key", "--model-dir", str(model_dir), name="exposed")
+    assert "listening on 0.0.0.0 without an API key" in exposed.status()["security_warning"]
+    assert "[start] insecure: listening on 0.0.0.0" in (exposed.state_dir / "daemon.log").read_text()

@@ -173,3 +173,53 @@ def test_special_tokens_are_not_text(client: openai.OpenAI, model_dir) -> None:
     assert out.usage.completion_tokens == 1500
     leaked = [name for name in names if name in out.choices[0].text]
     assert not leaked, f"special tokens in the text: {leaked}"
+
+
+def _sample(metrics: str, name: str, labels: dict[str, str]) -> float:
+    """A sample's value in the daemon's /metrics text; 0 when it has none (a labelled series never observed)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return next((s.value for family in text_string_to_metric_families(metrics) for s in family.samples
+                 if s.name == name and s.labels == labels), 0.0)
+
+
+def test_a_whole_request_whose_client_leaves_during_the_prefill_is_aborted_before_its_first_token(
+        daemon_factory, model_dir, tmp_path) -> None:
+    """Issue 25: a non-streamed request used to notice its client's leaving only at its first token."""
+    config = tmp_path / "slow.toml"
+    config.write_text(f"""
+[server]
+prefill_step_size = 16
+
+[models.slow]
+path = "{model_dir / 'tiny'}"
+worker_args = ["--fault", "slow-steps"]
+""")
+    d = daemon_factory("--config", str(config))
+    assert httpx.post(f"{d.url}/api/models/slow/load", timeout=60).status_code == 200
+    prompt = "a long prompt that takes many prefill steps " * 12  # ~10 prefill steps of 0.4 s each
+
+    async def leave_during_the_prefill() -> None:
+        async with httpx.AsyncClient(timeout=60) as http:
+            request = asyncio.create_task(http.post(d.v1 + "/completions",
+                                                    json={"model": "slow", "prompt": prompt, "max_tokens": 50}))
+
+            async def in_the_worker() -> None:
+                while not (await http.get(d.url + "/api/status")).json()["models"][0]["in_flight"]:  # noqa: ASYNC110
+                    await asyncio.sleep(0.01)  # polling the daemon's API: no event to wait on
+
+            await asyncio.wait_for(in_the_worker(), 30)  # polled with a deadline
+            request.cancel()  # the client leaves: its connection is closed
+            await asyncio.gather(request, return_exceptions=True)
+
+    asyncio.run(leave_during_the_prefill())
+    wait_for(lambda: (m := d.model("slow"))["in_flight"] == 0 and m["leases"] == 0, 30,
+             what="the abandoned request to leave the router")
+    wait_for(lambda: (m := d.model("slow"))["batch_size"] == 0 and m["queued"] == 0, 30,
+             what="the worker to stop prefilling it")
+    metrics = httpx.get(d.url + "/metrics", timeout=10).text
+    labels = {"model": "slow", "endpoint": "/v1/completions", "outcome": "disconnected"}
+    assert _sample(metrics, "mlxsup_requests_total", labels) == 1
+    # closed before its first token: no time to first token was observed, no token generated
+    assert _sample(metrics, "mlxsup_time_to_first_token_seconds_count", {"model": "slow"}) == 0
+    assert _sample(metrics, "mlxsup_completion_tokens_total", {"model": "slow"}) == 0

@@ -1,5 +1,8 @@
 """Soak: 64 concurrent clients against loopback for a few thousand requests, with random client
-disconnects, random evictions and a worker SIGKILL now and then. Bounded in count and time.
+disconnects, random evictions and a worker SIGKILL now and then; and the hostile side of issue 25
+among them: a worker of a mismatched protocol version loaded every few seconds, a worker that writes
+a 1 MiB line to stderr, schemas llguidance cannot hold and `logit_bias` ids past the vocabulary.
+Bounded in count and time.
 
 Run on its own (it is excluded from the default run):
     .venv/bin/python -m pytest -m soak -s tests/soak
@@ -7,7 +10,10 @@ SOAK_REQUESTS (default 3000), SOAK_SECONDS (default 600) and SOAK_CLIENTS (defau
 
 Afterwards every request either completed or got a well-formed error (none hung past its
 deadline, no stream cut silently), no leases or requests are left in the router or the workers,
-no process is left behind, and the supervisor's memory growth is reported and bounded. A request
+no process is left behind, and the supervisor's memory growth is reported and bounded. Hostile
+requests get a 400 and crash nothing (the models they go to, `tiny` and `loud`, are never SIGKILLed
+by the chaos, so any crash of theirs is a request's doing), and `/health`, probed all along, answers
+within HEALTH_LIMIT_S every time. A request
 whose worker was SIGKILLed is resumed on the next one (supervisor/resume.py): no `worker_crashed`
 reaches a client unless its request hit a bound (resumed max_resumes times already), and
 nothing stays suspended.
@@ -36,6 +42,49 @@ REQUESTS = int(os.environ.get("SOAK_REQUESTS", 3000))
 SECONDS = float(os.environ.get("SOAK_SECONDS", 600))
 CLIENTS = int(os.environ.get("SOAK_CLIENTS", 64))
 REQUEST_DEADLINE_S = 60.0
+HEALTH_LIMIT_S = 0.1
+KILLABLE = "tiny2"  # the only model the chaos SIGKILLs: crashes of the others would be the requests' doing
+RECURSIVE = {"$ref": "#/$defs/n", "$defs": {"n": {"type": "object", "description": "d" * 70_000,
+                                                  "properties": {"next": {"$ref": "#/$defs/n"}}, "required": ["next"]}}}
+HOSTILE_SCHEMAS = [{"$ref": "#"}, RECURSIVE, {"anyOf": [{"const": f"v{i}"} for i in range(3000)]}]
+
+
+async def hostile_request(http: httpx.AsyncClient, url: str, rng: random.Random) -> str:
+    """A request a worker must refuse at the door (400), never crash on or answer unconstrained."""
+    body: dict = {"model": rng.choice(["tiny", "loud"]), "max_tokens": 8,
+                  "messages": [{"role": "user", "content": f"hostile {rng.random()}"}]}
+    if rng.random() < 0.5:
+        body["logit_bias"] = {str(rng.choice([2**31 - 1, 10**6, 50_000 + rng.randint(0, 9999)])): 5}
+    else:
+        body["response_format"] = {"type": "json_schema",
+                                   "json_schema": {"name": "h", "schema": rng.choice(HOSTILE_SCHEMAS)}}
+    body["stream"] = rng.random() < 0.5
+    r = await http.post(url + "/v1/chat/completions", json=body)
+    if r.status_code == 400:
+        return "refused"
+    if r.status_code == 200 and body["stream"]:
+        assert "error" in r.text, f"a hostile stream ended without an error: {r.text[-300:]}"
+        return "refused-in-stream"
+    return failed(r.json()["error"])
+
+
+async def foreign_loads(d: Daemon, stop: asyncio.Event, log: collections.Counter) -> None:
+    """A worker of another protocol version, loaded every few seconds: each is refused and reaped."""
+    async with httpx.AsyncClient(timeout=60) as http:
+        while not stop.is_set():
+            r = await http.post(f"{d.url}/api/models/future/load", json={})
+            log[f"foreign-load-{r.status_code}"] += 1
+            await asyncio.sleep(3.0)
+
+
+async def health_probe(d: Daemon, stop: asyncio.Event, latencies: list[float]) -> None:
+    async with httpx.AsyncClient(timeout=10) as http:
+        while not stop.is_set():
+            t0 = time.monotonic()
+            r = await http.get(d.url + "/health")
+            latencies.append(time.monotonic() - t0)
+            assert r.status_code == 200
+            await asyncio.sleep(0.05)
 
 
 def failed(error: dict) -> str:
@@ -48,7 +97,9 @@ def failed(error: dict) -> str:
 
 async def one_request(http: httpx.AsyncClient, url: str, rng: random.Random) -> str:
     """Returns the outcome: completed | error:<code> | disconnected; raises on a malformed end."""
-    model = rng.choice(["tiny", "tiny2"])
+    if rng.random() < 0.05:
+        return await hostile_request(http, url, rng)
+    model = rng.choice(["tiny", "tiny2", "loud"])
     body = {"model": model, "prompt": f"soak {rng.random()}", "max_tokens": rng.randint(1, 48),
             "temperature": rng.choice([0, 0.8]), "ignore_eos": rng.random() < 0.5}
     if rng.random() < 0.3:
@@ -83,8 +134,8 @@ async def chaos(d: Daemon, stop: asyncio.Event, rng: random.Random, log: collect
             await asyncio.sleep(rng.uniform(0.5, 2.0))
             status = (await http.get(d.url + "/api/status")).json()
             d.seen_pids.update(m["pid"] for m in status["models"] if m["pid"])
-            model = rng.choice(status["models"])
-            if rng.random() < 0.2 and model["pid"]:
+            model = rng.choice([m for m in status["models"] if m["id"] != "future"])
+            if rng.random() < 0.2 and model["pid"] and model["id"] == KILLABLE:
                 os.kill(model["pid"], signal.SIGKILL)
                 log["sigkill"] += 1
             else:
@@ -95,12 +146,15 @@ async def chaos(d: Daemon, stop: asyncio.Event, rng: random.Random, log: collect
 
 def test_soak(daemon_factory, model_dir: Path, tmp_path: Path) -> None:
     cfg = tmp_path / "soak.toml"
-    cfg.write_text(f'[server]\nmodel_dirs = ["{model_dir}"]\ncrash_limit = 1000\nrestart_backoff_s = 0.05\n')
+    cfg.write_text(f'[server]\nmodel_dirs = ["{model_dir}"]\ncrash_limit = 1000\nrestart_backoff_s = 0.05\n\n'
+                   f'[models.loud]\npath = "{model_dir / "tiny"}"\nworker_args = ["--fault", "megabyte-lines"]\n\n'
+                   f'[models.future]\npath = "{model_dir / "tiny"}"\nworker_args = ["--fault", "foreign-protocol"]\n')
     d = daemon_factory("--config", str(cfg))
     supervisor = psutil.Process(d.proc.pid)
     outcomes: collections.Counter = collections.Counter()
     chaos_log: collections.Counter = collections.Counter()
     rss: list[int] = []
+    health: list[float] = []
 
     async def main() -> None:
         deadline = time.monotonic() + SECONDS
@@ -121,10 +175,12 @@ def test_soak(daemon_factory, model_dir: Path, tmp_path: Path) -> None:
                     if issued % 250 == 0:
                         rss.append(supervisor.memory_info().rss)
 
-            chaos_task = asyncio.create_task(chaos(d, stop, random.Random(7), chaos_log))
+            side = [asyncio.create_task(chaos(d, stop, random.Random(7), chaos_log)),
+                    asyncio.create_task(foreign_loads(d, stop, chaos_log)),
+                    asyncio.create_task(health_probe(d, stop, health))]
             await asyncio.gather(*(client(i) for i in range(CLIENTS)))
             stop.set()
-            await chaos_task
+            await asyncio.gather(*side)
 
     t0 = time.monotonic()
     asyncio.run(main())
@@ -144,10 +200,19 @@ def test_soak(daemon_factory, model_dir: Path, tmp_path: Path) -> None:
     models = d.status()["models"]
     resumed = {m["id"]: (m["resumed"], m["resume_failed"]) for m in models}
     print(f"soak: resumed (and failed to resume) per model: {resumed}")
+    crashes = {m["id"]: m["crashes"] for m in models}
+    health.sort()
+    print(f"soak: crashes per model {crashes}; /health {len(health)} probes, p50 {health[len(health) // 2] * 1e3:.1f} "
+          f"ms, max {health[-1] * 1e3:.1f} ms")
+    assert crashes["tiny"] == 0 and crashes["loud"] == 0, "a request crashed a worker"
+    assert chaos_log["foreign-load-503"] > 0, "no worker of another protocol version was refused"
+    assert outcomes["refused"] + outcomes["refused-in-stream"] > 0, "no hostile request was sent"
+    assert health[-1] < HEALTH_LIMIT_S, "the daemon's loop stalled: /health answered late"
     assert outcomes["HUNG"] == 0
     assert outcomes["error:worker_crashed-unresumed"] == 0, "a crash reached a client though it could resume"
     if chaos_log["sigkill"]:
         assert sum(r for r, _ in resumed.values()) > 0, "SIGKILLs under load, and nothing was resumed"
     assert outcomes["completed"] > total // 2
-    assert all(k in ("completed", "disconnected") or k.startswith("error:") for k in outcomes)
+    assert all(k in ("completed", "disconnected", "refused", "refused-in-stream") or k.startswith("error:")
+               for k in outcomes)
     assert growth < 64 * 2**20, "supervisor memory grew without bound"

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import pytest
+from starlette.requests import Request
 
 from protocol.codec import ProtocolError, encode
 from protocol.messages import Evict, Submit
 from supervisor.errors import InvalidRequest
-from supervisor.gateway.body import MAX_DEPTH, decode_json
+from supervisor.gateway import body
+from supervisor.gateway.app import read_json
+from supervisor.gateway.body import MAX_DEPTH, OFF_LOOP_BYTES, decode_json, decode_json_off_loop
 
 
 @pytest.mark.parametrize("raw, says, param", [
@@ -45,3 +51,37 @@ def test_what_the_wire_cannot_carry_is_a_protocol_error() -> None:
         encode(Submit(rid="r", max_tokens=1, prompt="\ud800"))
     with pytest.raises(ProtocolError, match="evict: cannot encode"):
         encode(Evict(deadline_s=10**30))
+
+
+def test_a_large_body_is_decoded_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decoding 8 MB of JSON on the loop stalled every request and /health for seconds. Here the decode,
+    once started, asks the loop to run a callback (what /health does) and waits for it: on the loop, the
+    callback could not run until the decode returned, and the wait gives up."""
+    loop_answered: list[bool] = []
+
+    def decode_waiting_for_the_loop(raw: bytes) -> object:
+        answered = threading.Event()
+        loop.call_soon_threadsafe(answered.set)
+        loop_answered.append(answered.wait(timeout=10))
+        return decode_json(raw)
+
+    monkeypatch.setattr(body, "decode_json", decode_waiting_for_the_loop)
+    raw = b'{"pad": "' + b"x" * OFF_LOOP_BYTES + b'"}'
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": raw, "more_body": False}
+
+    request = Request({"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}, receive)
+    loop = asyncio.new_event_loop()
+    try:
+        assert loop.run_until_complete(read_json(request, 2 * OFF_LOOP_BYTES)) == {"pad": "x" * OFF_LOOP_BYTES}
+    finally:
+        loop.close()
+    assert loop_answered == [True]
+
+
+def test_a_small_body_is_decoded_on_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    threads: list[str] = []
+    monkeypatch.setattr(body, "decode_json", lambda raw: threads.append(threading.current_thread().name) or {})
+    asyncio.run(decode_json_off_loop(b"{}"))
+    assert threads == [threading.main_thread().name]

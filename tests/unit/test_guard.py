@@ -122,3 +122,40 @@ def test_a_websocket_from_a_foreign_origin_is_closed_before_the_app_sees_it() ->
 
     asyncio.run(guard(scope, receive, send))
     assert not seen and sent == [{"type": "websocket.close", "code": 1008, "reason": "origin_not_allowed"}]
+
+
+def test_the_bearer_scheme_is_case_insensitive() -> None:
+    """RFC 7235: the auth scheme is a case-insensitive token; `bearer <key>` got a 401."""
+    app = build_app(_stub_router(), Settings(api_key="k"))  # type: ignore[arg-type]
+
+    async def scenario() -> None:
+        for good in ("Bearer k", "bearer k", "BEARER k", "bEaReR  k"):
+            r = await _get(app, "GET", "/v1/models", {"Authorization": good})
+            assert r.status_code == 200, good
+        for bad in ("Bearer kk", "Basic k", "Bearerk", "k", "Bearer", "bearer K", "x-bearer k"):
+            r = await _get(app, "GET", "/v1/models", {"Authorization": bad})
+            assert r.status_code == 401, bad
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("host, key, warned", [
+    ("127.0.0.1", None, False), ("localhost", None, False), ("::1", None, False), ("0.0.0.0", "k", False),
+    ("0.0.0.0", None, True), ("::", None, True), ("192.168.1.5", None, True), ("mybox.lan", None, True),
+])
+def test_listening_beyond_loopback_without_a_key_is_warned_of(host: str, key: str | None, warned: bool) -> None:
+    warning = Settings(host=host, api_key=key).security_warning()
+    assert (warning is not None) is warned
+    assert warning is None or host in warning
+
+
+def test_insecure_no_key_is_a_config_key(tmp_path: Path) -> None:
+    path = tmp_path / "config.toml"
+    path.write_text('[server]\nhost = "0.0.0.0"\ninsecure_no_key = true\n')
+    assert load_file(path, Settings()).insecure_no_key is True
+    path.write_text('[server]\ninsecure_no_key = "yes"\n')
+    with pytest.raises(ConfigError, match="insecure_no_key"):
+        load_file(path, Settings())
+    path.write_text('[server]\nport = true\n')  # a bool is still no integer
+    with pytest.raises(ConfigError, match="server.port"):
+        load_file(path, Settings())

@@ -36,6 +36,8 @@ def w(id: str, mib: int, *, state: str = "ready", busy: bool = False, pinned: bo
     (400, [w("a", 700, state="loading")], 1000, None, Admission(missing_bytes=100 * MiB)),
     # memory already on its way back: wait for it rather than evicting more
     (400, [w("a", 700, state="evicting"), w("b", 100)], 1000, None, Admission(wait=True)),
+    # ... as is a refused worker's, being killed (it is neither evictable nor staying)
+    (400, [w("a", 700, state="failed"), w("b", 100)], 1000, None, Admission(wait=True)),
     # larger than the ceiling itself: refused outright
     (2000, [], 1000, None, Admission(missing_bytes=1000 * MiB)),
     # the count limit
@@ -54,6 +56,7 @@ def test_pressure_prefers_idle_and_takes_busy_only_when_hard() -> None:
     assert pressure_victim(only_busy, "soft") is None
     assert pressure_victim(only_busy, "hard") == ("b2", True)
     assert pressure_victim([*only_busy, w("x", 1, state="evicting")], "hard") is None
+    assert pressure_victim([*only_busy, w("x", 1, state="failed")], "hard") is None
 
 
 def test_pressure_level() -> None:

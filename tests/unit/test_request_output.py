@@ -10,7 +10,8 @@ from mlx_lm.tool_parsers import json_tools
 
 from protocol.messages import Finished, Submit
 from supervisor.gateway.openai_api import Parsed
-from supervisor.gateway.openai_shape import Choice, Shaper
+from supervisor.gateway.openai_shape import Shaper
+from supervisor.gateway.transcript import Transcript
 from worker.output_parser import MarkupParser, PlainParser, ToolFormat
 from worker.request_output import RequestOutput
 from worker.textstream import TextStream
@@ -75,10 +76,10 @@ def test_streamed_pieces_join_to_the_whole_message() -> None:
     fin = Finished("r", text, reason, 3, len(PIECES), 0, extra)
     submit = Submit(rid="chatcmpl-x", max_tokens=9, messages=[{"role": "user", "content": "hi"}], logprobs=0)
     shaper = Shaper(Parsed("m", submit, True, False, logprobs=True), "m")
-    said = Choice()
+    said = Transcript()
     for c in chunks:
-        said.add(c[0], c[2] if len(c) > 2 else None)
-    said.add(fin.text, fin.extra)
+        said.feed(c[0], c[2] if len(c) > 2 else None)
+    said.feed(fin.text, fin.extra)
     whole = shaper.whole([said], [fin])["choices"][0]
     assert whole["finish_reason"] == "tool_calls" and whole["message"]["content"] == "Ok"
     assert whole["message"]["reasoning_content"] == "hm"

@@ -11,7 +11,15 @@ from typing import Any
 from protocol.messages import Finished, Submit, Tokens
 from supervisor import errors
 from supervisor.workers import State, Stream, Worker
-from tests.unit.test_router import World, scenario, settle, strict_states  # noqa: F401 - its autouse fixture
+from tests.unit.test_router import (  # noqa: F401 - strict_states: its autouse fixture
+    REFUSAL,
+    World,
+    fake,
+    next_event,
+    scenario,
+    settle,
+    strict_states,
+)
 
 
 def resumable(tmp_path: Path, **settings: Any) -> World:
@@ -233,4 +241,40 @@ async def test_a_next_worker_that_dies_loading_is_followed_by_another(tmp_path: 
     third = w.ready("m")
     await settle()
     assert [m.rid for m in w.transport.to(third, Submit)] == ["r1"]
+    lease.release()
+
+
+@scenario
+async def test_a_resume_whose_next_worker_is_refused_fails_once_that_worker_is_reaped(tmp_path: Path) -> None:
+    """Catches: a resume retrying on a refused worker still loading, whose failed load fails the retry at once,
+    so it loops without ever yielding (the watchdog fails the test); a refused model restarted again."""
+    w = resumable(tmp_path)
+    lease = await w.load("m")
+    stream = lease.submit(Submit("r1", max_tokens=10, prompt="hi", temperature=0.0))
+    w.process("m").exit(-9)
+    await settle()
+    w.clock.advance(1.0)  # past the back-off: the resume starts the model's next worker
+    await settle()
+    second = w.worker("m")
+    fake(second).reap_later = True  # a real process is reaped a moment after its SIGKILL
+    w.transport.refuse(second.identity, REFUSAL)
+    await settle()
+    assert stream.queue.empty() and w.router.suspension("r1") is not None, "it waits for the refused worker's end"
+    fake(second).exit(-9)
+    await settle()
+    error = next_event(stream)
+    assert isinstance(error, errors.WorkerDied) and "marked failed" in error.message, error
+    assert len(w.processes) == 2 and w.router.suspended == {}
+    lease.release()
+
+
+@scenario
+async def test_without_resumes_no_submit_or_token_ids_are_kept(tmp_path: Path) -> None:
+    """Catches: a request keeping every generated token id (and its Submit) though it can never be resumed."""
+    w = resumable(tmp_path, max_resumes=0)
+    lease = await w.load("m")
+    stream = lease.submit(Submit("r1", max_tokens=0, prompt="hi"))
+    tokens(w, w.worker("m"), "r1", ("He", [5, 6]), ("llo", [7]))
+    assert drain(stream) == [("He", 2, None), ("llo", 1, None)]
+    assert stream.submit is None and stream.token_ids == []
     lease.release()

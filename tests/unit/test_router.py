@@ -44,6 +44,7 @@ from supervisor.gateway.metrics import Metrics
 from supervisor.registry import ModelSpec, Registry
 from supervisor.router import Lease, Router
 from supervisor.workers import IllegalTransition, State, Stream, Worker
+from tests.unit.watchdog import run_watched
 
 MIB = 2**20
 M = TypeVar("M", bound=Message)
@@ -91,6 +92,7 @@ class FakeProcess:
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=40)
         self.signals: list[str] = []
         self.stops: list[tuple[float, float]] = []  # (grace_s, kill_timeout_s) of each stop()
+        self.reap_later = False  # True: SIGKILL does not end it at once; the test's exit() is its reaping
 
     @property
     def pid(self) -> int | None:
@@ -107,7 +109,7 @@ class FakeProcess:
 
     def signal(self, sig: signal.Signals, why: str | None = None) -> None:
         self.signals.append(sig.name)
-        if sig == signal.SIGKILL:
+        if sig == signal.SIGKILL and not self.reap_later:
             self.exit(-signal.SIGKILL)
 
     async def stop(self, grace_s: float, kill_timeout_s: float) -> dict:
@@ -226,11 +228,12 @@ async def settle(turns: int = 20) -> None:
 
 
 def scenario(test: Callable[..., Awaitable[None]]) -> Callable[..., None]:
-    """Run an async test on a fresh loop; the timeout only turns a hang into a failure."""
+    """Run an async test on a fresh loop; the timeout turns a hang into a failure, the watchdog a spin
+    (a loop that stops yielding, which no timeout on that loop can see)."""
 
     @functools.wraps(test)
     def run(*args: Any, **kwargs: Any) -> None:
-        asyncio.run(asyncio.wait_for(test(*args, **kwargs), 10))
+        run_watched(asyncio.wait_for(test(*args, **kwargs), 10))
 
     return run
 
@@ -676,6 +679,98 @@ async def test_an_unreachable_worker_is_reported_not_waited_on(tmp_path: Path) -
     assert result["models"][0]["error"] == "the worker is not reachable" and w.worker("m").replies == {}
 
 
+# --- a refused worker (another protocol version) -----------------------------------------------
+
+REFUSAL = "protocol version 2, this supervisor speaks 1"
+
+
+async def refused_while_loading(w: World, model_id: str) -> tuple[Worker, asyncio.Future]:
+    """A request starts the model's worker, which is refused; it is reaped only when the test says (as a real
+    process is, a moment after its SIGKILL). Returns the worker and the request, which failed."""
+    acquiring = asyncio.ensure_future(w.router.acquire(model_id))
+    await settle()
+    worker = w.worker(model_id)
+    fake(worker).reap_later = True
+    w.transport.refuse(worker.identity, REFUSAL)
+    assert worker.state is State.FAILED, "a refused worker leaves LOADING in the very turn"
+    await settle()
+    assert "SIGKILL" in fake(worker).signals
+    with pytest.raises(errors.ModelLoadFailed, match="refused"):
+        acquiring.result()
+    return worker, acquiring
+
+
+@scenario
+async def test_a_refused_worker_fails_its_load_at_once_and_the_model_once_it_is_reaped(tmp_path: Path) -> None:
+    """Catches: a refused worker left LOADING (its load failed) until it is reaped, so a request in between
+    fails on a stale error instead of waiting for its end; a refused model restarted into the same refusal."""
+    w = World(tmp_path)
+    worker, _ = await refused_while_loading(w, "m")
+    assert w.router.model_status("m").state == "failed"
+    second = asyncio.ensure_future(w.router.acquire("m"))
+    await settle()
+    assert pending(second), "a request must wait for the refused worker's end"
+    fake(worker).exit(-signal.SIGKILL)
+    with pytest.raises(errors.ModelLoadFailed, match="marked failed.*protocol"):
+        await now(second)
+    assert len(w.processes) == 1, "a worker of another protocol version is refused again: no restart"
+
+
+@scenario
+async def test_a_request_waiting_on_a_refused_load_waits_for_the_workers_end(tmp_path: Path) -> None:
+    """Catches: `ask` looping on the refused worker's failed load without ever yielding (the daemon stops
+    answering HTTP and signals; the watchdog fails the test)."""
+    w = World(tmp_path)
+    acquiring = asyncio.ensure_future(w.router.acquire("m"))
+    await settle()
+    worker = w.worker("m")
+    fake(worker).reap_later = True
+    clearing = asyncio.ensure_future(w.router.clear_cache("hot", "m"))
+    await settle()
+    w.transport.refuse(worker.identity, REFUSAL)
+    await settle()
+    with pytest.raises(errors.ModelLoadFailed, match="refused"):
+        acquiring.result()
+    assert pending(clearing) and w.transport.to(worker, ClearCache) == []
+    fake(worker).exit(-signal.SIGKILL)
+    result = await now(clearing)
+    assert result["models"][0] == {"model": "m", "loaded": False, "entries": 0, "reclaimed_bytes": 0}
+
+
+@scenario
+async def test_a_load_that_needs_a_refused_workers_memory_waits_until_it_is_reaped(tmp_path: Path) -> None:
+    """Catches: a refused worker's memory counted as staying (the load refused for want of memory), or as
+    leaving without the load waiting for it (admission deciding "wait" again and again without yielding)."""
+    w = World(tmp_path, memory_ceiling_bytes=150 * MIB)
+    worker, _ = await refused_while_loading(w, "m")
+    loading = asyncio.ensure_future(w.router.acquire("n"))
+    await settle()
+    assert pending(loading) and "n" not in w.router.workers
+    fake(worker).exit(-signal.SIGKILL)
+    await settle()
+    w.ready("n")
+    (await now(loading)).release()
+    assert set(w.router.workers) == {"n"}
+
+
+@scenario
+async def test_an_exception_in_a_background_task_is_logged_with_the_tasks_name(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Catches: a task the router starts and nobody awaits (here the one that starts and watches a worker)
+    whose exception is lost."""
+
+    async def broken_start(self: FakeProcess) -> None:
+        raise RuntimeError("a bug in start")
+
+    monkeypatch.setattr(FakeProcess, "start", broken_start)
+    w = World(tmp_path)
+    acquiring = asyncio.ensure_future(w.router.acquire("m"))
+    await settle()
+    (record,) = [r for r in caplog.records if r.getMessage().startswith("[task] run[m] failed")]
+    assert record.levelname == "ERROR" and record.exc_info and isinstance(record.exc_info[1], RuntimeError)
+    acquiring.cancel()
+
+
 # --- messages and states -----------------------------------------------------------------------
 
 
@@ -689,7 +784,7 @@ def test_every_kind_a_worker_sends_has_a_handler() -> None:
 @scenario
 async def test_messages_reach_their_streams_and_the_worker_record(tmp_path: Path) -> None:
     """Catches: a handler missing from the table (tokens, finish, heartbeat), or last_seen not kept."""
-    w = World(tmp_path)
+    w = World(tmp_path, max_resumes=2)  # the token ids are kept for a resume only
     lease = await w.load("m")
     worker = w.worker("m")
     stream = lease.submit(Submit("r1", max_tokens=8, prompt="hi"))

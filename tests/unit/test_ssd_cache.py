@@ -6,6 +6,9 @@ thread and fsync are used.
 
 from __future__ import annotations
 
+import os
+import stat
+import threading
 import time
 from pathlib import Path
 
@@ -14,6 +17,7 @@ import pytest
 
 from protocol.cachedir import clear_dir, model_cache_dir, model_fingerprint
 from tests.conftest import wait_for
+from worker import ssd_cache
 from worker.ssd_cache import SsdCache
 from worker.ssd_format import BadBlock, BlockData, read_block, read_header, write_block
 
@@ -270,3 +274,73 @@ def test_a_damaged_block_mid_chain_ends_the_hit_there_and_goes(tmp_path: Path) -
     assert not again.path(blocks[3].key).exists() and len(again) == 5
     again.close(10)
     assert again._pool is None
+
+
+def test_the_directory_and_its_files_are_private_to_their_user(tmp_path: Path) -> None:
+    """Block headers hold prompts' token ids: no other local user may list or read them."""
+    wide = tmp_path / "wide"
+    wide.mkdir(mode=0o755)
+    os.chmod(wide, 0o755)
+    root = tmp_path / "kv" / "models"
+    for directory in (root / "fp", wide):
+        ssd = SsdCache(directory, FP, 1 << 30)
+        assert ssd.enqueue(chain(2)) == 2
+        ssd.close(10)
+        assert len(ssd) == 2
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o700  # made so, or an existing one narrowed
+        assert [stat.S_IMODE(p.stat().st_mode) for p in directory.glob("*.kvb")] == [0o600, 0o600]
+    assert stat.S_IMODE((tmp_path / "kv").stat().st_mode) == 0o700  # the parents it made, too
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+
+
+def test_a_symlink_planted_at_a_temp_name_is_never_written_through(tmp_path: Path, monkeypatch) -> None:
+    """A symlink at the temp name the writer is about to use (a pid-based one, or one an attacker guessed) must
+    not have it overwrite the link's target."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    directory = tmp_path / "cache"
+    directory.mkdir()
+    block = chain(1)[0]
+    guessed = directory / f"{block.key.hex()}.kvb.guessed.tmp"
+    monkeypatch.setattr(ssd_cache, "temp_name", lambda final: guessed, raising=False)
+    ssd = SsdCache(directory, FP, 1 << 30)
+    for name in (guessed.name, f"{block.key.hex()}.kvb.{os.getpid()}.tmp"):
+        (directory / name).symlink_to(victim)
+    ssd.enqueue([block])
+    ssd.close(10)
+    assert victim.read_bytes() == b"precious"
+    assert len(ssd) == 0 and not ssd.path(block.key).exists()
+
+
+def test_temp_names_are_random() -> None:
+    final = Path("/x") / "ab.kvb"
+    names = {ssd_cache.temp_name(final).name for _ in range(20)}
+    assert len(names) == 20 and all(n.startswith("ab.kvb.") and n.endswith(".tmp") for n in names)
+
+
+def test_rebuild_neither_follows_a_symlink_nor_waits_on_a_fifo(tmp_path: Path) -> None:
+    """A *.kvb that is not a regular file is removed unread: a FIFO would block the open, a symlink leads out."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    block, fifo_block = chain(2)
+    target = write(outside, block)  # a valid block, but not in the cache's directory
+    directory = tmp_path / "cache"
+    directory.mkdir()
+    (directory / target.name).symlink_to(target)
+    fifo = directory / f"{fifo_block.key.hex()}.kvb"
+    os.mkfifo(fifo)
+    done: list[SsdCache] = []
+    builder = threading.Thread(target=lambda: done.append(SsdCache(directory, FP, 1 << 30)), daemon=True)
+    builder.start()
+    builder.join(30)
+    if not done:  # unblock the open that hangs, so the thread and the test end
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        builder.join(10)
+    assert done, "the rebuild waited on a FIFO"
+    ssd = done[0]
+    assert len(ssd) == 0 and sorted(p.name for p in directory.iterdir()) == []
+    assert target.exists()  # the link went, not what it pointed to
+    ssd.close(1)
+    os.mkfifo(fifo)
+    with pytest.raises(BadBlock, match="regular"):  # a block read, as a hit does, refuses it too
+        read_header(fifo, FP, fifo_block.key)

@@ -35,6 +35,7 @@ import gc
 import json
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,18 +59,21 @@ from protocol.messages import (
 from worker.chat_format import ConstraintError, family_of, grammar_for, parser_for, starts_in_think
 from worker.engine_api import RequestRejected
 from worker.memory import process_memory_bytes
+from worker.mlx_engine import scripted
 from worker.mlx_engine.attention import install as attention_route
 from worker.mlx_engine.decode_graph import DecodeGraph, solo_modes
-from worker.mlx_engine.guided import Grammars, logprob_entries, penalty_processors, seeded_sampler
+from worker.mlx_engine.guided import GrammarProcessor, Grammars, logprob_entries, penalty_processors, seeded_sampler
 from worker.mlx_engine.prompt_cache import CacheOptions, PromptCaches
 from worker.mlx_engine.solo import Solo, SoloResponse
 from worker.mlx_engine.warmup import ShapeWarmer, Warmed, wants_warm_up
 from worker.request_output import RequestOutput
 from worker.step_cost import PrefillSeq, StepCostModel, StepPlan, StepWork
-from worker.template_input import special_token_ids, template_messages, template_tools
+from worker.template_input import special_token_ids, special_token_texts, template_messages, template_tools, tool_names
 from worker.textstream import TextStream
 
 log = logging.getLogger(__name__)
+
+SAMPLERS_KEPT = 16  # samplers kept for reuse, by (temperature, top_p, top_k, min_p), least recently used dropped
 
 
 @dataclass(slots=True)
@@ -86,6 +90,7 @@ class Request:
     snapshot_at: frozenset[int] = frozenset()  # prompt positions where its prefill stops for a cache snapshot
     snapshots: dict = field(default_factory=dict)  # block index -> the snapshot taken at that block's end
     unsent: list[int] = field(default_factory=list)  # generated ids whose text has not gone out yet
+    grammar: GrammarProcessor | None = None
 
 
 def load_with_progress(model_path: Path, report: Callable[[str, float], None]) -> tuple:
@@ -129,6 +134,7 @@ class Engine:
         eos = sorted(self.tokenizer.eos_token_ids)
         self.family = family_of(self.tokenizer)
         self._special = special_token_ids(self.tokenizer) - self.family.visible_specials
+        self._special_texts = special_token_texts(self.tokenizer)
         self.grammars = Grammars(self.tokenizer._tokenizer, eos, self.vocab_size)
         self._eos = set(eos)
         self._stop_eos = StopSequences([[t] for t in eos])
@@ -158,7 +164,7 @@ class Engine:
         self._prefilling: dict[str, Request] = {}  # requests with prompt left to prefill, in arrival order
         self._plan: StepPlan | None = None
         self._in_flight = 0  # sequences of the last step's decode: launched, and what the next step waits for
-        self._samplers: dict[tuple, Callable] = {}
+        self._samplers: OrderedDict[tuple, Callable] = OrderedDict()
         self._by_uid: dict[int, Request] = {}
         self._by_rid: dict[str, Request] = {}
         self.generated_tokens = 0
@@ -209,38 +215,59 @@ class Engine:
         # raises on it inside the batched step instead, failing the whole batch (and the generator after it)
         top_k = self._top_k(msg)
         key = (msg.temperature, msg.top_p, top_k, msg.min_p)
-        if key not in self._samplers:
+        sampler = self._samplers.pop(key, None)
+        if sampler is None:
             top_p = msg.top_p if msg.top_p < 1.0 else 0.0
-            self._samplers[key] = make_sampler(msg.temperature, top_p=top_p, min_p=msg.min_p, top_k=top_k)
-        return self._samplers[key]
+            sampler = make_sampler(msg.temperature, top_p=top_p, min_p=msg.min_p, top_k=top_k)
+        self._samplers[key] = sampler  # the most recently used last
+        while len(self._samplers) > SAMPLERS_KEPT:
+            self._samplers.popitem(last=False)
+        return sampler
 
-    def _decoding(self, msg: Submit, tokens: list[int]) -> tuple[Callable | None, list, RequestOutput]:
-        """A request's sampler, logits processors and output (parser, logprobs), from its options; `tokens` is
-        its prompt (without a resumed request's earlier tokens, which its output and grammar are replayed through)."""
+    def _check_ids(self, msg: Submit) -> None:
+        """Refuse what would index past the vocabulary (mlx's scatter does not check: it would write out of
+        bounds) or put special-token text into the prompt through a tool's name."""
+        vocab = self.vocab_size or len(self.tokenizer.get_vocab())
+        for pair in msg.logit_bias or []:
+            t = pair[0] if isinstance(pair, list | tuple) and len(pair) == 2 else None
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise RequestRejected(INVALID_REQUEST, f"logit_bias holds a token id outside the vocabulary "
+                                                       f"(0-{vocab - 1})")
+        for name in tool_names(msg.tools, msg.messages):
+            if any(text in name for text in self._special_texts):
+                raise RequestRejected(INVALID_REQUEST, f"the tool name {name[:80]!r} holds a special token's text")
+
+    def _decoding(self, msg: Submit, tokens: list[int]) -> tuple[Callable | None, list, RequestOutput,
+                                                                GrammarProcessor | None]:
+        """A request's sampler, logits processors, output (parser, logprobs) and grammar, from its options; `tokens`
+        is its prompt (without a resumed request's earlier tokens, which its output and grammar are replayed through)."""
         chat = msg.messages is not None
         in_think = chat and starts_in_think(self.family, self.tokenizer.decode(tokens[-4:]))
         processors = penalty_processors(msg.presence_penalty, msg.frequency_penalty, msg.repetition_penalty,
                                         msg.logit_bias)
+        grammar = None
         if msg.constraint is not None:
-            try:
-                grammar = self.grammars.processor(grammar_for(self.family, msg.constraint, msg.tools, in_think))
-                grammar.advance(msg.resume_tokens)  # a resumed request's grammar is past what it generated
+            try:  # a resumed request's grammar is past what it generated
+                grammar = self.grammars.processor(grammar_for(self.family, msg.constraint, msg.tools, in_think),
+                                                  msg.resume_tokens)
                 processors.append(grammar)
             except ConstraintError as exc:
                 what = msg.constraint.get("name") or ("the tool call" if msg.constraint.get("type") == "tool"
                                                       else "the response format")
                 raise RequestRejected(INVALID_REQUEST, f"cannot constrain decoding to {what}: {exc}") from None
+        processors += scripted.processors(msg.messages, self.tokenizer, len(msg.resume_tokens))  # tests only
         sampler = self._sampler(msg) if msg.seed is None else seeded_sampler(
             msg.temperature, msg.top_p, msg.min_p, self._top_k(msg), msg.seed, skip=len(msg.resume_tokens))
         logprobs = logprob_entries(self.tokenizer.decode, msg.logprobs) if msg.logprobs >= 0 else None
         parser = parser_for(self.family, chat, bool(msg.tools), in_think)
         out = RequestOutput(TextStream(self.tokenizer.detokenizer, msg.stop, self._special), parser, logprobs)
         out.replay(msg.resume_tokens)  # a resumed request's output continues exactly where its client's stopped
-        return sampler, processors, out
+        return sampler, processors, out, grammar
 
     def submit(self, msg: Submit) -> None:
         if msg.rid in self._by_rid:
             raise RequestRejected(INVALID_REQUEST, f"request id {msg.rid} is already in flight")
+        self._check_ids(msg)
         tokens = self.encode_prompt(msg)
         if not tokens:
             raise RequestRejected(INVALID_REQUEST, "the prompt is empty")
@@ -253,7 +280,7 @@ class Engine:
                 f"this model's maximum context length is {self.context_length} tokens; the prompt has "
                 f"{len(tokens)} tokens and max_tokens asks for {msg.max_tokens or 'the rest'}",
             )
-        sampler, processors, out = self._decoding(msg, tokens[:prompt_tokens])
+        sampler, processors, out, grammar = self._decoding(msg, tokens[:prompt_tokens])
         cached, prefix = self._lookup(msg.rid, tokens)
         points = self.caches.snapshot_points(len(tokens), cached) if self.caches is not None else []
         cuts = [0] + [p - cached for p in points] + [len(tokens) - cached]
@@ -276,7 +303,7 @@ class Engine:
             )
         req = Request(msg.rid, uid, prompt_tokens, out, completion_tokens=len(msg.resume_tokens),
                       cached_tokens=min(cached, prompt_tokens), prefill_left=len(tokens) - cached - 1, position=cached,
-                      start=cached, snapshot_at=frozenset(points))
+                      start=cached, snapshot_at=frozenset(points), grammar=grammar)
         self._by_uid[uid] = req
         self._by_rid[msg.rid] = req
         if req.prefill_left > 0:
@@ -416,8 +443,9 @@ class Engine:
         if req.prefill_left == 0:
             self._prefilling.pop(req.rid, None)
 
-    def step(self) -> tuple[list[list], list[Finished]]:
-        """One BatchGenerator step: text chunks [[rid, text, n]] and the requests that finished."""
+    def step(self) -> tuple[list[list], list[Finished | Failed]]:
+        """One BatchGenerator step: text chunks [[rid, text, n]] and the requests that ended (Failed: its grammar
+        failed mid-request)."""
         plan = self._plan or self.plan_step()
         self._plan = None
         t0 = time.perf_counter()
@@ -433,7 +461,7 @@ class Engine:
         self._take_snapshots(progress)
         self.peak_batch_size = max(self.peak_batch_size, len(responses))
         chunks: list[list] = []
-        finished: list[Finished] = []
+        finished: list[Finished | Failed] = self._grammar_failures()
         for r in responses:
             req = self._by_uid.get(r.uid)
             if req is None:
@@ -470,6 +498,18 @@ class Engine:
         if not self._by_rid:
             self._hand_off()  # idle next: no step would hand them off, and none is in flight to wait for
         return chunks, finished
+
+    def _grammar_failures(self) -> list[Failed | Finished]:
+        """End the requests whose grammar failed in this step: what they sample now is no longer constrained."""
+        failed: list[Failed | Finished] = []
+        for req in [r for r in self._by_rid.values() if r.grammar is not None and r.grammar.failure is not None]:
+            assert req.grammar is not None and req.grammar.failure is not None
+            log.warning("[grammar] rid=%s failed mid-request grammar_chars=%d tokens=%d error=%r", req.rid,
+                        req.grammar.grammar_chars, req.completion_tokens, req.grammar.failure)
+            failed.append(Failed(req.rid, INVALID_REQUEST, f"constrained decoding failed after "
+                                                           f"{req.completion_tokens} tokens: {req.grammar.failure}"))
+            self.abort(req.rid)
+        return failed
 
     def fail_all(self, code: str, message: str) -> list[Failed]:
         failed = [Failed(rid, code, message) for rid in self.rids]

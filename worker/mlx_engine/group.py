@@ -214,7 +214,7 @@ class LeaderEngine:
     def plan_step(self) -> StepPlan:
         return self._engine.plan_step()
 
-    def step(self) -> tuple[list[list], list[Finished]]:
+    def step(self) -> tuple[list[list], list[Finished | Failed]]:
         if self._engine._plan is None:
             self._engine.plan_step()
         try:

@@ -10,6 +10,11 @@ outlines-core's are per Python version), one Lark grammar holds a family's call 
 tokens and the arguments' JSON schema together (outlines-core takes a regex, no special tokens), and
 it builds masks lazily, with no per-schema index to compile before the first token.
 
+Refuse at the door: a grammar is built, and its first mask and the one past its forced tokens computed, at
+submit, within bounded work (LIMITS), so a schema llguidance cannot hold is a 400 before any token; one that
+still fails mid-request marks its processor failed and the engine ends that request with an error, never
+with unconstrained output. Errors are reported by their first line, never with the grammar's text.
+
 Invariants: a grammar processor advances its matcher by exactly the tokens its sequence sampled
 (the one before each call, none before the first); a seeded sampler draws from its own key, split
 once per token, so its choices do not depend on what else is in the batch; logprobs are finite
@@ -18,7 +23,6 @@ once per token, so its choices do not depend on what else is in the batch; logpr
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -31,10 +35,19 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logi
 
 from worker.chat_format import ConstraintError
 
-log = logging.getLogger(__name__)
-
 MIN_LOGPROB = -9999.0
 PENALTY_CONTEXT = 1024  # tokens the presence and frequency penalties look back over
+
+
+# Bounded build and mask work per request; errors without the grammar's text (a schema may be megabytes).
+LIMITS = llguidance.LLParserLimits(verbose_errors=False)
+MAX_ERROR_CHARS = 300
+
+
+def error_summary(error: str) -> str:
+    """llguidance's error, first line only and bounded: what a client and a log line are told."""
+    first = error.strip().splitlines()[0] if error.strip() else "the grammar failed"
+    return first if len(first) <= MAX_ERROR_CHARS else first[:MAX_ERROR_CHARS] + "..."
 
 
 class Grammars:
@@ -52,47 +65,69 @@ class Grammars:
             self._tok = llguidance.hf.from_tokenizer(self._hf, eos_token=self._eos)
         return self._tok
 
-    def processor(self, lark: str) -> GrammarProcessor:
+    def processor(self, lark: str, generated: list[int]) -> GrammarProcessor:
+        """A processor past `generated` (a resumed request's earlier tokens), checked now rather than mid-request:
+        ConstraintError when llguidance rejects the grammar, cannot hold it within LIMITS at its start or past its
+        forced tokens (a recursion without a base case, thousands of alternatives), or it allows nothing but the end."""
         grammar = llguidance.LLMatcher.grammar_from_lark(lark)
-        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer, limits=LIMITS)
         if error:
-            raise ConstraintError(error)
-        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+            raise ConstraintError(error_summary(error))
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=LIMITS)
+        for token in generated:
+            matcher.consume_token(token)
+        processor = GrammarProcessor(matcher, self.tokenizer.vocab_size, self._model_vocab, len(lark))
+        allowed = processor.first_mask()
         if matcher.is_error():
-            raise ConstraintError(matcher.get_error())
-        return GrammarProcessor(matcher, self.tokenizer.vocab_size, self._model_vocab)
+            raise ConstraintError(f"the grammar fails where its output starts ({error_summary(matcher.get_error())})")
+        if not generated and not np.delete(allowed, self._eos).any():
+            raise ConstraintError("no output can satisfy it (it allows only an empty answer)")
+        probe = matcher.deep_copy()  # past the forced tokens, where a grammar too large to hold fails first
+        forced = probe.compute_ff_tokens()
+        if forced and probe.consume_tokens(forced):
+            probe.compute_bitmask()
+        if probe.is_error():
+            raise ConstraintError(f"the grammar fails where its output starts ({error_summary(probe.get_error())})")
+        return processor
 
 
 class GrammarProcessor:
-    """A logits processor that masks every token the grammar does not allow next."""
+    """A logits processor that masks every token the grammar does not allow next.
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab: int, model_vocab: int) -> None:
+    A matcher that fails mid-request (a limit reached deep in a schema) leaves `failure` set: its sequence's
+    tokens are no longer constrained from then on, so the engine ends that request with an error."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, vocab: int, model_vocab: int, grammar_chars: int = 0) -> None:
         self.matcher = matcher
+        self.grammar_chars = grammar_chars
+        self.failure: str | None = None
         self._vocab = vocab
         self._width = max(vocab, model_vocab)
         self._bitmask = llg_numpy.allocate_token_bitmask(1, vocab)
+        self._first: np.ndarray | None = None  # the first mask, computed at submit
         self._started = False
-        self._failed = False
 
-    def advance(self, tokens: list[int]) -> None:
-        """The grammar moved past tokens already generated (a resumed request's earlier ones)."""
-        for token in tokens:
-            self.matcher.consume_token(token)
+    def first_mask(self) -> np.ndarray:
+        self._first = self._allowed()
+        return self._first
+
+    def _allowed(self) -> np.ndarray:
+        llg_numpy.fill_next_token_bitmask(self.matcher, self._bitmask, 0)
+        return np.unpackbits(self._bitmask[0].view(np.uint8), bitorder="little")[: self._vocab]
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
-        if self._started and not self._failed:
+        if self.failure is not None:
+            return logits  # the engine ends this request after this step; what it samples now is dropped
+        if self._started:
             # Launch this step's forward pass first, then wait only for the token this sequence sampled the step
             # before (computed ahead of it): the mask is made on the host while the batch's forward runs.
             mx.async_eval(logits)
             self.matcher.consume_token(cast(int, tokens[-1].item()))
         self._started = True
-        if self._failed or self.matcher.is_error():
-            if not self._failed:
-                log.warning("[grammar] matcher failed, the rest is unconstrained: %s", self.matcher.get_error())
-                self._failed = True
+        allowed, self._first = (self._first, None) if self._first is not None else (self._allowed(), None)
+        if self.matcher.is_error():
+            self.failure = error_summary(self.matcher.get_error())
             return logits
-        llg_numpy.fill_next_token_bitmask(self.matcher, self._bitmask, 0)
-        allowed = np.unpackbits(self._bitmask[0].view(np.uint8), bitorder="little")[: self._vocab]
         width = logits.shape[-1]
         if width != len(allowed):
             allowed = np.pad(allowed, (0, max(0, width - len(allowed))))[:width]

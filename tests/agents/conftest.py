@@ -1,0 +1,103 @@
+"""The real coding agents (Claude Code, Codex CLI, opencode), pinned in package.json / package-lock.json here and
+installed once by npm into a cache outside the repo; and one daemon whose tiny qwen3 answers from a script.
+
+`agent_bin`: the folder of the installed programs' executables, `~/.cache/mlxsup-test-agents/<lock hash>/
+node_modules/.bin`, reused while the lock is unchanged. npm installs into a fresh folder that is renamed into place
+only once every program answers `--version`, so a broken install is never reused. Tests needing the programs are
+skipped, saying why, only when npm itself is missing or cannot reach its registry; any other failure fails.
+(`npm install` with the lock, not `npm ci`: a registry mirror that lacks other platforms' optional packages leaves
+them out of the lock, and `npm ci` then refuses the lock as out of date; the lock's versions and hashes still hold.)
+
+`scripted_daemon`: a daemon (API key, `claude-*` names mapped onto qwen3) whose qwen3 worker runs with
+`--script` (worker/scripted.py): SCRIPT's replies are forced token by token through the real model, tokenizer,
+template, output parser and streams, so an agent's tool loop runs the same way every time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import MLXSUP, Daemon, start_daemon
+
+HERE = Path(__file__).parent
+PROGRAMS = ("claude", "codex", "opencode")
+KEY = "sk-local-test"
+UNREACHABLE = re.compile(r"ENOTFOUND|EAI_AGAIN|ECONNREFUSED|ECONNRESET|ETIMEDOUT|ENETUNREACH|EHOSTUNREACH")
+DONE = "MLXSUP-DONE"  # in every final answer
+MADE = "echo made > made.txt && echo MLXSUP-STEP-2"  # the command each program's shell tool is asked to run
+
+
+def tool_call(name: str, arguments: dict) -> str:
+    """A qwen3 tool call, as the model writes it."""
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+# The first request of each program's loop is told apart by its step-1 marker in the prompt; every program's
+# tool result then holds MLXSUP-STEP-2 (what the command prints), which the final answer follows.
+SCRIPT = [
+    {"match": "MLXSUP-STEP-2", "reply": f"The file is made. {DONE}"},
+    {"match": "CLAUDE-STEP-1", "reply": tool_call("Bash", {"command": MADE, "description": "Create made.txt"})},
+    {"match": "CODEX-STEP-1", "reply": tool_call("exec_command", {"cmd": MADE})},
+    {"match": "OPENCODE-STEP-1", "reply": tool_call("bash", {"command": MADE, "description": "Create made.txt"})},
+    {"match": "WEATHER-STEP-1", "reply": tool_call("get_weather", {"city": "Paris", "days": 2})},
+]
+
+
+@pytest.fixture(scope="session")
+def agent_bin() -> Path:
+    lock = (HERE / "package-lock.json").read_bytes()
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mlxsup-test-agents"
+    target = cache / hashlib.sha256(lock + (HERE / "package.json").read_bytes()).hexdigest()[:16]
+    bin_dir = target / "node_modules" / ".bin"
+    if all((bin_dir / p).exists() for p in PROGRAMS):
+        return bin_dir
+    npm = shutil.which("npm")
+    if npm is None:
+        pytest.skip("npm is not installed: the coding agents cannot be installed")
+    partial = cache / f"{target.name}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    for name in ("package.json", "package-lock.json"):
+        shutil.copy(HERE / name, partial / name)
+    done = subprocess.run([npm, "install", "--no-save", "--no-audit", "--no-fund", "--prefix", str(partial)],
+                          capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        out = done.stdout + done.stderr
+        if unreachable := UNREACHABLE.search(out):
+            pytest.skip(f"npm cannot reach its registry ({unreachable.group(0)})")
+        raise AssertionError(f"npm install failed ({done.returncode}):\n{out[-3000:]}")
+    for p in PROGRAMS:
+        version = subprocess.run([str(partial / "node_modules" / ".bin" / p), "--version"], capture_output=True,
+                                 text=True, timeout=60)
+        assert version.returncode == 0, f"{p} --version: {version.stdout}{version.stderr}"
+    shutil.rmtree(target, ignore_errors=True)
+    partial.rename(target)
+    return bin_dir
+
+
+@pytest.fixture(scope="session")
+def scripted_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    root = tmp_path_factory.mktemp("scripted")
+    model = root / "qwen3"
+    subprocess.run([*MLXSUP, "make-model", str(model), "--arch", "qwen3", "--preset", "tiny"], check=True,
+                   capture_output=True)
+    script = root / "script.json"
+    script.write_text(json.dumps(SCRIPT))
+    config = root / "mlxsup.toml"
+    config.write_text(f'[server]\napi_key = "{KEY}"\ndefault_model = "qwen3"\n'
+                      '[server.model_aliases]\n"claude-*" = "qwen3"\n'
+                      f'[models.qwen3]\npath = "{model}"\nworker_args = ["--script", "{script}"]\n')
+    d = start_daemon(root / "state", "--config", str(config))
+    yield d
+    assert d.stop() == 0
+
