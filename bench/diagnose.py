@@ -108,7 +108,7 @@ def part_arrival(model_dir: str, n: int, tokens: int, rounds: int) -> dict:
     from mlx_lm import load
     from mlx_lm.generate import BatchGenerator
 
-    from bench.run import prompts
+    from bench.prompts import prompts
 
     model, tok = load(model_dir)
     gen = BatchGenerator(model, completion_batch_size=32, prefill_batch_size=8, prefill_step_size=512)
@@ -256,7 +256,7 @@ def stream_itls(model_dir: str, tokens: int, rounds: int) -> list[float]:
     """stream_generate's ITL p50 (ms) per round in this process, after one warm-up round."""
     from mlx_lm import load
 
-    from bench.run import prompts
+    from bench.prompts import prompts
     model, tok = load(model_dir)
     stream_times(model, tok, prompts("ew", 1, 24, 0)[0], tokens)
     return [itl_ms(stream_times(model, tok, prompts(f"e{r}", 1, 24, 0)[0], tokens)) for r in range(rounds)]
@@ -284,7 +284,7 @@ def part_engine(model_dir: str, tokens: int, rounds: int) -> dict:
     from mlx_lm import load
     from mlx_lm.generate import BatchGenerator
 
-    from bench.run import prompts
+    from bench.prompts import prompts
     from protocol.codec import encode
     from protocol.messages import Submit, Tokens
     from worker.mlx_engine.engine import Engine
@@ -424,7 +424,7 @@ def part_worker(model_dir: str, tokens: int, rounds: int) -> dict:
 
     import zmq
 
-    from bench.run import prompts
+    from bench.prompts import prompts
     from protocol.codec import decode, encode
     from protocol.messages import Finished, Ready, Submit, Tokens
 

@@ -29,7 +29,8 @@ import httpx
 from bench import client as cl
 from bench.common import machine, median, rnd, write_json
 from bench.model import make_never_eos_view, make_source_model
-from bench.run import http_records, prompts, summarize
+from bench.prompts import prompts
+from bench.run import http_records, summarize
 from bench.servers import Mlxsup
 
 SIDES = ("single", "group")

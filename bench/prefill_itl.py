@@ -22,6 +22,7 @@ import time
 
 from bench import client as cl
 from bench.common import median, percentile, rnd
+from bench.prompts import prompts
 from bench.servers import MlxLmServer, Mlxsup
 
 
@@ -113,8 +114,6 @@ async def prefill_run(side: Side, p, msgs: list, long_msgs: list) -> dict:
 
 async def run(bench) -> dict:
     """The section, driven by bench.run.Bench (its params, client, model and process bookkeeping)."""
-    from bench.run import prompts
-
     p = bench.p
     res: dict = {"runs": [], "notes": [
         f"{p.itl_streams} streaming chat requests decode; once each has {p.itl_lead_tokens} tokens, one request "

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import random
 import re
 import shutil
 import subprocess
@@ -37,38 +36,11 @@ from bench.common import REPO, machine, median, now, percentile, ratio, rnd, wri
 from bench.model import make_never_eos_view, make_source_model
 from bench.params import Params
 from bench.profile import Spy, find_pyspy, summarize_collapsed
+from bench.prompts import prompts
 from bench.servers import InProc, MlxLmServer, Mlxsup, alive, cold_inproc
 
 SIDES = ("inproc", "mlxsup", "mlx_lm.server")
 DIAG_SIDE = "inproc_batch"  # BatchGenerator at batch 1: the engine mlxsup's worker runs, without the server
-
-_WORDS: list[str] | None = None
-
-
-def _vocabulary() -> list[str]:
-    """Words of the corpus `mlxsup make-model` trains its tokenizer on (few tokens per word)."""
-    global _WORDS
-    if _WORDS is None:
-        try:
-            from worker.mlx_engine.make_model import synthetic_corpus  # pure Python, no MLX
-
-            _WORDS = sorted({w.strip(".,!?:").lower() for line in synthetic_corpus(0, 400) for w in line.split()
-                             if w.isascii() and w.strip(".,!?:").isalpha()})
-        except Exception:
-            syl = ["ka", "lo", "mi", "ne", "ru", "sa", "to", "vi", "de", "po", "an", "el", "or", "us", "it"]
-            _WORDS = [a + b for a in syl for b in syl]
-    return _WORDS
-
-
-def prompts(tag: str, n: int, n_words: int, seed: int) -> list[list[dict]]:
-    """n distinct chat prompts of n_words random words; the same tag gives every side the same prompts."""
-    vocab = _vocabulary()
-    out = []
-    for i in range(n):
-        rng = random.Random(f"{seed}/{tag}/{i}")
-        out.append([{"role": "user", "content": " ".join(rng.choice(vocab) for _ in range(n_words)).capitalize()}])
-    return out
-
 
 def available() -> int:
     """System available memory, the median of three reads 50 ms apart."""

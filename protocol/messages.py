@@ -1,8 +1,8 @@
 """Every message that crosses the supervisor <-> worker boundary, one typed class each.
 
-Messages to the worker are imperative (Load, Submit, Abort, Evict, ClearCache); messages from it
+Messages to the worker are imperative (Load, Submit, Abort, Evict, ClearCache, Tokenize); messages from it
 are facts (Standby, Progress, Ready, Tokens, Finished, Failed, Heartbeat, StepStarted, CacheStats, CacheCleared,
-Bye).
+Tokenized, Bye).
 Fields hold only msgpack-native types (str, int, float, bool, None, list, dict) so the codec can
 validate them without any custom serialisation; errors travel as data (a machine code and a message), never as
 serialised exceptions.
@@ -14,9 +14,10 @@ import signal
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-PROTOCOL_VERSION = 4  # 2: prompt caches (ClearCache, CacheCleared, CacheStats); 3: StepStarted;
+PROTOCOL_VERSION = 5  # 2: prompt caches (ClearCache, CacheCleared, CacheStats); 3: StepStarted;
 # 4: resumed requests (Submit.resume_tokens, token ids in Tokens chunks and Finished); Submit's tools, template
-# kwargs, constraint, logprobs, seed, penalties, prompt_ids; typed chunk extras
+# kwargs, constraint, logprobs, seed, penalties, prompt_ids; typed chunk extras; 5: Tokenize/Tokenized,
+# Submit.reasoning_budget
 
 # Machine codes carried by Failed and surfaced to HTTP clients as the error "code".
 MODEL_EVICTED = "model_evicted"
@@ -28,7 +29,8 @@ INTERNAL_ERROR = "internal_error"
 
 EVICT_MODES = ("drain", "now")
 CACHE_TIERS = ("hot", "ssd")  # ClearCache.which: the in-memory prefix cache or the on-disk one
-FINISH_REASONS = ("stop", "length", "tool_calls")
+CONTEXT_WINDOW = "context_window"  # a finish reason: max_tokens was clamped to the context, and the context ended it
+FINISH_REASONS = ("stop", "length", "tool_calls", CONTEXT_WINDOW)
 
 # Worker exit codes, distinct so the supervisor can tell a failed load from a crash.
 EXIT_OK = 0
@@ -68,6 +70,12 @@ class Submit(Message):
     follow the encoded prompt as its tail, are replayed through the text stream and the output parser
     (so what they hold back is what it was, and the next delta continues the client's text exactly) and
     count as completion tokens; `max_tokens` is what is left to generate (the supervisor reduced it).
+
+    `reasoning_budget`: the most tokens the model may think for (Anthropic's thinking.budget_tokens); once
+    spent, the worker closes the reasoning the family's way and the answer follows. None: the budget that
+    `template_kwargs["reasoning_effort"]` maps to (worker/mlx_engine/budget.py), or none.
+    `template_kwargs["continue_final_message"]`: the last message is the assistant's, to be continued (a
+    prefill), not a finished turn.
     """
 
     KIND: ClassVar[str] = "submit"
@@ -92,6 +100,22 @@ class Submit(Message):
     repetition_penalty: float = 1.0
     logit_bias: list | None = None
     resume_tokens: list = field(default_factory=list)
+    reasoning_budget: int | None = None
+
+
+@dataclass(slots=True)
+class Tokenize(Message):
+    """Count a request's prompt tokens exactly as a Submit of the same fields would encode them (chat template,
+    tools, template kwargs), without generating or touching the batch; answered by Tokenized(rid).
+    Exactly one of `messages` or `prompt`. `ids`: send the token ids too."""
+
+    KIND: ClassVar[str] = "tokenize"
+    rid: str
+    messages: list | None = None
+    prompt: str | None = None
+    tools: list | None = None
+    template_kwargs: dict = field(default_factory=dict)
+    ids: bool = False
 
 
 @dataclass(slots=True)
@@ -261,6 +285,19 @@ class CacheCleared(Message):
 
 
 @dataclass(slots=True)
+class Tokenized(Message):
+    """The answer to Tokenize: the prompt's token count (and ids, when asked), or why a Submit of it would be
+    refused (`code`, `message`: as Failed's, count 0)."""
+
+    KIND: ClassVar[str] = "tokenized"
+    rid: str
+    count: int
+    ids: list = field(default_factory=list)
+    code: str | None = None
+    message: str = ""
+
+
+@dataclass(slots=True)
 class Bye(Message):
     """The last message of a worker that exits in order; phases maps phase -> seconds."""
 
@@ -278,6 +315,7 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     Abort,
     Evict,
     ClearCache,
+    Tokenize,
     Standby,
     Ready,
     Progress,
@@ -288,5 +326,6 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     StepStarted,
     CacheStats,
     CacheCleared,
+    Tokenized,
     Bye,
 )

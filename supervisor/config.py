@@ -112,6 +112,10 @@ class Settings:
     default_model: str | None = None
     response_store_count: int = 1000  # /v1/responses kept for previous_response_id, least recently used out
     response_store_bytes: int = 64 * 2**20
+    # the old refusals, for those who want them: max_tokens past the context is a 400 (else it is clamped to the
+    # context, and the API says the context ended it); a field the API does not know is a 400 (else ignored, logged)
+    strict_context: bool = False
+    strict_fields: bool = False
 
     def security_warning(self) -> str | None:
         """What is wrong with listening where this daemon listens without a key; None: nothing."""
@@ -162,7 +166,7 @@ _SERVER_KEYS: dict[str, type | tuple[type, ...]] = {
     "warm_batch_shapes": str,
     "max_resumes": int, "resume_timeout_s": (int, float),
     "model_aliases": dict, "default_model": str, "response_store_count": int, "response_store_bytes": int,
-    "insecure_no_key": bool,
+    "insecure_no_key": bool, "strict_context": bool, "strict_fields": bool,
 }
 _MEMORY_KEYS = {
     "ceiling": "memory_ceiling_bytes", "reserve": "memory_reserve_bytes", "worker_overhead": "worker_overhead_bytes",

@@ -1,9 +1,12 @@
 """The router's effects on the world, as interfaces: messages, worker processes, memory, time, metrics.
 
-The router (router.py on lifecycle.py) touches the world only through these, all passed to its
-constructor: daemon.py wires the real ones (the ZeroMQ transport, `python -m worker` subprocesses,
+The router and the collaborators it owns (lifecycle.py, resume.py, admission.py) touch the world
+only through these, all passed to the Router's constructor, which hands each collaborator the ones
+it needs: daemon.py wires the real ones (the ZeroMQ transport, `python -m worker` subprocesses,
 psutil, the system clock, the gateway's Prometheus metrics); tests/unit/test_router.py wires fakes
-and drives crashes, loads, evictions and time by hand, in milliseconds.
+and drives crashes, loads, evictions and time by hand, in milliseconds (test_lifecycle.py,
+test_resumption.py and test_admission.py drive each collaborator alone). How the collaborators
+call each other is core_api.py's.
 
 Invariant: nothing here decides anything. These are the verbs; the decisions are the router's
 and policy.py's.

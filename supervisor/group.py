@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from supervisor.ladder import kill_ladder
 from supervisor.process import WorkerProcess, set_within
 from supervisor.tasks import background
 
@@ -263,14 +264,7 @@ class GroupProcess:
         t0 = time.monotonic()
         for rank in self.ranks:
             await rank.started.wait()
-        if not await self.wait(grace_s):
-            log.warning("[evict] model=%s group pids=%s no exit after %.1fs: SIGTERM", self.model_id,
-                        [r.pid for r in self.ranks], grace_s)
-            self.signal(signal.SIGTERM)
-            if not await self.wait(kill_timeout_s):
-                log.error("[evict] model=%s group ignored SIGTERM for %.1fs: SIGKILL", self.model_id, kill_timeout_s)
-                self.signal(signal.SIGKILL, f"the kill ladder: no exit {kill_timeout_s:.1f}s after SIGTERM")
-                await self.exited.wait()
+        await kill_ladder(self, grace_s, kill_timeout_s, f"model={self.model_id} group pids={[r.pid for r in self.ranks]}")
         results = [await r.stop(kill_timeout_s, kill_timeout_s) for r in self.ranks]  # reaped: closes their pipes
         signals = sorted({s for res in results for s in res["signals"]})
         return {"exit": self.returncode, "signals": signals, "wait_s": time.monotonic() - t0,

@@ -1,9 +1,12 @@
 """Worker lifecycle: start (fresh, or on the spare), watch, crash, evict, shut down; and the
-memory accounting those decisions read. The base of the Router (router.py), holding its state.
+memory accounting those decisions read. A collaborator the Router (router.py) owns and calls.
 
-All of it runs on the one asyncio loop, and acts on the world only through the effects passed
-in (effects.py). Rules:
-- A worker is marked evicting in the very turn that decides to evict it (`_begin_evict`); a
+It owns the workers (by model and by identity), the models' records, the spare, the pressure
+level and the shutdown flag; a worker's state moves only here. It tells its listener
+(core_api.LifecycleEvents: the Router's Resumption) what happens to a worker's requests, and
+calls nothing else of the core. All of it runs on the one asyncio loop, and acts on the world
+only through the effects passed in (effects.py). Rules:
+- A worker is marked evicting in the very turn that decides to evict it (`begin_evict`); a
   second evict of the same worker joins the first (a `now` one tightens a drain).
 - A worker's route and accounting are dropped only after its process has been reaped
   (`_on_exited`, called once per worker when its process is gone).
@@ -20,11 +23,11 @@ import asyncio
 import collections
 import logging
 import signal
-from typing import Generic, TypeVar
 
-from protocol.messages import EXIT_LOAD_FAILED, Evict, Load
+from protocol.messages import EXIT_LOAD_FAILED, Evict, Load, Message, Ready, Standby
 from supervisor import errors, policy
 from supervisor.config import Settings
+from supervisor.core_api import LifecycleEvents, NoEvents
 from supervisor.effects import Clock, LifecycleMetrics, MemoryProbe, Messenger, Spawn
 from supervisor.process import exit_meaning, model_args, worker_argv
 from supervisor.registry import ModelSpec, Registry
@@ -37,12 +40,10 @@ log = logging.getLogger(__name__)
 STACK_DUMP_WAIT_S = 1.0  # how long a hang kill waits for the worker's stacks before SIGKILL
 RECENT_EVICTIONS = 20  # finished evictions the status lists (the dashboard's history)
 
-MetricsT = TypeVar("MetricsT", bound=LifecycleMetrics)  # the gateway's Metrics, which counts requests too
 
-
-class Lifecycle(Generic[MetricsT]):
+class Lifecycle:
     def __init__(self, registry: Registry, settings: Settings, *, transport: Messenger, spawn: Spawn,
-                 memory: MemoryProbe, clock: Clock, metrics: MetricsT) -> None:
+                 memory: MemoryProbe, clock: Clock, metrics: LifecycleMetrics) -> None:
         self.registry = registry
         self.settings = settings
         self.transport = transport
@@ -52,14 +53,23 @@ class Lifecycle(Generic[MetricsT]):
         self.metrics = metrics
         self.workers: dict[str, Worker] = {}
         self.records: dict[str, ModelRecord] = {}
-        self._by_identity: dict[bytes, Worker] = {}
+        self.by_identity: dict[bytes, Worker] = {}  # never replaced: the router's message table holds it
         self.recent_evictions: collections.deque[tuple[float, EvictReport]] = collections.deque(
             maxlen=RECENT_EVICTIONS)  # (monotonic time it ended, report), oldest first
         self._spawned = 0
         self._housekeeping: asyncio.Task | None = None
         self.spare: Spare | None = None
-        self._pressure: str | None = None
+        self.pressure: str | None = None  # the level the last housekeeping saw
         self.shutting_down = False
+        self.events: LifecycleEvents = NoEvents()  # the Router sets its Resumption here
+
+    def boot(self) -> None:
+        """Start the pinned models' workers, the spare and the housekeeping."""
+        for spec in self.registry.specs.values():
+            if spec.pinned:
+                self.start_worker(spec)
+        self._replenish_spare()
+        self._housekeeping = background(self._keep_house(), name="housekeeping")
 
     # --- TTL and memory pressure -------------------------------------------------------
 
@@ -75,20 +85,20 @@ class Lifecycle(Generic[MetricsT]):
         s = self.settings
         level = policy.pressure_level(self.memory.system_available(), self.memory.system_total(),
                                       s.pressure_soft, s.pressure_hard)
-        self._pressure = level
+        self.pressure = level
         if level is not None and self.spare is not None:  # the spare is pure overhead: it goes first
             background(self._stop_spare(), name="stop[spare]")
         if not self.workers:
             return
         self._watch_liveness(self.clock.monotonic())
-        views = self._views()
+        views = self.views()
         ttls = {w.spec.id: s.model_ttl(w.spec) for w in self.workers.values()}
         for model_id in policy.ttl_expired(views, ttls, self.clock.monotonic()):
-            self._begin_evict(self.workers[model_id], "drain", None, "ttl")
-        victim = policy.pressure_victim(self._views(), level)
+            self.begin_evict(self.workers[model_id], "drain", None, "ttl")
+        victim = policy.pressure_victim(self.views(), level)
         if victim is not None:
             model_id, busy = victim
-            self._begin_evict(self.workers[model_id], "now" if busy else "drain", None, f"pressure-{level}")
+            self.begin_evict(self.workers[model_id], "now" if busy else "drain", None, f"pressure-{level}")
 
     def _watch_liveness(self, now: float) -> None:
         """Kill workers whose loop stopped turning (see policy.hang_reason) or whose load stalls."""
@@ -122,7 +132,7 @@ class Lifecycle(Generic[MetricsT]):
     def ceiling(self) -> int:
         return self.settings.ceiling(self.memory.system_total())
 
-    def _estimate(self, spec: ModelSpec) -> int:
+    def estimate(self, spec: ModelSpec) -> int:
         """A loading worker's bytes on this machine: a group's ranks here hold their share of the weights."""
         if spec.group is not None:
             local = spec.group.local_ranks
@@ -136,12 +146,12 @@ class Lifecycle(Generic[MetricsT]):
             return list(pids)
         return [worker.pid] if worker.pid else []
 
-    def _measured(self, worker: Worker) -> int | None:
+    def measured(self, worker: Worker) -> int | None:
         """The measured footprint of the worker's processes on this machine (None: none measured)."""
         found = [b for b in (self.memory.footprint(pid) for pid in self._local_pids(worker)) if b is not None]
         return sum(found) if found else None
 
-    def _ranks(self, worker: Worker) -> tuple[dict, ...]:
+    def ranks(self, worker: Worker) -> tuple[dict, ...]:
         """A group's ranks for status: rank, host, pid, and this machine's measured footprint of each."""
         describe = getattr(worker.process, "describe", None)
         if describe is None:
@@ -150,23 +160,23 @@ class Lifecycle(Generic[MetricsT]):
                      for r in describe())
 
     def _bytes(self, worker: Worker) -> int:
-        measured = self._measured(worker)
+        measured = self.measured(worker)
         if worker.state is State.LOADING:
-            return max(measured or 0, self._estimate(worker.spec))
-        return measured if measured is not None else self._estimate(worker.spec)
+            return max(measured or 0, self.estimate(worker.spec))
+        return measured if measured is not None else self.estimate(worker.spec)
 
-    def _views(self) -> list[policy.WorkerView]:
+    def views(self) -> list[policy.WorkerView]:
         return [policy.WorkerView(w.spec.id, w.state.value, self._bytes(w), w.leases > 0, w.spec.pinned, w.last_used)
                 for w in self.workers.values()]
 
     # --- starting workers --------------------------------------------------------------
 
-    def _start(self, spec: ModelSpec) -> Worker:
+    def start_worker(self, spec: ModelSpec) -> Worker:
         """A worker for `spec`: the spare on standby if there is one (its imports are paid), else a new process."""
         st = self.settings
         args = model_args(spec.path, spec.id, st.max_batch_size, st.prefill_step_size, spec.worker_args,
                           tuple(st.model_cache(spec).worker_args(st.state_dir)), step_target_s=st.step_target_s,
-                          warm_batch_shapes=st.warm_batch_shapes)
+                          warm_batch_shapes=st.warm_batch_shapes, strict_context=st.strict_context)
         log_path = st.worker_log(spec.id)
         spare = self.spare if self.spare is not None and self.spare.standing_by and spec.group is None else None
         if spec.group is not None:  # a group's ranks start together, never on the spare
@@ -186,7 +196,7 @@ class Lifecycle(Generic[MetricsT]):
         worker = Worker(spec, identity, process, asyncio.get_running_loop().create_future(), self.clock.monotonic())
         worker.ready.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved by design
         self.workers[spec.id] = worker
-        self._by_identity[identity] = worker
+        self.by_identity[identity] = worker
         self.records.setdefault(spec.id, ModelRecord()).starts += 1
         if spare is not None:
             log.info("[load] model=%s on the spare pid=%s", spec.id, process.pid)
@@ -207,7 +217,7 @@ class Lifecycle(Generic[MetricsT]):
         self._on_exited(worker)
 
     def _replenish_spare(self) -> None:
-        if self.spare is not None or not self.settings.spare_workers or self.shutting_down or self._pressure:
+        if self.spare is not None or not self.settings.spare_workers or self.shutting_down or self.pressure:
             return
         self._spawned += 1
         identity = f"spare#{self._spawned}".encode()
@@ -225,6 +235,14 @@ class Lifecycle(Generic[MetricsT]):
         if self.spare is spare:  # it died on standby; the next load spawns a fresh worker and a new spare
             self.spare = None
             log.warning("[spare] exited on standby with code %s", spare.process.returncode)
+
+    def on_spare_message(self, identity: bytes, msg: Message) -> bool:
+        """A message from the spare on standby (True); anything else is not the spare's (False)."""
+        spare = self.spare
+        if spare is None or identity != spare.identity:
+            return False
+        spare.standing_by = isinstance(msg, Standby) or spare.standing_by
+        return True
 
     async def _stop_spare(self) -> None:
         spare, self.spare = self.spare, None
@@ -245,7 +263,7 @@ class Lifecycle(Generic[MetricsT]):
         rc = worker.process.returncode
         tail = list(worker.process.stderr_tail)
         evicted = worker.state is State.EVICTING
-        refused = worker.state is State.FAILED  # failed before its exit (router._on_refused)
+        refused = worker.state is State.FAILED  # failed before its exit (refused)
         if not evicted:
             meaning = exit_meaning(rc)
             record.last_error = (reason or worker.kill_reason or f"worker exited with code {rc}"
@@ -266,7 +284,10 @@ class Lifecycle(Generic[MetricsT]):
             errors.ModelEvicted(f"the model '{spec.id}' was evicted") if evicted
             else errors.WorkerDied(f"the worker of '{spec.id}' exited unexpectedly (code {rc})"))
         cause = None if evicted else "hang" if (worker.kill_reason or "").startswith("hung") else "crash"
-        self._streams_lost(worker, error, cause)
+        self.events.streams_lost(worker, error, cause)  # the listener takes what may resume ...
+        for stream in worker.streams.values():  # ... the rest fails
+            stream.fail(error)
+        worker.streams.clear()
         for pending in worker.replies.values():  # requests it will never answer now
             if not pending.done():
                 pending.set_exception(error)
@@ -275,18 +296,40 @@ class Lifecycle(Generic[MetricsT]):
             worker.move(State.STOPPED if evicted else State.FAILED)
         if self.workers.get(spec.id) is worker:
             del self.workers[spec.id]
-        self._by_identity.pop(worker.identity, None)
+        self.by_identity.pop(worker.identity, None)
         worker.gone.set()
 
-    def _streams_lost(self, worker: Worker, error: errors.MlxsupError, cause: str | None) -> None:
-        """The worker ended under its requests: each fails with `error`. `cause` (crash | hang) names an
-        end the clients did not ask for, None an eviction; resume.py suspends what may resume first."""
-        for stream in worker.streams.values():
-            stream.fail(error)
-        worker.streams.clear()
+    def refused(self, identity: bytes, reason: str) -> None:
+        """A worker of another protocol version: it fails in this very turn (every wait on it ends and none
+        starts) and is killed; its exit then marks the model failed, since its next worker would be refused too."""
+        worker = self.by_identity.get(identity)
+        log.error("[protocol] refused worker %r: %s", identity, reason)
+        if worker is None or worker.state is State.FAILED:  # one of its later frames: refused already
+            return
+        why = f"protocol mismatch: {reason}"
+        self.records[worker.spec.id].last_error = why
+        if worker.state is not State.EVICTING:  # an evicting one ends as evicted
+            worker.move(State.FAILED)
+        if not worker.ready.done():
+            worker.ready.set_exception(errors.ModelLoadFailed(f"the worker was refused: {reason}"))
+        for pending in worker.replies.values():
+            if not pending.done():
+                pending.set_exception(errors.WorkerDied(f"the worker of '{worker.spec.id}' was refused: {reason}"))
+        worker.replies.clear()
+        self._kill(worker, why)
 
-    def _end_suspensions(self, why: str) -> None:
-        """Fail every suspended request now (resume.py has them)."""
+    def loaded(self, worker: Worker, msg: Ready) -> None:
+        """The worker said Ready: a loading one is ready from this turn on, and its load's waiters wake."""
+        worker.info = msg
+        if worker.state is State.LOADING:
+            worker.move(State.READY)
+            worker.last_used = self.clock.monotonic()
+            log.info("[load] model=%s pid=%d ready in %.2fs", worker.spec.id, msg.pid, msg.load_s)
+            self.metrics.loads.labels(worker.spec.id, "ok").inc()
+            self.metrics.load_seconds.labels(worker.spec.id).observe(self.clock.monotonic() - worker.started_at)
+            worker.progressed.set()
+        if not worker.ready.done():
+            worker.ready.set_result(msg)
 
     # --- eviction and shutdown ---------------------------------------------------------
 
@@ -297,11 +340,12 @@ class Lifecycle(Generic[MetricsT]):
         worker = self.workers.get(spec.id)
         if worker is None:
             return EvictReport.not_loaded(spec.id)
-        return await asyncio.shield(self._begin_evict(worker, mode, timeout_s, reason))
+        return await asyncio.shield(self.begin_evict(worker, mode, timeout_s, reason))
 
-    def _begin_evict(self, worker: Worker, mode: str, timeout_s: float | None, reason: str) -> asyncio.Task:
+    def begin_evict(self, worker: Worker, mode: str, timeout_s: float | None, reason: str) -> asyncio.Task:
         """Mark the worker evicting in this very turn and start the sequence; idempotent."""
         if worker.evicting is None:
+            self.events.evicting(worker, reason)
             if worker.state is not State.FAILED:  # a refused worker is killed already: only its end is waited for
                 worker.move(State.EVICTING)
             worker.evict_reason = reason
@@ -316,7 +360,7 @@ class Lifecycle(Generic[MetricsT]):
     async def _evict(self, worker: Worker, mode: str, timeout_s: float) -> EvictReport:
         t0 = self.clock.monotonic()
         pid = worker.pid
-        memory_before = self._measured(worker)
+        memory_before = self.measured(worker)
         if worker.info is not None:
             self.transport.send(worker.identity, Evict(mode=mode, deadline_s=timeout_s))
             grace = timeout_s + self.settings.settle_grace_s
@@ -342,12 +386,12 @@ class Lifecycle(Generic[MetricsT]):
     async def shutdown(self) -> list[EvictReport]:
         """Refuse new work, then evict every worker in parallel, draining up to the deadline."""
         self.shutting_down = True
-        self._end_suspensions("the server is shutting down")
+        self.events.shutting_down("the server is shutting down")
         if self._housekeeping:
             self._housekeeping.cancel()
         reports = await asyncio.gather(
             self._stop_spare(),
-            *(self._begin_evict(w, "drain", self.settings.shutdown_drain_s, "shutdown")
+            *(self.begin_evict(w, "drain", self.settings.shutdown_drain_s, "shutdown")
               for w in list(self.workers.values())),
             return_exceptions=True)
         await self.transport.close()

@@ -1,4 +1,4 @@
-"""One worker OS process: spawn by exec, lifeline, stderr capture, kill ladder, reap.
+"""One worker OS process: spawn by exec, lifeline, stderr capture, kill ladder (ladder.py), reap.
 
 Spawned with `python -m worker` (never fork: the supervisor's event loop, sockets and threads
 must not be duplicated). stdin is a pipe the supervisor never writes: when the supervisor dies,
@@ -36,6 +36,7 @@ from typing import cast
 import psutil
 
 from protocol.messages import DUMP_STACKS_SIGNAL, EXIT_CRASHED, EXIT_LOAD_FAILED, EXIT_PARENT_GONE
+from supervisor.ladder import kill_ladder
 
 log = logging.getLogger(__name__)
 
@@ -301,17 +302,10 @@ class WorkerProcess:
         return await set_within(self.exited, timeout)
 
     async def stop(self, grace_s: float, kill_timeout_s: float) -> dict:
-        """The kill ladder: wait for an exit on its own, then SIGTERM, then SIGKILL; always reaps."""
+        """The kill ladder (ladder.py): its own exit, SIGTERM, SIGKILL; always reaped."""
         t0 = time.monotonic()
         await self.started.wait()
-        if not await self.wait(grace_s):
-            log.warning("[evict] model=%s pid=%s no exit after %.1fs: SIGTERM", self.model_id, self.pid, grace_s)
-            self.signal(signal.SIGTERM)
-            if not await self.wait(kill_timeout_s):
-                log.error("[evict] model=%s pid=%s ignored SIGTERM for %.1fs: SIGKILL",
-                          self.model_id, self.pid, kill_timeout_s)
-                self.signal(signal.SIGKILL, f"the kill ladder: no exit {kill_timeout_s:.1f}s after SIGTERM")
-                await self.exited.wait()
+        await kill_ladder(self, grace_s, kill_timeout_s, f"model={self.model_id} pid={self.pid}")
         return {"exit": self.returncode, "signals": list(self.signals_sent), "wait_s": time.monotonic() - t0}
 
 
@@ -345,7 +339,8 @@ def worker_argv(endpoint: str, identity: str, heartbeat_s: float, model_args: li
 
 def model_args(model_path: Path, model_id: str, max_batch_size: int, prefill_step_size: int,
                extra: tuple[str, ...] = (), cache_args: tuple[str, ...] = (),
-               step_target_s: float | None = None, warm_batch_shapes: str | None = None) -> list[str]:
+               step_target_s: float | None = None, warm_batch_shapes: str | None = None,
+               strict_context: bool = False) -> list[str]:
     """What makes a worker one model's worker: on its command line, or in a spare's Load message.
 
     `cache_args` come from CacheConfig.worker_args, `extra` (the model's worker_args) last.
@@ -353,6 +348,8 @@ def model_args(model_path: Path, model_id: str, max_batch_size: int, prefill_ste
     pacing = ["--step-target-s", str(step_target_s)] if step_target_s is not None else []
     if warm_batch_shapes is not None:
         pacing += ["--warm-batch-shapes", warm_batch_shapes]
+    if strict_context:
+        pacing.append("--strict-context")
     return ["--model-path", str(model_path), "--model-id", model_id, "--max-batch-size", str(max_batch_size),
             "--prefill-step-size", str(prefill_step_size), *pacing, *cache_args, *extra]
 

@@ -20,63 +20,31 @@ Bounds, so a resume never becomes a loop; each ends the request with the error i
 Invariants: a request is in exactly one place, a worker's `streams` or `suspended` (or done); a
 resumed request is resubmitted in the turn its new lease is taken (no await in between), so no
 worker can end unseen in between; a Lease counts in at most one worker's `leases`.
+
+A collaborator the Router (router.py) owns: it owns the suspended requests and sends requests to
+workers (`send`). It hears of a worker's end as the lifecycle's listener (core_api.LifecycleEvents),
+reads the lifecycle only through core_api.ResumeHost, and gets a new lease through the `acquire`
+it is given (the Router's); it imports none of the other collaborators.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
-from typing import Any
 
 from protocol.codec import ProtocolError
-from protocol.messages import Abort, Submit
+from protocol.messages import Submit
 from supervisor import errors
 from supervisor.config import Settings
-from supervisor.effects import Clock, MemoryProbe, Messenger, Spawn
-from supervisor.lifecycle import Lifecycle, MetricsT
-from supervisor.registry import Registry
+from supervisor.core_api import ResumeHost
+from supervisor.effects import Clock, LifecycleMetrics, Messenger
+from supervisor.lease import Lease
 from supervisor.tasks import background
 from supervisor.workers import State, Stream, Worker
 
 log = logging.getLogger(__name__)
-
-
-class Lease:
-    """A request's claim on a worker, taken when routed and released when its response ends.
-
-    `held`: it counts in `worker.leases`. A suspended request's lease holds nothing; its resume
-    moves it to the model's next worker (`take_over`).
-    """
-
-    def __init__(self, router: Resumption[Any], worker: Worker) -> None:
-        self._router = router
-        self.worker = worker
-        self.released = False
-        self.held = True
-
-    def submit(self, msg: Submit) -> Stream:
-        return self._router._submit(self, msg)
-
-    def abort(self, rid: str) -> None:
-        self._router._abort(self, rid)
-
-    def release(self) -> None:
-        if not self.released:
-            self.released = True
-            self.let_go()
-
-    def let_go(self) -> None:
-        """Stop counting in the worker's leases (its request is done there, or suspended)."""
-        if self.held:
-            self.held = False
-            self._router._release(self.worker)
-
-    def take_over(self, other: Lease) -> None:
-        """The request moves to `other`'s worker: this lease holds it from now on, `other` is spent."""
-        self.let_go()
-        self.worker, self.held = other.worker, True
-        other.held, other.released = False, True
 
 
 @dataclass(eq=False)
@@ -91,27 +59,27 @@ class Suspension:
     deadline: asyncio.Task | None = None
 
 
-class Resumption(Lifecycle[MetricsT]):
-    """The router's layer that submits requests and suspends and resumes them (the Router builds on it)."""
+Acquire = Callable[[str], Awaitable[Lease]]  # a model's id -> a lease on its ready worker (Router.acquire)
 
-    def __init__(self, registry: Registry, settings: Settings, *, transport: Messenger, spawn: Spawn,
-                 memory: MemoryProbe, clock: Clock, metrics: MetricsT) -> None:
-        super().__init__(registry, settings, transport=transport, spawn=spawn, memory=memory, clock=clock,
-                         metrics=metrics)
+
+class Resumption:
+    """Sends requests to workers, and suspends and resumes them when a worker ends under them."""
+
+    def __init__(self, settings: Settings, *, host: ResumeHost, acquire: Acquire, transport: Messenger,
+                 clock: Clock, metrics: LifecycleMetrics) -> None:
+        self.settings = settings
+        self.host = host
+        self.acquire = acquire
+        self.transport = transport
+        self.clock = clock
+        self.metrics = metrics
         self.suspended: dict[str, Suspension] = {}  # rid -> its suspension
 
-    async def acquire(self, name: str, explicit: bool = False) -> Lease:
-        raise NotImplementedError  # the Router's: route to the model's worker, loading it if needed
+    # --- sending ---------------------------------------------------------------------------
 
-    # --- submit, abort, release ----------------------------------------------------------
-
-    def _submit(self, lease: Lease, msg: Submit) -> Stream:
-        resumable = self.settings.max_resumes > 0  # else neither the Submit nor the token ids are kept
-        stream = Stream(msg.rid, msg if resumable else None, lease)
-        self._send(lease.worker, stream, msg)
-        return stream
-
-    def _send(self, worker: Worker, stream: Stream, msg: Submit) -> None:
+    def send(self, worker: Worker, stream: Stream, msg: Submit) -> None:
+        """Send the request to the worker, its stream registered there; a worker already on its way out
+        fails it, and one found unreachable suspends it (when it may resume)."""
         if worker.state is not State.READY:
             stream.fail(errors.ModelEvicted(f"the model '{worker.spec.id}' is being evicted"))
             return
@@ -130,33 +98,35 @@ class Resumption(Lifecycle[MetricsT]):
             else:
                 stream.fail(error)
 
-    def _abort(self, lease: Lease, rid: str) -> None:
+    def abandon(self, rid: str) -> bool:
+        """The client left: a suspended request stops waiting for a worker (True), else nothing is done here."""
         suspension = self.suspended.pop(rid, None)
-        if suspension is not None:  # the client left while its request waited for a worker
-            self._stop_waiting(suspension)
-            log.info("[resume] model=%s rid=%s abandoned after %.2fs suspended: the client is gone",
-                     suspension.model_id, rid, self.clock.monotonic() - suspension.since)
-            return
-        if lease.worker.streams.pop(rid, None) is not None:
-            self.transport.send(lease.worker.identity, Abort(rid))
+        if suspension is None:
+            return False
+        self._stop_waiting(suspension)
+        log.info("[resume] model=%s rid=%s abandoned after %.2fs suspended: the client is gone",
+                 suspension.model_id, rid, self.clock.monotonic() - suspension.since)
+        return True
 
-    def _release(self, worker: Worker) -> None:
-        worker.leases -= 1
-        worker.last_used = self.clock.monotonic()
+    # --- the lifecycle's events (core_api.LifecycleEvents) ----------------------------------
 
-    # --- suspending ----------------------------------------------------------------------
-
-    def _streams_lost(self, worker: Worker, error: errors.MlxsupError, cause: str | None) -> None:
+    def streams_lost(self, worker: Worker, error: errors.MlxsupError, cause: str | None) -> None:
+        """A crash or a hang kill suspends what may resume and fails the rest; an eviction leaves them all."""
         if cause is not None:
             self._suspend_resumable(worker, error, cause, fail_others=True)
-        super()._streams_lost(worker, error, cause)
 
-    def _begin_evict(self, worker: Worker, mode: str, timeout_s: float | None, reason: str) -> asyncio.Task:
-        if reason == "pressure-hard" and worker.evicting is None:
+    def evicting(self, worker: Worker, reason: str) -> None:
+        if reason == "pressure-hard":
             # the others stay: the worker's abort fails them (model_evicted), as without resumes
             self._suspend_resumable(worker, errors.ModelEvicted(f"the model '{worker.spec.id}' was evicted"),
                                     "pressure", fail_others=False)
-        return super()._begin_evict(worker, mode, timeout_s, reason)
+
+    def shutting_down(self, why: str) -> None:
+        """Fail every suspended request now."""
+        for suspension in list(self.suspended.values()):
+            self._give_up(suspension, why)
+
+    # --- suspending ----------------------------------------------------------------------
 
     def _why_not_resume(self, model_id: str, stream: Stream) -> str | None:
         """Why a request of a worker that ended cannot resume, or None when it can."""
@@ -164,11 +134,11 @@ class Resumption(Lifecycle[MetricsT]):
         submit = stream.submit
         if submit is None or stream.lease is None or limit <= 0:
             return "resumes are off"
-        if self.shutting_down:
+        if self.host.shutting_down:
             return "the server is shutting down"
         if stream.resumes >= limit:
             return f"it was resumed {stream.resumes} time(s) already (max_resumes {limit})"
-        record = self.records.get(model_id)
+        record = self.host.records.get(model_id)
         if record is not None and record.failed_until > self.clock.monotonic():
             return "the model is marked failed"
         if submit.max_tokens and len(stream.token_ids) >= submit.max_tokens:
@@ -196,7 +166,7 @@ class Resumption(Lifecycle[MetricsT]):
         stream.paused_at = now
         suspension = Suspension(stream, worker, model_id, cause, error, now)
         self.suspended[stream.rid] = suspension
-        self.records[model_id].suspended += 1
+        self.host.records[model_id].suspended += 1
         self.metrics.suspensions.labels(model_id, cause).inc()
         log.warning("[resume] model=%s rid=%s suspended why=%s pid=%s tokens=%d resumes=%d/%d",
                     model_id, stream.rid, cause, worker.pid, len(stream.token_ids), stream.resumes,
@@ -212,12 +182,12 @@ class Resumption(Lifecycle[MetricsT]):
         while True:
             try:
                 if suspension.cause == "pressure":
-                    while self._pressure == "hard":  # a reload now would only be evicted again (soft takes idle ones)
+                    while self.host.pressure == "hard":  # a reload now would only be evicted again (soft takes idle ones)
                         await self.clock.sleep(self.settings.housekeeping_s)
                 lease = await self.acquire(suspension.model_id)
                 break
             except errors.ModelLoadFailed as exc:
-                record = self.records.get(suspension.model_id)
+                record = self.host.records.get(suspension.model_id)
                 if record is not None and record.failed_until <= self.clock.monotonic():  # one crash while loading
                     log.warning("[resume] model=%s rid=%s its next worker failed to load (%s); trying again",
                                 suspension.model_id, suspension.stream.rid, exc.message)
@@ -243,14 +213,14 @@ class Resumption(Lifecycle[MetricsT]):
         msg = replace(submit, max_tokens=submit.max_tokens - done if submit.max_tokens else 0,
                       resume_tokens=list(stream.token_ids))
         model_id = suspension.model_id
-        self.records[model_id].resumed += 1
+        self.host.records[model_id].resumed += 1
         self.metrics.resumes.labels(model_id, "resumed").inc()
         log.info("[resume] model=%s rid=%s resubmitted to pid=%s after %.2fs suspended (%s) tokens=%d resume=%d/%d",
                  model_id, stream.rid, lease.worker.pid, self.clock.monotonic() - suspension.since,
                  suspension.cause, done, stream.resumes, self.settings.max_resumes)
-        self._send(lease.worker, stream, msg)
+        self.send(lease.worker, stream, msg)
 
-    def _flowing(self, worker: Worker, stream: Stream) -> None:
+    def flowing(self, worker: Worker, stream: Stream) -> None:
         """A resumed request's first event: the pause its client saw ends here (logged and measured)."""
         if stream.paused_at is None or stream.rid in self.suspended:
             return
@@ -284,13 +254,10 @@ class Resumption(Lifecycle[MetricsT]):
                 task.cancel()
 
     def _count_failure(self, model_id: str) -> None:
-        self.records[model_id].resume_failed += 1
+        self.host.records[model_id].resume_failed += 1
         self.metrics.resumes.labels(model_id, "failed").inc()
 
     def suspension(self, rid: str) -> Suspension | None:
         """The request's suspension while it waits for a worker (the gateway says so to its client)."""
         return self.suspended.get(rid)
 
-    def _end_suspensions(self, why: str) -> None:
-        for suspension in list(self.suspended.values()):
-            self._give_up(suspension, why)

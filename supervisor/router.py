@@ -1,10 +1,16 @@
-"""The router: the single owner of the supervisor's state (workers, leases, request streams).
+"""The router: routing, leases, the message table, and the collaborators it owns and wires together.
 
-Routing, messages from workers, requests with a reply, and status live here; submitting, leases,
-and requests suspended when their worker ends and resumed on the next one in its base (resume.py);
-starting, watching and stopping workers, and the state itself, in that one's base (lifecycle.py). Everything runs
-on the one asyncio loop, and every effect goes through the interfaces in effects.py, passed to
-the constructor (daemon.build_router wires the real ones). Rules that keep it race-free:
+The Router owns three collaborators, each in its own file and each calling the others only through
+the interfaces in core_api.py (docs/architecture.md draws it):
+- the Lifecycle (lifecycle.py): the workers, the models' records, the spare, memory; start, watch,
+  crash, evict, shut down. It tells its listener, the Resumption, what happens to a worker's requests;
+- the Resumption (resume.py): sending requests, and those suspended when their worker ends under
+  them and resumed on the next one, through the `acquire` it is given (the Router's);
+- Admission (admission.py): may a model with no worker start one now, and what must go first.
+The Router itself routes (`acquire`, `ask`), gives out leases (lease.py, calling the Router's
+LeaseHost methods), dispatches workers' messages (HANDLERS) and builds the status. Everything runs
+on the one asyncio loop, and every effect goes through the interfaces in effects.py, passed to the
+constructor (daemon.build_router wires the real ones). Rules that keep it race-free:
 - A check-then-act decision never has an `await` in the middle: a worker is picked and its
   lease taken in the same loop turn; a worker is marked `evicting` in the same turn that
   decides to evict it.
@@ -21,9 +27,10 @@ import logging
 import uuid
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 from protocol.messages import (
+    Abort,
     Bye,
     CacheCleared,
     CacheStats,
@@ -33,29 +40,103 @@ from protocol.messages import (
     Message,
     Progress,
     Ready,
-    Standby,
     StepStarted,
+    Submit,
+    Tokenized,
     Tokens,
 )
-from supervisor import cache_admin, errors, policy
-from supervisor.lifecycle import MetricsT
-from supervisor.registry import ModelSpec
-from supervisor.reports import LoadProgress, ModelStatus, RecentEviction, SpareStatus, Status
-from supervisor.resume import Lease, Resumption
-from supervisor.tasks import background
-from supervisor.workers import ModelRecord, State, Worker
+from supervisor import cache_admin, errors
+from supervisor.admission import Admission
+from supervisor.config import Settings
+from supervisor.effects import Clock, LifecycleMetrics, MemoryProbe, Messenger, Spawn
+from supervisor.lease import Lease
+from supervisor.lifecycle import Lifecycle
+from supervisor.registry import ModelSpec, Registry
+from supervisor.reports import EvictReport, LoadProgress, ModelStatus, RecentEviction, SpareStatus, Status
+from supervisor.resume import Resumption, Suspension
+from supervisor.workers import ModelRecord, Spare, State, Stream, Worker
 
 log = logging.getLogger(__name__)
 
+MetricsT = TypeVar("MetricsT", bound=LifecycleMetrics)  # the gateway's Metrics, which counts requests too
 
-class Router(Resumption[MetricsT]):
+__all__ = ["Lease", "Router"]
+
+
+class Router(Generic[MetricsT]):
+    def __init__(self, registry: Registry, settings: Settings, *, transport: Messenger, spawn: Spawn,
+                 memory: MemoryProbe, clock: Clock, metrics: MetricsT) -> None:
+        self.registry = registry
+        self.settings = settings
+        self.transport = transport
+        self.memory = memory
+        self.clock = clock
+        self.metrics = metrics
+        self.lifecycle = Lifecycle(registry, settings, transport=transport, spawn=spawn, memory=memory,
+                                   clock=clock, metrics=metrics)
+        self.resumption = Resumption(settings, host=self.lifecycle, acquire=self.acquire, transport=transport,
+                                     clock=clock, metrics=metrics)
+        self.lifecycle.events = self.resumption
+        self.admission = Admission(self.lifecycle, clock)
+        self._by_identity = self.lifecycle.by_identity  # the same dict, looked up once per message
+
     def start(self) -> None:
-        self.transport.start(self._on_message, self._on_refused)
-        for spec in self.registry.specs.values():
-            if spec.pinned:
-                self._start(spec)
-        self._replenish_spare()
-        self._housekeeping = background(self._keep_house(), name="housekeeping")
+        self.transport.start(self._on_message, self.lifecycle.refused)
+        self.lifecycle.boot()
+
+    # --- the lifecycle's state and verbs, as the gateway, the daemon and the tests use them ----
+
+    @property
+    def workers(self) -> dict[str, Worker]:
+        return self.lifecycle.workers
+
+    @property
+    def records(self) -> dict[str, ModelRecord]:
+        return self.lifecycle.records
+
+    @property
+    def spare(self) -> Spare | None:
+        return self.lifecycle.spare
+
+    @property
+    def spawn(self) -> Spawn:
+        return self.lifecycle.spawn
+
+    @spawn.setter
+    def spawn(self, spawn: Spawn) -> None:
+        self.lifecycle.spawn = spawn
+
+    @property
+    def shutting_down(self) -> bool:
+        return self.lifecycle.shutting_down
+
+    @property
+    def ceiling(self) -> int:
+        return self.lifecycle.ceiling
+
+    @property
+    def suspended(self) -> dict[str, Suspension]:
+        return self.resumption.suspended
+
+    def suspension(self, rid: str) -> Suspension | None:
+        """The request's suspension while it waits for a worker (the gateway says so to its client)."""
+        return self.resumption.suspension(rid)
+
+    def _estimate(self, spec: ModelSpec) -> int:
+        return self.lifecycle.estimate(spec)
+
+    async def evict(self, name: str, mode: str = "drain", timeout_s: float | None = None,
+                    reason: str = "api") -> EvictReport:
+        """Run the eviction sequence and wait until the process is reaped. Joins one in progress."""
+        return await self.lifecycle.evict(name, mode, timeout_s, reason)
+
+    async def shutdown(self) -> list[EvictReport]:
+        """Refuse new work, then evict every worker in parallel, draining up to the deadline."""
+        return await self.lifecycle.shutdown()
+
+    def kill_all(self, why: str) -> None:
+        """The forced exit (a second Ctrl-C): SIGKILL every worker process, the spare too."""
+        self.lifecycle.kill_all(why)
 
     # --- routing -----------------------------------------------------------------------
 
@@ -66,32 +147,18 @@ class Router(Resumption[MetricsT]):
         evicts it between its Ready and the request's submit.
         """
         spec = self.registry.resolve(name)
-        record = self.records.setdefault(spec.id, ModelRecord())
+        workers = self.lifecycle.workers
+        record = self.lifecycle.records.setdefault(spec.id, ModelRecord())
         if explicit:
             record.clear()
         while True:
-            if self.shutting_down:
+            if self.lifecycle.shutting_down:
                 raise errors.ShuttingDown("the server is shutting down")
-            worker = self.workers.get(spec.id)
+            worker = workers.get(spec.id)
             if worker is None:
-                now = self.clock.monotonic()
-                if record.failed_until > now:
-                    raise errors.ModelLoadFailed(
-                        f"the model '{spec.id}' is marked failed ({record.last_error}); it is tried again in "
-                        f"{record.failed_until - now:.0f}s, or now with an explicit load")
-                if record.backoff_until > now:
-                    await self.clock.sleep(record.backoff_until - now)
+                worker = await self.admission.start(spec, record)
+                if worker is None:  # it waited (a back-off, evictions): decide again
                     continue
-                decision = policy.admit(self._estimate(spec), self._views(), self.ceiling,
-                                        self.settings.max_loaded_models)
-                if decision.refused:
-                    raise self._insufficient(spec, decision)
-                if decision.evict or decision.wait:
-                    for victim in decision.evict:
-                        self._begin_evict(self.workers[victim], "drain", None, "admission")
-                    await self._evictions_done()
-                    continue
-                worker = self._start(spec)
             if worker.state is State.READY:
                 worker.leases += 1
                 return Lease(self, worker)
@@ -104,28 +171,27 @@ class Router(Resumption[MetricsT]):
             finally:
                 worker.leases -= 1
 
-    async def _evictions_done(self) -> None:
-        """Wait until every worker on its way out (evicting, or refused: policy.LEAVING) is gone."""
-        await asyncio.gather(*(w.gone.wait() for w in list(self.workers.values())
-                               if w.state in (State.EVICTING, State.FAILED)))
+    # --- leases (lease.LeaseHost) ----------------------------------------------------------
 
-    def _insufficient(self, spec: ModelSpec, decision: policy.Admission) -> errors.InsufficientMemory:
-        views = self._views()
-        loaded = ", ".join(f"{v.id} ({v.state}{', busy' if v.busy else ''}{', pinned' if v.pinned else ''}, "
-                           f"{v.bytes / 2**20:.0f} MiB)" for v in views) or "nothing"
-        if decision.too_many:
-            why = f"the limit of {self.settings.max_loaded_models} loaded models is reached and none is idle"
-        else:
-            why = f"{decision.missing_bytes / 2**20:.0f} MiB are missing"
-        err = errors.InsufficientMemory(
-            f"cannot load '{spec.id}' (needs about {self._estimate(spec) / 2**20:.0f} MiB, ceiling "
-            f"{self.ceiling / 2**20:.0f} MiB): {why}. Loaded: {loaded}.")
-        err.extra = {"missing_bytes": decision.missing_bytes, "loaded": [v.__dict__ for v in views]}
-        return err
+    def submit(self, lease: Lease, msg: Submit) -> Stream:
+        resumable = self.settings.max_resumes > 0  # else neither the Submit nor the token ids are kept
+        stream = Stream(msg.rid, msg if resumable else None, lease)
+        self.resumption.send(lease.worker, stream, msg)
+        return stream
+
+    def abort(self, lease: Lease, rid: str) -> None:
+        if self.resumption.abandon(rid):  # the client left while its request waited for a worker
+            return
+        if lease.worker.streams.pop(rid, None) is not None:
+            self.transport.send(lease.worker.identity, Abort(rid))
+
+    def lease_ended(self, worker: Worker) -> None:
+        worker.leases -= 1
+        worker.last_used = self.clock.monotonic()
 
     def loading(self, name: str) -> Worker | None:
         """The model's worker while it loads (for progress), else None."""
-        worker = self.workers.get(self.registry.resolve(name).id)
+        worker = self.lifecycle.workers.get(self.registry.resolve(name).id)
         return worker if worker is not None and worker.state is State.LOADING else None
 
     # --- requests with a reply ---------------------------------------------------------
@@ -141,7 +207,7 @@ class Router(Resumption[MetricsT]):
         after `timeout_s` (on the router's clock).
         """
         while True:
-            worker = self.workers.get(model_id)
+            worker = self.lifecycle.workers.get(model_id)
             if worker is None:
                 return None
             if worker.state in (State.EVICTING, State.FAILED):
@@ -184,12 +250,10 @@ class Router(Resumption[MetricsT]):
     # --- messages from workers (never await) -------------------------------------------
 
     def _on_message(self, identity: bytes, msg: Message) -> None:
-        if self.spare is not None and identity == self.spare.identity:
-            self.spare.standing_by = isinstance(msg, Standby) or self.spare.standing_by
-            return
-        worker = self._by_identity.get(identity)
+        worker = self._by_identity.get(identity)  # a spare's identity is here only once it is a model's worker
         if worker is None:
-            log.warning("[transport] message kind=%s from unknown worker %r", msg.KIND, identity)
+            if not self.lifecycle.on_spare_message(identity, msg):
+                log.warning("[transport] message kind=%s from unknown worker %r", msg.KIND, identity)
             return
         worker.last_seen = self.clock.monotonic()
         handler = self.HANDLERS.get(msg.KIND)
@@ -209,7 +273,7 @@ class Router(Resumption[MetricsT]):
             stream = streams.get(rid)
             if stream is not None:
                 if stream.paused_at is not None:
-                    self._flowing(worker, stream)
+                    self.resumption.flowing(worker, stream)
                 stream.put(text, ids if isinstance(ids, list) else [],
                            extra[0] if extra and isinstance(extra[0], dict) else None)
 
@@ -217,7 +281,7 @@ class Router(Resumption[MetricsT]):
         stream = worker.streams.pop(msg.rid, None)
         if stream is not None:
             if stream.paused_at is not None:
-                self._flowing(worker, stream)
+                self.resumption.flowing(worker, stream)
             stream.queue.put_nowait(msg)
 
     def _on_failed(self, worker: Worker, msg: Failed) -> None:
@@ -225,23 +289,14 @@ class Router(Resumption[MetricsT]):
         if stream is not None:
             stream.fail(errors.from_worker(msg.code, msg.message))
 
-    def _on_reply(self, worker: Worker, msg: CacheCleared) -> None:
+    def _on_reply(self, worker: Worker, msg: CacheCleared | Tokenized) -> None:
         """A reply (a kind that carries its request's rid, mapped here in HANDLERS): resolves its `ask`."""
         pending = worker.replies.pop(msg.rid, None)
         if pending is not None and not pending.done():
             pending.set_result(msg)
 
     def _on_ready(self, worker: Worker, msg: Ready) -> None:
-        worker.info = msg
-        if worker.state is State.LOADING:
-            worker.move(State.READY)
-            worker.last_used = self.clock.monotonic()
-            log.info("[load] model=%s pid=%d ready in %.2fs", worker.spec.id, msg.pid, msg.load_s)
-            self.metrics.loads.labels(worker.spec.id, "ok").inc()
-            self.metrics.load_seconds.labels(worker.spec.id).observe(self.clock.monotonic() - worker.started_at)
-            worker.progressed.set()
-        if not worker.ready.done():
-            worker.ready.set_result(msg)
+        self.lifecycle.loaded(worker, msg)
 
     def _on_progress(self, worker: Worker, msg: Progress) -> None:
         worker.progress = msg
@@ -271,33 +326,16 @@ class Router(Resumption[MetricsT]):
         StepStarted.KIND: _on_step_started,
         CacheStats.KIND: _on_cache_stats,
         CacheCleared.KIND: _on_reply,
+        Tokenized.KIND: _on_reply,
         Bye.KIND: _on_bye,
     }
-
-    def _on_refused(self, identity: bytes, reason: str) -> None:
-        """A worker of another protocol version: it fails in this very turn (every wait on it ends and none
-        starts) and is killed; its exit then marks the model failed, since its next worker would be refused too."""
-        worker = self._by_identity.get(identity)
-        log.error("[protocol] refused worker %r: %s", identity, reason)
-        if worker is None or worker.state is State.FAILED:  # one of its later frames: refused already
-            return
-        why = f"protocol mismatch: {reason}"
-        self.records[worker.spec.id].last_error = why
-        if worker.state is not State.EVICTING:  # an evicting one ends as evicted
-            worker.move(State.FAILED)
-        if not worker.ready.done():
-            worker.ready.set_exception(errors.ModelLoadFailed(f"the worker was refused: {reason}"))
-        for pending in worker.replies.values():
-            if not pending.done():
-                pending.set_exception(errors.WorkerDied(f"the worker of '{worker.spec.id}' was refused: {reason}"))
-        worker.replies.clear()
-        self._kill(worker, why)
 
     # --- status ------------------------------------------------------------------------
 
     def model_status(self, model_id: str) -> ModelStatus:
-        worker = self.workers.get(model_id)
-        record = self.records.get(model_id, ModelRecord())
+        lifecycle = self.lifecycle
+        worker = lifecycle.workers.get(model_id)
+        record = lifecycle.records.get(model_id, ModelRecord())
         spec = self.registry.specs[model_id]
         ttl = self.settings.model_ttl(spec)
         now = self.clock.monotonic()
@@ -305,7 +343,7 @@ class Router(Resumption[MetricsT]):
                              weights_bytes=spec.weights_bytes,
                              restarts=max(0, record.starts - 1), crashes=record.crashes, last_error=record.last_error,
                              stderr_tail=tuple(record.last_stderr), last_eviction=record.last_eviction,
-            suspended=sum(1 for s in self.suspended.values() if s.model_id == model_id),
+            suspended=sum(1 for s in self.resumption.suspended.values() if s.model_id == model_id),
             resumed=record.resumed, resume_failed=record.resume_failed)
         if worker is None:
             if record.failed_until > now:
@@ -315,7 +353,7 @@ class Router(Resumption[MetricsT]):
         idle = now - worker.last_used if worker.leases == 0 and worker.state is State.READY else 0.0
         return replace(
             status, state=worker.state.value, pid=worker.pid,
-            memory_bytes=self._measured(worker), ranks=self._ranks(worker),
+            memory_bytes=lifecycle.measured(worker), ranks=lifecycle.ranks(worker),
             in_flight=len(worker.streams), leases=worker.leases, idle_s=round(idle, 1),
             ttl_remaining_s=round(max(0.0, ttl - idle), 1) if ttl and not spec.pinned else None,
             queued=hb.waiting if hb else 0, worker_active=hb.active if hb else 0, batch_size=hb.batch_size if hb else 0,
@@ -327,16 +365,18 @@ class Router(Resumption[MetricsT]):
         )
 
     def status(self) -> Status:
-        views = self._views()
+        lifecycle = self.lifecycle
+        views = lifecycle.views()
         now = self.clock.monotonic()
+        spare = lifecycle.spare
         return Status(
-            ceiling_bytes=self.ceiling,
+            ceiling_bytes=lifecycle.ceiling,
             used_bytes=sum(v.bytes for v in views),
             system_available_bytes=self.memory.system_available(),
             system_total_bytes=self.memory.system_total(),
             max_loaded_models=self.settings.max_loaded_models,
-            spare=SpareStatus(self.spare.process.pid, self.spare.standing_by) if self.spare else None,
+            spare=SpareStatus(spare.process.pid, spare.standing_by) if spare else None,
             models=[self.model_status(m) for m in self.registry.ids()],
             recent_evictions=[RecentEviction(round(now - ended, 1), report)
-                              for ended, report in reversed(self.recent_evictions)],
+                              for ended, report in reversed(lifecycle.recent_evictions)],
         )

@@ -1,8 +1,9 @@
 """The supervisor's view of worker processes: states, handles, request streams, and the
-per-model record that outlives one process. Plain data with small invariants; the router
-(router.py on lifecycle.py) is the only code that mutates them, on its one event loop.
+per-model record that outlives one process. Plain data with small invariants; the router and the
+collaborators it owns (router.py, lifecycle.py, resume.py) are the only code that mutates them, on
+its one event loop.
 
-A worker's state changes only through `Worker.move`, along TRANSITIONS (written down below).
+A worker's state changes only through `Worker.move`, called only by lifecycle.py, along TRANSITIONS (written down below).
 Any other move is a bug: it is logged as an error and, with MLXSUP_STRICT_STATES=1 (the test
 suite sets it), raises IllegalTransition.
 """
@@ -62,7 +63,7 @@ class Stream:
         self.rid = rid
         self.queue: asyncio.Queue = asyncio.Queue()
         self.submit = submit  # None: not resumable
-        self.lease = lease  # the resume.Lease its request holds (moved to the next worker on a resume)
+        self.lease = lease  # the lease.Lease its request holds (moved to the next worker on a resume)
         self.token_ids: list[int] = []
         self.resumes = 0
         self.paused_at: float | None = None  # set while suspended and until the first event after its resume

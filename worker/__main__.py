@@ -57,6 +57,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="routed: a short prefill's attention runs unfused, not through cuDNN, which builds a graph per"
                         " new prompt shape (worker/mlx_engine/attention.py); fast: always MLX's fused kernels;"
                         " auto: routed on CUDA only")
+    p.add_argument("--strict-context", action="store_true",
+                   help="refuse a request whose prompt + max_tokens passes the context (default: clamp max_tokens)")
     p.add_argument("--lifeline", action="store_true", help="exit when stdin reaches EOF")
     p.add_argument("--hot-cache-bytes", type=int, default=0, help="hot prefix cache budget (0: off)")
     p.add_argument("--ssd-cache-root", type=Path, default=None,
@@ -210,7 +212,7 @@ def serve_model(args: argparse.Namespace, sock: zmq.Socket, shutdown: Shutdown, 
                             prefill_step_size=args.prefill_step_size, report=report, cache=cache,
                             model_id=args.model_id, step_target_s=args.step_target_s,
                             warm=args.warm_batch_shapes, warm_budget_s=args.warm_budget_s, solo=args.solo,
-                            attention=args.attention)
+                            attention=args.attention, strict_context=args.strict_context)
     except Exception as exc:
         log.error("[load] model=%s path=%s failed: %s", args.model_id, args.model_path, exc)
         return EXIT_LOAD_FAILED

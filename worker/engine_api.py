@@ -10,6 +10,8 @@ What an engine promises the loop:
   loop withdraws it with `abort` (the client is gone: nothing is sent);
 - `submit` raises RequestRejected for a request the engine refuses (its code goes to the client
   in Failed); any other exception from it is the engine's own failure;
+- `tokenize` encodes a request's prompt as `submit` would (raising RequestRejected as it would), and
+  neither generates nor touches the batch;
 - `plan_step` sizes the next step and says what it predicts; `step` then runs it. A step that
   raises leaves the engine unusable: the loop fails the batch and ends the worker;
 - `fail_all` and `abort` remove requests at once, so `len(engine)` counts only live ones;
@@ -73,6 +75,10 @@ class EngineApi(Protocol):
         ...
 
     def submit(self, msg: Submit) -> None: ...
+
+    def tokenize(self, msg: Submit) -> list[int]:
+        """The prompt's token ids, encoded and checked as `submit` would; nothing else happens."""
+        ...
 
     def abort(self, rid: str) -> bool:
         """Withdraw one request at once; False when it is not in flight."""

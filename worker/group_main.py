@@ -44,7 +44,7 @@ def _engine(args: argparse.Namespace, report: Callable[[str, float], None]) -> t
     group = join_group(ga)
     engine = Engine(args.model_path, max_batch_size=args.max_batch_size, prefill_step_size=args.prefill_step_size,
                     report=report, cache=None, model_id=args.model_id, step_target_s=args.step_target_s,
-                    loader=sharded_loader(group, ga.shard),
+                    loader=sharded_loader(group, ga.shard), strict_context=args.strict_context,
                     attention=args.attention, warm="off")  # a time-bounded warm-up would stop at another step on each rank: a collective hang
     return engine, group
 

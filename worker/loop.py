@@ -20,9 +20,10 @@ the supervisor can tell a slow step from a stuck one; decode steps, short, are n
 Messages are handled by a table from kind to `_on_<kind>`. The loop knows the engine only as
 worker/engine_api.py's EngineApi and the link only as worker/channel.py's Channel, and imports
 no MLX: tests/unit/test_worker_loop.py drives it with fakes. Invariants: every Submit is
-answered (admitted, or Failed with a code); a step that raises fails its batch and ends the
-worker; any other unexpected exception fails every request in flight (worker_crashed) while the
-channel still works, then ends the worker.
+answered (admitted, or Failed with a code); every Tokenize by Tokenized (a count, or why not),
+with no step; a step that raises fails its batch and ends the worker; any other unexpected
+exception fails every request in flight (worker_crashed) while the channel still works, then
+ends the worker.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ from protocol.messages import (
     Ready,
     StepStarted,
     Submit,
+    Tokenize,
+    Tokenized,
     Tokens,
 )
 from worker.channel import Channel
@@ -90,6 +93,7 @@ class WorkerLoop:
             Submit.KIND: self._on_submit,
             Abort.KIND: self._on_abort,
             ClearCache.KIND: self._on_clear_cache,
+            Tokenize.KIND: self._on_tokenize,
             Evict.KIND: self._on_evict,
         }
 
@@ -184,6 +188,21 @@ class WorkerLoop:
         except Exception as exc:
             log.exception("[submit] rid=%s failed", msg.rid)
             self.send(Failed(msg.rid, INTERNAL_ERROR, f"the worker could not start the request: {exc}"))
+
+    def _on_tokenize(self, msg: Tokenize) -> None:
+        """Count a prompt between steps: the tokenizer only, so the batch goes on as it was."""
+        probe = Submit(msg.rid, 0, messages=msg.messages, prompt=msg.prompt, tools=msg.tools,
+                       template_kwargs=msg.template_kwargs)
+        try:
+            ids = self.engine.tokenize(probe)
+        except RequestRejected as exc:
+            self.send(Tokenized(msg.rid, 0, code=exc.code, message=str(exc)))
+            return
+        except Exception as exc:
+            log.exception("[tokenize] rid=%s failed", msg.rid)
+            self.send(Tokenized(msg.rid, 0, code=INTERNAL_ERROR, message=f"the worker could not tokenize: {exc}"))
+            return
+        self.send(Tokenized(msg.rid, len(ids), ids if msg.ids else []))
 
     def _on_abort(self, msg: Abort) -> None:
         self.engine.abort(msg.rid)

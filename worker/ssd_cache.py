@@ -31,6 +31,10 @@ it within a deadline and abandons what is left after it.
 
 Thread rules: `_lock` guards the index, queue, epoch and `enabled`; file I/O happens outside it.
 Reads of a hit's blocks run on a small pool of reader threads, in parallel (numpy only, like the writer).
+
+Why one module of over 400 lines: the index, the writer thread, the readers, the cap and `clear` all hold
+`_lock` over the same index, queue and epoch; apart, they would share that private state across modules.
+The file format is already its own module (ssd_format.py).
 """
 
 from __future__ import annotations

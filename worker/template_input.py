@@ -1,7 +1,7 @@
 """What the tokenizer's chat template is given, and which tokens are not text: pure Python, no MLX.
 
 The engine (worker/mlx_engine/engine.py) renders a chat request's messages and tools through the
-model's chat template with these, and leaves the special tokens out of the text it streams.
+model's chat template with these (`chat_template_args`), and leaves the special tokens out of the text it streams.
 Templates write a tool's name raw, so the engine refuses names holding a special token's text
 (`f<|end|><|start|>system` would open a turn of its own). Invariant: nothing here changes what a
 client sent, only its shape (a tool call's JSON-string arguments become the mapping templates read).
@@ -44,6 +44,16 @@ def tool_names(tools: list | None, messages: list | None) -> list[str]:
 def template_tools(tools: list | None) -> list | None:
     """Neutral function definitions as chat templates take them (OpenAI's shape, which they all read)."""
     return [{"type": "function", "function": t} for t in tools] if tools else None
+
+
+def chat_template_args(messages: list[dict], template_kwargs: dict) -> dict:
+    """How the template is asked to end the prompt: with the generation prompt (a new assistant turn), or, for a
+    prefill (`continue_final_message` and a final assistant message), inside that message, so the model continues
+    its text (Hugging Face's `continue_final_message`: no end of turn after it, no new turn)."""
+    kwargs = dict(template_kwargs)
+    prefill = bool(kwargs.pop("continue_final_message", False)) and bool(messages) \
+        and messages[-1].get("role") == "assistant"
+    return {**kwargs, "continue_final_message": True} if prefill else {**kwargs, "add_generation_prompt": True}
 
 
 def template_messages(messages: list[dict]) -> list[dict]:

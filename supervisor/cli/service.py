@@ -20,6 +20,10 @@ writes it where the manager looks, and drives `launchctl` / `systemctl --user`. 
   `python -m supervisor.cli.service`).
 The backend follows `sys.platform` (darwin: launchd, else systemd); `--backend` overrides it. The
 home directory is `Path.home()`, which honours HOME.
+
+Why one module of over 400 lines: the invariants above bind what is rendered (paths, environment, stop
+timeout) to how each manager is driven (bootout before bootstrap, the stop wait), and one test file and
+deploy/'s renderings check them together; the two backends are ~160 lines of it.
 """
 
 from __future__ import annotations

@@ -28,7 +28,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive
 
-from protocol.messages import Finished
+from protocol.codec import ProtocolError
+from protocol.messages import Finished, Submit, Tokenize, Tokenized
 from supervisor import errors
 from supervisor.config import Settings
 from supervisor.gateway.anthropic_api import anthropic_error_body, parse_messages
@@ -42,6 +43,7 @@ from supervisor.gateway.responses_shape import sse_event as responses_event
 from supervisor.router import Router
 
 log = logging.getLogger(__name__)
+TOKENIZE_TIMEOUT_S = 60.0  # a worker answers a Tokenize between two steps: this long only if it is stuck
 
 
 @dataclass(frozen=True)
@@ -156,12 +158,31 @@ class AgentRoutes:
         return await _anthropic_errors(self._count_tokens(request))
 
     async def _count_tokens(self, request: Request) -> Response:
-        """The prompt's tokens, by the model's own chat template and tokenizer: the prompt is prefilled and
-        one token generated (which also leaves the prompt in the prefix caches for the turn that follows)."""
+        """The prompt's tokens, by the model's own chat template and tokenizer, as the same body's request would
+        encode them; nothing is generated and the batch is not touched (the worker answers a Tokenize)."""
         parsed = parse_messages(await self.kit.read_json(request, self.settings.max_body_bytes), counting=True)
         parsed.model = self.local_model(parsed.model)
-        fin = await self.run_whole(request, parsed, lambda text, extra: None)
-        return JSONResponse({"input_tokens": fin.prompt_tokens})
+        return JSONResponse({"input_tokens": await self.count_prompt(parsed.model, parsed.submit)})
+
+    async def count_prompt(self, model: str, submit: Submit) -> int:
+        """The prompt tokens of `submit` on `model`'s worker (loaded if it is not; held by a lease meanwhile)."""
+        lease = await self.router.acquire(model)
+        try:
+            reply = await self.router.ask(lease.worker.spec.id, lambda rid: Tokenize(
+                rid, submit.messages, submit.prompt, submit.tools, submit.template_kwargs), TOKENIZE_TIMEOUT_S)
+        except ProtocolError as exc:  # a value the wire cannot carry: the request's fault, not the worker's
+            raise errors.InvalidRequest(f"the request cannot be sent to the worker: {exc}") from None
+        except TimeoutError:
+            raise errors.MlxsupError(f"the worker of '{model}' did not count the prompt in "
+                                     f"{TOKENIZE_TIMEOUT_S:.0f}s") from None
+        finally:
+            lease.release()
+        if reply is None:
+            raise errors.WorkerDied(f"the worker of '{model}' ended before it counted the prompt")
+        assert isinstance(reply, Tokenized)
+        if reply.code is not None:
+            raise errors.from_worker(reply.code, reply.message)
+        return reply.count
 
     # --- OpenAI Responses ---------------------------------------------------------------------
 
@@ -174,7 +195,8 @@ class AgentRoutes:
         return conversation
 
     async def responses(self, request: Request) -> Response:
-        wanted = parse_responses(await self.kit.read_json(request, self.settings.max_body_bytes), self._history)
+        wanted = parse_responses(await self.kit.read_json(request, self.settings.max_body_bytes), self._history,
+                                 self.settings.strict_fields)
         parsed = wanted.parsed
         requested, parsed.model = parsed.model, self.local_model(parsed.model)
         api = ResponsesApi(wanted, requested)

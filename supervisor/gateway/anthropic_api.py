@@ -4,7 +4,10 @@ parse_messages turns a body into a `Parsed` whose Submit is the same API-neutral
 builds (openai_api.py): messages in the chat template's shape (`tool_use` blocks become an assistant's
 `tool_calls`, `tool_result` blocks `tool` messages, `thinking` blocks `reasoning_content`), tools as
 {"name", "description", "parameters"}, tool_choice as a decoding constraint, thinking as the
-template's `enable_thinking`. So a Messages request differs from a chat one only in shape.
+template's `enable_thinking` (and `budget_tokens` as Submit.reasoning_budget, which the worker holds the
+reasoning to). A final assistant message is a prefill: the template's `continue_final_message`, so the model
+continues its text (and the response holds only the continuation); an empty one is no prefill and is dropped.
+So a Messages request differs from a chat one only in shape.
 
 Tolerant where Anthropic's own API is, because Claude Code and the SDKs evolve faster than this
 server: top-level fields it has no use for (`metadata`, `cache_control`, `service_tier`, betas' new
@@ -241,22 +244,37 @@ def _tool_choice(body: dict, tools: list[dict] | None) -> tuple[list[dict] | Non
     return tools, {"type": "tool", "names": [name], "parallel": False}
 
 
-def _thinking(body: dict, max_tokens: int) -> dict:
-    """`thinking` as the chat template's switch; absent, the model's own default."""
+def _thinking(body: dict, max_tokens: int) -> tuple[dict, int | None]:
+    """`thinking` as the chat template's switch and the reasoning budget; absent, the model's own default."""
     thinking = body.get("thinking")
     if thinking is None:
-        return {}
+        return {}, None
     kind = thinking.get("type") if isinstance(thinking, dict) else None
     if kind == "disabled":
-        return {"enable_thinking": False}
+        return {"enable_thinking": False}, None
     if kind in ("adaptive", "between_tools"):
-        return {"enable_thinking": True}
+        return {"enable_thinking": True}, None
     if kind != "enabled":
         raise _bad("thinking.type: must be 'enabled', 'adaptive', 'between_tools' or 'disabled'")
     budget = _integer(thinking.get("budget_tokens"), "thinking.budget_tokens", 1, MAX_TOKENS_LIMIT)
     if budget >= max_tokens:
         raise _bad("`max_tokens` must be greater than `thinking.budget_tokens`")
-    return {"enable_thinking": True}
+    return {"enable_thinking": True}, budget
+
+
+def _prefill(messages: list[dict]) -> bool:
+    """Whether the conversation ends in a prefill (a final assistant message with text and no calls) to continue;
+    an empty final assistant message is dropped (no prefill). Anthropic's rule on its trailing whitespace holds."""
+    last = messages[-1]
+    if last["role"] != "assistant" or last.get("tool_calls"):
+        return False
+    if not last["content"] and not last.get("reasoning_content"):
+        if len(messages) > 1:
+            messages.pop()
+        return False
+    if last["content"] != last["content"].rstrip():
+        raise _bad("messages: final assistant content cannot end with trailing whitespace")
+    return bool(last["content"])
 
 
 def _output_config(body: dict) -> tuple[dict | None, dict]:
@@ -318,7 +336,7 @@ def parse_messages(body: Any, counting: bool = False) -> Parsed:
     """A Messages request as a Submit; `counting` (count_tokens) needs no max_tokens and never streams."""
     model = _model(body)
     if counting:
-        max_tokens = 1  # count_tokens prefills the prompt and stops at once (see agent_routes.py)
+        max_tokens = 1  # count_tokens only encodes the prompt (a Tokenize, see agent_routes.py)
     elif "max_tokens" not in body:
         raise _bad("max_tokens: Field required")
     else:
@@ -331,12 +349,16 @@ def parse_messages(body: Any, counting: bool = False) -> Parsed:
     tools, constraint = _tool_choice(body, _tools(body))
     json_format, kwargs = _output_config(body)
     constraint = constraint or json_format
-    kwargs.update(_thinking(body, MAX_TOKENS_LIMIT + 1 if counting else max_tokens))  # it shapes the prompt too
+    thinking, budget = _thinking(body, MAX_TOKENS_LIMIT + 1 if counting else max_tokens)  # it shapes the prompt too
+    kwargs.update(thinking)
+    if _prefill(messages):
+        kwargs["continue_final_message"] = True
     temperature = _number(body, "temperature", 0.0, 1.0)
     top_p = _number(body, "top_p", 0.0, 1.0)
     top_k = body.get("top_k")
     submit = Submit(rid=new_id("msg"), max_tokens=max_tokens, messages=messages, stop=_stop_sequences(body),
                     tools=tools, constraint=None if counting else constraint, template_kwargs=kwargs,
                     temperature=1.0 if temperature is None else temperature, top_p=1.0 if top_p is None else top_p,
-                    top_k=0 if top_k is None else _integer(top_k, "top_k", 0, MAX_TOKENS_LIMIT))
+                    top_k=0 if top_k is None else _integer(top_k, "top_k", 0, MAX_TOKENS_LIMIT),
+                    reasoning_budget=budget)
     return Parsed(model, submit, stream and not counting, False)

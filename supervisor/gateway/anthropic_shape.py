@@ -14,10 +14,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from protocol.messages import Finished
+from protocol.messages import CONTEXT_WINDOW, Finished
 from supervisor.gateway.transcript import START, STOP, Part, Step, Transcript
 
-STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens"}
+# the context window ending a request whose max_tokens it clamped: what Anthropic's API answers then
+STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens", CONTEXT_WINDOW: "model_context_window_exceeded"}
 BLOCKS = {"reasoning": "thinking", "text": "text", "call": "tool_use"}  # a transcript part's block type
 
 

@@ -168,8 +168,8 @@ class Gateway:
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, parse_completion)
 
-    async def _generate(self, request: Request, parse: Callable[[Any], Parsed]) -> Response:
-        parsed = parse(await read_json(request, self.settings.max_body_bytes))
+    async def _generate(self, request: Request, parse: Callable[[Any, bool], Parsed]) -> Response:
+        parsed = parse(await read_json(request, self.settings.max_body_bytes), self.settings.strict_fields)
         call = Calls(self.router, parsed, request.url.path)
         shaper = Shaper(parsed, self.router.registry.resolve(parsed.model).id)
         if not parsed.stream:  # a client that leaves during the load or the prefill is seen at once, too

@@ -1,10 +1,10 @@
 """OpenAI-compatible request validation. Pure: no I/O, no state.
 
 parse_chat / parse_completion turn a JSON body into a `Parsed` (one protocol Submit per choice
-plus the HTTP-side options) or raise InvalidRequest naming the offending parameter. Unknown
-parameters are rejected, like OpenAI's API does, so a client never silently loses an option it
-relies on; the fields OpenAI's clients send that mean nothing to a local server (IGNORED) are
-accepted and dropped, so those clients work unchanged. The Submit is API-neutral: tools as
+plus the HTTP-side options) or raise InvalidRequest naming the offending parameter. Every field
+OpenAI's API takes is accepted: used where it means something here, else (IGNORED) dropped, so its
+clients work unchanged; an unknown field is dropped with a warning, or refused with `strict`
+(unknown_fields.py). Wrong types and values of the fields used are refused. The Submit is API-neutral: tools as
 {"name", "description", "parameters"}, tool_choice and response_format as a decoding
 `constraint`; the response shapes live in openai_shape.py.
 
@@ -25,6 +25,7 @@ from typing import Any
 
 from protocol.messages import Submit
 from supervisor.errors import InvalidRequest
+from supervisor.gateway import unknown_fields
 from supervisor.units import is_number
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -44,7 +45,7 @@ _TOKEN_ID = re.compile(r"[0-9]{1,10}")  # ASCII digits only: str.isdigit() also 
 # Accepted and ignored: OpenAI fields with no meaning for a local server, which clients (the openai SDK's
 # defaults, LangChain, litellm, openai-agents) send anyway. Refusing them breaks those clients.
 IGNORED = {"user", "store", "metadata", "service_tier", "prompt_cache_key", "prompt_cache_retention",
-           "safety_identifier", "verbosity", "modalities", "prediction", "web_search_options"}
+           "safety_identifier", "verbosity", "modalities", "prediction", "web_search_options", "audio"}
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stream", "stream_options",
            "n", "seed", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty",
            "logit_bias", "logprobs"} | IGNORED
@@ -109,12 +110,10 @@ def _integer(body: dict, key: str, default: int | None, lo: int, hi: int) -> int
     return value
 
 
-def _common(body: Any, allowed: set[str]) -> tuple[str, bool, bool, list[str]]:
+def _common(body: Any, allowed: set[str], strict: bool, api: str) -> tuple[str, bool, bool, list[str]]:
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise InvalidRequest(f"unrecognized request argument(s): {', '.join(unknown)}", param=unknown[0])
+    unknown_fields.check(body, allowed, strict, api)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidRequest("'model' is required and must be a non-empty string", param="model")
@@ -358,8 +357,9 @@ def _chat_logprobs(body: dict) -> int:
     return (top or 0) if wanted else -1
 
 
-def parse_chat(body: Any) -> Parsed:
-    model, stream, include_usage, stop = _common(body, CHAT_PARAMS)
+def parse_chat(body: Any, strict: bool = False) -> Parsed:
+    """`strict`: an unknown field is a 400, not ignored."""
+    model, stream, include_usage, stop = _common(body, CHAT_PARAMS, strict, "chat")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty list", param="messages")
@@ -400,8 +400,8 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
     return prompts
 
 
-def parse_completion(body: Any) -> Parsed:
-    model, stream, include_usage, stop = _common(body, COMPLETION_PARAMS)
+def parse_completion(body: Any, strict: bool = False) -> Parsed:
+    model, stream, include_usage, stop = _common(body, COMPLETION_PARAMS, strict, "completions")
     for key in ("echo", "suffix"):
         if body.get(key):
             raise InvalidRequest(f"'{key}' is not supported", param=key)

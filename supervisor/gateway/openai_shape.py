@@ -6,14 +6,15 @@ logprobs); this module writes them in OpenAI's shapes: `delta.content`, `delta.r
 the whole `message` from the same deltas' transcript (transcript.py), so a streamed and a whole
 response say the same.
 Invariant: tool-call markup never reaches `content` (the worker's parser removed it); a choice
-that made calls finishes with "tool_calls".
+that made calls finishes with "tool_calls"; one the context window ended (max_tokens clamped to it) with
+"length", as one max_tokens ended.
 """
 
 from __future__ import annotations
 
 import time
 
-from protocol.messages import Finished
+from protocol.messages import CONTEXT_WINDOW, Finished
 from supervisor.gateway.openai_api import Parsed
 from supervisor.gateway.transcript import Transcript
 
@@ -25,6 +26,11 @@ def usage(finished: list[Finished], per_prompt: int = 1) -> dict:
     cached = max((f.cached_tokens for f in finished), default=0)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def openai_reason(reason: str | None) -> str | None:
+    """The API's finish_reason of the worker's: OpenAI's "length" says the context ended it too."""
+    return "length" if reason == CONTEXT_WINDOW else reason
 
 
 def _bytes(text: str) -> list[int]:
@@ -77,7 +83,7 @@ class Shaper:
             self._offsets[index] = offset + sum(len(e[0]) for e in entries)
             choice = {"index": index, "text": text,
                       "logprobs": self._completion_logprobs(entries, offset) if entries else None,
-                      "finish_reason": finish_reason}
+                      "finish_reason": openai_reason(finish_reason)}
             return self._envelope("text_completion", [choice])
         delta: dict = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
         if extra and extra.get("reasoning"):
@@ -92,7 +98,7 @@ class Shaper:
         if calls:
             delta["tool_calls"] = calls
         choice = {"index": index, "delta": delta, "logprobs": self._chat_logprobs(entries) if entries else None,
-                  "finish_reason": finish_reason}
+                  "finish_reason": openai_reason(finish_reason)}
         return self._envelope("chat.completion.chunk", [choice])
 
     def has_delta(self, text: str, extra: dict | None) -> bool:
@@ -110,7 +116,7 @@ class Shaper:
             text = "".join(choice.answer)
             if not self.chat:
                 choices.append({"index": index, "text": text, "logprobs": self._completion_logprobs(choice.logprobs),
-                                "finish_reason": fin.finish_reason})
+                                "finish_reason": openai_reason(fin.finish_reason)})
                 continue
             calls = [{"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": c.text}}
                      for c in choice.calls()]
@@ -120,5 +126,5 @@ class Shaper:
             if calls:
                 message["tool_calls"] = calls
             choices.append({"index": index, "message": message, "logprobs": self._chat_logprobs(choice.logprobs),
-                            "finish_reason": fin.finish_reason})
+                            "finish_reason": openai_reason(fin.finish_reason)})
         return {**self._envelope(self.object, choices), "usage": usage(finished, self.per_prompt)}

@@ -11,7 +11,9 @@ become {"name", "description", "parameters"}; tool_choice and `text.format` a de
 With `previous_response_id`, the stored conversation (response_store.py, looked up by the caller's
 `history`) comes first and only the new turn is in `input`; `instructions` are the new request's
 only, as OpenAI does. A `function_call_output` must answer a call made earlier in the conversation.
-Unknown fields get a 400 naming them, those OpenAI's clients send by default are ignored.
+Every field OpenAI's API takes is accepted (IGNORED: those that mean nothing here; `background`,
+`conversation` and `prompt` only when unset: ignoring them would answer something else); an unknown
+field is ignored with a warning, or refused with `strict` (unknown_fields.py).
 
 What the response echoes is kept by the store, so it is held to the API's limits: `metadata` is at
 most 16 string pairs (keys up to 64 characters, values up to 512); function names, of tools and of
@@ -27,16 +29,20 @@ from typing import Any
 
 from protocol.messages import Submit
 from supervisor.errors import InvalidRequest
+from supervisor.gateway import unknown_fields
 from supervisor.gateway.openai_api import MAX_TOKENS_LIMIT, Parsed, new_id, valid_name
 from supervisor.units import is_number
 
 log = logging.getLogger(__name__)
 
+# client_metadata is not OpenAI's: Codex sends it on every request
 IGNORED = {"user", "include", "truncation", "service_tier", "prompt_cache_key", "safety_identifier",
-           "prompt_cache_retention", "max_tool_calls", "top_logprobs", "stream_options"}
+           "prompt_cache_retention", "max_tool_calls", "top_logprobs", "stream_options", "context_management",
+           "client_metadata"}
+UNSUPPORTED = ("background", "conversation", "prompt")  # accepted when unset (null or false)
 PARAMS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text", "reasoning",
           "max_output_tokens", "temperature", "top_p", "stream", "store", "previous_response_id",
-          "background", "metadata"} | IGNORED
+          "metadata", *UNSUPPORTED} | IGNORED
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal", "summary_text", "reasoning_text")
 MAX_METADATA_PAIRS = 16
@@ -239,21 +245,21 @@ def _number(body: dict, key: str, default: float, hi: float) -> float:
     return float(value)
 
 
-def parse_responses(body: Any, history: Callable[[str], list[dict]]) -> ResponsesRequest:
-    """A Responses request; `history(id)` is a stored response's conversation (or raises NotFound)."""
+def parse_responses(body: Any, history: Callable[[str], list[dict]], strict: bool = False) -> ResponsesRequest:
+    """A Responses request; `history(id)` is a stored response's conversation (or raises NotFound); `strict`: an
+    unknown field is a 400, not ignored."""
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object")
-    unknown = sorted(set(body) - PARAMS)
-    if unknown:
-        raise _bad(f"unrecognized request argument(s): {', '.join(unknown)}", unknown[0])
+    unknown_fields.check(body, PARAMS, strict, "responses")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise _bad("'model' is required and must be a non-empty string", "model")
     for key in ("stream", "store", "background"):
         if body.get(key) is not None and not isinstance(body[key], bool):
             raise _bad(f"'{key}' must be a boolean", key)
-    if body.get("background"):
-        raise _bad("'background' responses are not supported", "background")
+    for key in UNSUPPORTED:
+        if body.get(key):
+            raise _bad(f"'{key}' is not supported", key)
     previous = body.get("previous_response_id")
     if previous is not None and not isinstance(previous, str):
         raise _bad("'previous_response_id' must be a string", "previous_response_id")

@@ -6,7 +6,8 @@ streamed as `response.function_call_arguments.delta`). One `ResponseShaper` writ
 and the whole response from the same transcript (transcript.py: an item is one of its parts, added
 before its deltas and done before the next is added; whitespace-only text makes none), so they say
 the same. Invariants: every event has the next `sequence_number`; a stream ends with `response.completed` (or `response.incomplete` at max_output_tokens), or with
-`error` and `response.failed`.
+`error` and `response.failed`. The context window ending a request (its output limit clamped to it) is
+`incomplete` with reason `max_output_tokens` too, as OpenAI reports it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 import uuid
 from typing import Any
 
-from protocol.messages import Finished
+from protocol.messages import CONTEXT_WINDOW, Finished
 from supervisor.errors import MlxsupError
 from supervisor.gateway.transcript import PIECE, START, Part, Step, Transcript
 
@@ -111,7 +112,7 @@ class ResponseShaper:
         return [e for step in self.said.feed(text, extra) for e in self._events(step)]
 
     def status(self, fin: Finished) -> str:
-        return "incomplete" if fin.finish_reason == "length" else "completed"
+        return "incomplete" if fin.finish_reason in ("length", CONTEXT_WINDOW) else "completed"
 
     def finish(self, fin: Finished) -> list[dict]:
         status = self.status(fin)

@@ -6,30 +6,32 @@ the program runs it and sends the result back, the model's final answer is print
 refuses the outside world and records what was tried. Each run is bounded in time; the program's whole process
 session is proven gone afterwards.
 
-Each program runs twice: as a new user would ("defaults"), and with the workaround today's daemon needs
-("workaround"). The defaults runs are strict xfails until issue 26's gateway changes land (the context clamp,
-tolerated unknown fields): then they pass, and the mark must go. docs/agents-traffic.md records what each sends.
+Each program runs as a new user would, with its default settings (issue 26): Claude Code's max_tokens and
+opencode's pass the context and are clamped to it, Codex's client_metadata is ignored. The daemon's log must show
+every request of the run served 200, and the model nothing left running. docs/agents-traffic.md records what each
+sends; the README's "Using mlxsup with Claude Code, Codex and opencode" gives these very settings.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 
 from tests.agents.conftest import DONE, KEY
 from tests.agents.proxy import OutsideRefused, RecordingProxy
-from tests.conftest import Daemon, assert_gone
+from tests.conftest import Daemon, assert_gone, wait_for
 
-CLAMP = "needs issue 26's context clamp: max_tokens past the context is refused with context_length_exceeded"
-FIELDS = "needs issue 26's tolerant fields: /v1/responses refuses codex's client_metadata"
-DEFAULTS, WORKAROUND = "defaults", "workaround"
+REQUEST_LINE = re.compile(r"\[request\] model=(\S+) endpoint=(\S+) status=(\d+)")
 
 
 @dataclass
@@ -45,13 +47,34 @@ class Setup:
     work: Path
     bin_dir: Path
     daemon: Daemon
+    log_from: int  # the daemon log's size when this test began
 
 
 @pytest.fixture
-def setup(tmp_path: Path, agent_bin: Path, scripted_daemon: Daemon) -> Setup:
+def setup(tmp_path: Path, agent_bin: Path, scripted_daemon: Daemon) -> Iterator[Setup]:
     (tmp_path / "home").mkdir()
     (tmp_path / "work").mkdir()
-    return Setup(tmp_path / "home", tmp_path / "work", agent_bin, scripted_daemon)
+    log = scripted_daemon.state_dir / "daemon.log"
+    s = Setup(tmp_path / "home", tmp_path / "work", agent_bin, scripted_daemon, log.stat().st_size)
+    yield s
+    served_all(s)
+
+
+def served_all(s: Setup) -> None:
+    """The daemon served every request of the run 200 (a refusal would be logged with its 4xx), and nothing of it
+    is left running on the model."""
+    with open(s.daemon.state_dir / "daemon.log", "rb") as f:
+        f.seek(s.log_from)
+        log = f.read().decode(errors="replace")
+    served = REQUEST_LINE.findall(log)
+    assert served and all(status == "200" for _, _, status in served), served
+    assert "context_length_exceeded" not in log and "unknown field" not in log
+
+    def idle() -> bool:
+        status = httpx.get(s.daemon.url + "/api/status", headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
+        return all(m["in_flight"] == 0 and m["queued"] == 0 for m in status.json()["models"])
+
+    wait_for(idle, 30, what="the model to have nothing in flight")
 
 
 def run(argv: list[str], s: Setup, env: dict[str, str], outside: OutsideRefused, timeout: float) -> Ran:
@@ -88,13 +111,9 @@ def made(s: Setup) -> bool:
     return (s.work / "made.txt").is_file() and (s.work / "made.txt").read_text() == "made\n"
 
 
-@pytest.mark.parametrize("how", [pytest.param(DEFAULTS, marks=pytest.mark.xfail(strict=True, reason=CLAMP)),
-                                 WORKAROUND])
-def test_claude_code_runs_its_bash_tool(setup: Setup, how: str) -> None:
+def test_claude_code_runs_its_bash_tool(setup: Setup) -> None:
     env = {"ANTHROPIC_BASE_URL": "", "ANTHROPIC_API_KEY": KEY, "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
            "DISABLE_AUTOUPDATER": "1", "DISABLE_TELEMETRY": "1", "DISABLE_ERROR_REPORTING": "1"}
-    if how == WORKAROUND:
-        env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = "2048"  # its default (32000 and more) does not fit a 40,960 context
     with RecordingProxy(setup.daemon.url) as proxy, OutsideRefused() as outside:
         env["ANTHROPIC_BASE_URL"] = proxy.url
         ran = run(["claude", "-p", "Create the file made.txt. CLAUDE-STEP-1", "--output-format", "json",
@@ -105,15 +124,14 @@ def test_claude_code_runs_its_bash_tool(setup: Setup, how: str) -> None:
     assert DONE in result["result"] and made(setup)
     assert {s.path.split("?")[0] for s in proxy.seen} == {"/v1/messages"}
     assert "Bash" in [t["name"] for t in proxy.seen[0].body["tools"]]
+    # its default output limit passes the context (a ~34k prompt in 40,960): clamped, not refused
+    assert proxy.seen[0].body["max_tokens"] + 30000 > 40960 and all(s.status == 200 for s in proxy.seen)
     assert outside.attempts == [], outside.attempts
 
 
-@pytest.mark.parametrize("how", [pytest.param(DEFAULTS, marks=pytest.mark.xfail(strict=True, reason=FIELDS)),
-                                 WORKAROUND])
-def test_codex_runs_its_exec_command_tool(setup: Setup, how: str) -> None:
+def test_codex_runs_its_exec_command_tool(setup: Setup) -> None:
     (setup.home / ".codex").mkdir()
-    drop = frozenset({"client_metadata"}) if how == WORKAROUND else frozenset()
-    with RecordingProxy(setup.daemon.url, drop=drop) as proxy, OutsideRefused() as outside:
+    with RecordingProxy(setup.daemon.url) as proxy, OutsideRefused() as outside:
         (setup.home / ".codex" / "config.toml").write_text(
             # plugins off: else it syncs plugin catalogs from github.com and chatgpt.com at startup
             'model = "qwen3"\nmodel_provider = "mlxsup"\ncheck_for_update_on_startup = false\n'
@@ -124,15 +142,12 @@ def test_codex_runs_its_exec_command_tool(setup: Setup, how: str) -> None:
     assert ran.rc == 0, ran.err[-3000:]
     assert DONE in ran.out and made(setup)
     assert {s.path for s in proxy.seen} == {"/v1/responses"} and len(proxy.seen) >= 2
+    assert "client_metadata" in proxy.seen[0].body and all(s.status == 200 for s in proxy.seen)
     assert outside.attempts == [], outside.attempts
 
 
-@pytest.mark.parametrize("how", [pytest.param(DEFAULTS, marks=pytest.mark.xfail(strict=True, reason=CLAMP)),
-                                 WORKAROUND])
-def test_opencode_runs_its_bash_tool(setup: Setup, how: str) -> None:
+def test_opencode_runs_its_bash_tool(setup: Setup) -> None:
     model: dict = {"name": "qwen3"}
-    if how == WORKAROUND:
-        model["limit"] = {"context": 40960, "output": 2048}  # its default max_tokens, 32000, does not fit
     config = setup.home / "opencode.json"
     with RecordingProxy(setup.daemon.url) as proxy, OutsideRefused() as outside:
         config.write_text(json.dumps({
@@ -143,11 +158,13 @@ def test_opencode_runs_its_bash_tool(setup: Setup, how: str) -> None:
                                     "models": {"qwen3": model}}}}))
         env = {"MLXSUP_KEY": KEY, "OPENCODE_CONFIG": str(config), "OPENCODE_DISABLE_MODELS_FETCH": "1",
                "OPENCODE_DISABLE_AUTOUPDATE": "1"}
-        # the defaults run retries forever today (compacting its history each time): 120 s is plenty for the loop
+        # a refused request makes it compact its history and retry, forever: the time limit ends that
         ran = run(["opencode", "run", "--model", "mlxsup/qwen3", "Create the file made.txt. OPENCODE-STEP-1"], setup,
-                  env, outside, timeout=300 if how == WORKAROUND else 120)
+                  env, outside, timeout=300)
     assert ran.rc == 0, ran.err[-3000:]
     assert DONE in ran.out and made(setup)
     assert {s.path for s in proxy.seen} == {"/v1/chat/completions"}
+    # its default max_tokens (32000) passes the context with its ~21k prompt: clamped, not refused
+    assert max(s.body["max_tokens"] for s in proxy.seen if s.body) == 32000 and all(s.status == 200 for s in proxy.seen)
     # it tries to install its provider package at run time, then goes on with the one it bundles
     assert set(outside.attempts) <= {"registry.npmjs.org:443"}

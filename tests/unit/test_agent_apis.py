@@ -123,8 +123,8 @@ def test_responses_input_items_and_the_history_become_one_conversation() -> None
     with pytest.raises(InvalidRequest, match="c9"):
         parse_responses({"model": "m", "input": [{"type": "function_call_output", "call_id": "c9", "output": ""}]},
                         lambda rid: [])
-    with pytest.raises(InvalidRequest, match="frobnicate"):
-        parse_responses({"model": "m", "input": "x", "frobnicate": 1}, lambda rid: [])
+    with pytest.raises(InvalidRequest, match="frobnicate"):  # strict_fields; else ignored (test_codex_s_body...)
+        parse_responses({"model": "m", "input": "x", "frobnicate": 1}, lambda rid: [], strict=True)
 
 
 def test_response_events_and_the_whole_response_say_the_same() -> None:
@@ -319,3 +319,45 @@ def _not_found(rid: str) -> list[dict]:
     raise NotFound(f"no {rid}")
 
 
+
+
+def test_codex_s_body_and_every_field_of_openai_s_responses_api_are_accepted() -> None:
+    """Codex's first request's fields (docs/agents-traffic.md), its client_metadata included, even in strict mode;
+    an unknown field is ignored unless strict; what would answer something else if ignored is refused."""
+    codex = {"model": "qwen3", "input": [{"type": "message", "role": "developer", "content": "Rules."},
+                                         {"type": "message", "role": "user", "content": "Hi"}],
+             "tools": [{"type": "function", "name": "exec_command", "parameters": {"type": "object"}},
+                       {"type": "web_search"}], "tool_choice": "auto", "parallel_tool_calls": False,
+             "reasoning": {"effort": "medium", "summary": "auto"}, "store": False, "stream": True,
+             "include": ["reasoning.encrypted_content"], "prompt_cache_key": "k",
+             "client_metadata": {"x-codex-installation-id": "i"}}
+    openai = {"background": False, "conversation": None, "context_management": None, "instructions": "Be brief.",
+              "max_output_tokens": 9, "max_tool_calls": 3, "metadata": {"a": "b"}, "previous_response_id": None,
+              "prompt": None, "prompt_cache_retention": "24h", "safety_identifier": "s", "service_tier": "auto",
+              "stream_options": {"include_obfuscation": False}, "temperature": 1, "text": {"format": {"type": "text"}},
+              "top_logprobs": 0, "top_p": 1, "truncation": "disabled", "user": "u"}
+    assert parse_responses({**codex, **openai}, lambda rid: [], strict=True).parsed.submit.max_tokens == 9
+    assert parse_responses({**codex, "brand_new_responses_field": 1}, lambda rid: []).parsed.stream
+    for key, value in (("background", True), ("conversation", "conv_1"), ("prompt", {"id": "pmpt_1"})):
+        with pytest.raises(InvalidRequest) as err:
+            parse_responses({**codex, key: value}, lambda rid: [])
+        assert err.value.param == key
+
+
+def test_the_context_window_ending_a_response_is_what_each_api_says() -> None:
+    """A request whose max_tokens was clamped to the context and that the context ended: Anthropic's
+    model_context_window_exceeded, Responses' incomplete for max_output_tokens."""
+    end = fin("context_window")
+    message = MessageShaper("msg_1", "claude-x")
+    assert message.whole(end)["stop_reason"] == "model_context_window_exceeded"
+    streamed = MessageShaper("msg_1", "claude-x")
+    events = streamed.start() + streamed.feed("Hi", None) + streamed.finish(end)
+    assert [e["delta"]["stop_reason"] for e in events if e["type"] == "message_delta"] == [
+        "model_context_window_exceeded"]
+    response = ResponseShaper("resp_1", "m", {})
+    assert response.whole(end)["status"] == "incomplete"
+    assert response.whole(end)["incomplete_details"] == {"reason": "max_output_tokens"}
+    streamed_response = ResponseShaper("resp_2", "m", {})
+    last = (streamed_response.start() + streamed_response.feed("Hi", None) + streamed_response.finish(end))[-1]
+    assert last["type"] == "response.incomplete" and last["response"]["incomplete_details"]["reason"] == \
+        "max_output_tokens"

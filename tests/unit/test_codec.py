@@ -26,6 +26,8 @@ from protocol.messages import (
     Standby,
     StepStarted,
     Submit,
+    Tokenize,
+    Tokenized,
     Tokens,
 )
 from tests.unit.golden import GOLDEN_SHA256
@@ -38,7 +40,7 @@ SAMPLES = [
            tools=[{"name": "f", "description": "", "parameters": {"type": "object"}}],
            template_kwargs={"enable_thinking": False}, constraint={"type": "tool", "names": ["f"], "parallel": False},
            logprobs=2, seed=7, presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.1,
-           logit_bias=[[5, -100.0]]),
+           logit_bias=[[5, -100.0]], reasoning_budget=64),
     Submit(rid="r4", max_tokens=8, prompt_ids=[1, 2, 3]),
     Abort(rid="r1"),
     Evict(mode="drain", deadline_s=2.5),
@@ -59,6 +61,10 @@ SAMPLES = [
                hot_hit_tokens=128, ssd_enabled=True, ssd_entries=5, ssd_bytes=5 << 20, ssd_cap_bytes=8 << 30,
                ssd_hits=1, ssd_misses=1, ssd_hit_tokens=64, ssd_dir="/s/cache/abc", ssd_error=None),
     CacheCleared(rid="c1", which="ssd", entries=5, reclaimed_bytes=5 << 20),
+    Tokenize(rid="t1", messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure"}],
+             tools=[{"name": "f", "description": "", "parameters": {"type": "object"}}],
+             template_kwargs={"continue_final_message": True}, ids=True),
+    Tokenized(rid="t1", count=3, ids=[1, 2, 3]),
     Bye(reason="evict", aborted=1, drained=2, phases={"settle": 0.01}, memory_bytes=5),
 ]
 

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+import uuid
+
 import pytest
 
+from protocol.messages import CONTEXT_WINDOW, Finished
 from supervisor.errors import InvalidRequest
 from supervisor.gateway.openai_api import parse_chat, parse_completion
+from supervisor.gateway.openai_shape import Shaper
+from supervisor.gateway.transcript import Transcript
 
 MSGS = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "d",
@@ -82,7 +88,6 @@ def test_completion_defaults() -> None:
     (chat(seed="7"), "seed"),
     (chat(messages=[{"role": "assistant", "content": None, "tool_calls": [{"function": {}}]}]),
      "messages[0].tool_calls[0]"),
-    (chat(wibble=1), "wibble"),
     (chat(ignore_eos="no"), "ignore_eos"),
 ])
 def test_chat_rejections(body, param) -> None:
@@ -222,3 +227,51 @@ def test_a_request_asks_for_a_bounded_number_of_sequences(prompts: int, n: int, 
     with pytest.raises(InvalidRequest) as err:
         parse_completion(body)
     assert err.value.param == "n"
+
+
+# Every field of OpenAI's current chat API: accepted even in strict mode (used, or ignored as meaningless here)
+OPENAI_CHAT_FIELDS = dict(
+    audio=None, frequency_penalty=0, function_call="auto", functions=[TOOL["function"]], logit_bias={"5": 1},
+    logprobs=True, max_completion_tokens=5, max_tokens=5, metadata={"a": "b"}, modalities=["text"], n=1,
+    parallel_tool_calls=True, prediction={"type": "content", "content": "x"}, presence_penalty=0,
+    prompt_cache_key="k", prompt_cache_retention="24h", reasoning_effort="low", response_format={"type": "text"},
+    safety_identifier="s", seed=1, service_tier="auto", stop=["x"], store=False, stream=True,
+    stream_options={"include_usage": True}, temperature=1, tool_choice="auto", tools=[TOOL], top_logprobs=2,
+    top_p=1, user="u", verbosity="low", web_search_options={})
+
+
+def test_every_field_of_openai_s_chat_api_is_accepted_even_in_strict_mode() -> None:
+    assert parse_chat(chat(**OPENAI_CHAT_FIELDS), strict=True).submit.max_tokens == 5
+    completion = dict(best_of=1, echo=False, frequency_penalty=0, logit_bias={}, logprobs=1, max_tokens=5, n=1,
+                      presence_penalty=0, seed=1, stop="x", stream=False, suffix=None, temperature=1, top_p=1, user="u")
+    assert parse_completion({"model": "m", "prompt": "x", **completion}, strict=True).submit.max_tokens == 5
+
+
+@pytest.mark.parametrize("parse, body", [(parse_chat, chat()), (parse_completion, {"model": "m", "prompt": "x"})])
+def test_an_unknown_field_is_ignored_with_one_warning_per_name_or_refused_in_strict_mode(
+        parse, body, caplog: pytest.LogCaptureFixture) -> None:
+    name = f"brand_new_{uuid.uuid4().hex[:8]}"  # a name no other test has made this process log
+    with caplog.at_level(logging.WARNING, logger="supervisor.gateway.unknown_fields"):
+        for _ in range(3):
+            assert parse({**body, name: {"x": 1}}).submit.max_tokens in (0, 16)
+    assert len(caplog.records) == 1 and name in caplog.records[0].getMessage()  # once, not per request
+    with pytest.raises(InvalidRequest) as err:
+        parse({**body, name: 1}, strict=True)
+    assert err.value.param == name and err.value.status == 400
+
+
+def test_a_flood_of_unknown_names_logs_a_bounded_number_of_lines(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="supervisor.gateway.unknown_fields"):
+        parse_chat(chat(**{f"flood_{uuid.uuid4().hex}_{i}": 1 for i in range(500)}))
+        parse_chat(chat(**{f"flood_{uuid.uuid4().hex}_{i}": 1 for i in range(500)}))
+    assert len(caplog.records) <= 101
+
+
+def test_the_context_window_ending_a_choice_is_length_to_openai() -> None:
+    parsed = parse_chat(chat(stream=True))
+    end = Finished(rid="r", text="", finish_reason=CONTEXT_WINDOW, prompt_tokens=3, completion_tokens=2)
+    shaper = Shaper(parsed, "m")
+    assert shaper.chunk(0, "", None, finish_reason=CONTEXT_WINDOW)["choices"][0]["finish_reason"] == "length"
+    assert shaper.whole([Transcript()], [end])["choices"][0]["finish_reason"] == "length"
+    completion = Shaper(parse_completion({"model": "m", "prompt": "x"}), "m")
+    assert completion.whole([Transcript()], [end])["choices"][0]["finish_reason"] == "length"

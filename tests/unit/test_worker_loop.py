@@ -34,6 +34,8 @@ from protocol.messages import (
     Message,
     Ready,
     StepStarted,
+    Tokenize,
+    Tokenized,
     Tokens,
 )
 from tests.unit.worker_fakes import STEP_S, FakeCaches, rig, sub
@@ -280,6 +282,30 @@ def test_clear_cache_is_answered_with_cache_cleared(caches: FakeCaches | None, w
         assert caches.asked == ([] if which == "cold" else [which])
         after = r.channel.sent[r.channel.sent.index(cleared) + 1]
         assert isinstance(after, CacheStats)  # fresh figures follow
+
+
+def test_tokenize_is_answered_between_steps_without_generating_or_touching_the_batch() -> None:
+    r = rig(sub("a", 3), Tokenize("t1", messages=[{"role": "user", "content": "hello"}]),
+            Tokenize("t2", prompt="abc", ids=True), Evict("drain", 10))
+    assert r.loop.run() == EXIT_OK
+    assert [(t.rid, t.count, t.ids, t.code) for t in r.sent(Tokenized)] == [
+        ("t1", 5, [], None), ("t2", 3, [97, 98, 99], None)]
+    assert r.engine.generated_tokens == 3 and r.engine.steps == 3  # request a's own tokens and steps only
+    assert [f.rid for f in r.sent(Finished)] == ["a"]
+    assert [c for c in r.engine.calls if c.startswith(("submit", "tokenize"))] == [
+        "submit a", "tokenize t1", "tokenize t2"]
+
+
+def test_a_tokenize_the_engine_refuses_is_answered_with_its_code_and_the_worker_goes_on() -> None:
+    r = rig(Tokenize("bad", prompt="x"), Tokenize("odd", prompt="x"), Tokenize("ok", prompt="xy"), Evict("now", 0))
+    r.engine.reject = {"bad": RequestRejected(CONTEXT_LENGTH_EXCEEDED, "template says no"), "odd": ValueError("odd")}
+    assert r.loop.run() == EXIT_OK
+    answers = {t.rid: t for t in r.sent(Tokenized)}
+    assert (answers["bad"].count, answers["bad"].code, answers["bad"].message) == (0, CONTEXT_LENGTH_EXCEEDED,
+                                                                                    "template says no")
+    assert answers["odd"].code == INTERNAL_ERROR and "odd" in answers["odd"].message
+    assert (answers["ok"].count, answers["ok"].code) == (2, None)
+    assert not r.sent(Failed)
 
 
 def test_announce_sends_ready_then_the_cache_figures() -> None:

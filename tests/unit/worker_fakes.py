@@ -132,6 +132,14 @@ class FakeEngine:
         self.calls.append(f"submit {msg.rid}")
         self.left[msg.rid] = msg.max_tokens
 
+    def tokenize(self, msg: Submit) -> list[int]:
+        """One token per character of the prompt (or of the messages' contents); `reject` applies as to submit."""
+        if msg.rid in self.reject:
+            raise self.reject[msg.rid]
+        self.calls.append(f"tokenize {msg.rid}")
+        text = msg.prompt if msg.prompt is not None else "".join(str(m.get("content", "")) for m in msg.messages or [])
+        return [ord(c) % self.vocab_size for c in text]
+
     def abort(self, rid: str) -> bool:
         self.calls.append(f"abort {rid}")
         return self.left.pop(rid, None) is not None

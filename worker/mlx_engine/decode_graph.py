@@ -23,7 +23,7 @@ one (tiny model: 0.86-0.91 against 1.42 ms per token; stream_generate 1.44). On 
 11-17 s at load; so the worker's `--solo auto` leaves it off there (`solo_modes`). The mask is not
 why: MLX CUDA's fused one-query attention takes no array mask, but a variant that hid the unfilled
 keys with a bias channel in padded heads instead, keeping attention fused, was no faster (removed;
-bench/results/gpu/diag-compiled-2026-11-21). Metal is not measured here; its fused attention takes
+bench/results/history/gpu/diag-compiled-2026-11-21). Metal is not measured here; its fused attention takes
 the mask, and auto turns the graph on.
 
 Invariants: `DecodeState.n` is the fill, the same as `off`; positions >= n of a buffer

@@ -16,6 +16,8 @@ the cache's benefit.
 A resumed request (Submit.resume_tokens) joins with its earlier tokens as its prompt's tail and
 its text stream replayed through them, so its text continues exactly where its client's stopped;
 every chunk carries the ids of the tokens behind its text, which is what a resume continues from.
+A request with a reasoning budget gets one more logits processor (worker/mlx_engine/budget.py) that closes its
+reasoning once the budget is spent; `tokenize` encodes a prompt as `submit` would, and touches nothing else.
 
 After Ready, while nothing is in flight, the batch shapes a ramp of arrivals meets can be run once on
 dummy tokens (`warm_step`, worker/mlx_engine/warmup.py; `warm`: auto = on a GPU only), so a ramp does
@@ -51,6 +53,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from protocol.messages import (
     CONTEXT_LENGTH_EXCEEDED,
+    CONTEXT_WINDOW,
     INVALID_REQUEST,
     Failed,
     Finished,
@@ -61,6 +64,7 @@ from worker.engine_api import RequestRejected
 from worker.memory import process_memory_bytes
 from worker.mlx_engine import scripted
 from worker.mlx_engine.attention import install as attention_route
+from worker.mlx_engine.budget import budget_of, reasoning_budget
 from worker.mlx_engine.decode_graph import DecodeGraph, solo_modes
 from worker.mlx_engine.guided import GrammarProcessor, Grammars, logprob_entries, penalty_processors, seeded_sampler
 from worker.mlx_engine.prompt_cache import CacheOptions, PromptCaches
@@ -68,7 +72,14 @@ from worker.mlx_engine.solo import Solo, SoloResponse
 from worker.mlx_engine.warmup import ShapeWarmer, Warmed, wants_warm_up
 from worker.request_output import RequestOutput
 from worker.step_cost import PrefillSeq, StepCostModel, StepPlan, StepWork
-from worker.template_input import special_token_ids, special_token_texts, template_messages, template_tools, tool_names
+from worker.template_input import (
+    chat_template_args,
+    special_token_ids,
+    special_token_texts,
+    template_messages,
+    template_tools,
+    tool_names,
+)
 from worker.textstream import TextStream
 
 log = logging.getLogger(__name__)
@@ -91,6 +102,7 @@ class Request:
     snapshots: dict = field(default_factory=dict)  # block index -> the snapshot taken at that block's end
     unsent: list[int] = field(default_factory=list)  # generated ids whose text has not gone out yet
     grammar: GrammarProcessor | None = None
+    clamped: bool = False  # its max_tokens reaches the context's end: stopping there is the context's doing
 
 
 def load_with_progress(model_path: Path, report: Callable[[str, float], None]) -> tuple:
@@ -122,6 +134,7 @@ class Engine:
                  prefill_step_size: int = 2048, report: Callable[[str, float], None] = lambda *_: None,
                  cache: CacheOptions | None = None, model_id: str = "", step_target_s: float = 0.25,
                  warm: str = "auto", warm_budget_s: float = 10.0, solo: str = "auto", attention: str = "auto",
+                 strict_context: bool = False,
                  loader: Callable[[Path, Callable[[str, float], None]], tuple] = load_with_progress) -> None:
         t0 = time.perf_counter()
         self.attention_routed = attention_route(attention)  # short prefills unfused on CUDA (mlx_engine/attention.py)
@@ -129,6 +142,7 @@ class Engine:
         config = json.loads((model_path / "config.json").read_text())
         text_config = {**config, **(config.get("text_config") or {})}  # Qwen3.5 and other multimodal layouts
         self.context_length = int(text_config.get("max_position_embeddings") or 4096)
+        self.strict_context = strict_context  # max_tokens past the context is refused, not clamped (submit)
         self.vocab_size = int(text_config.get("vocab_size") or 0)
         self.weights_bytes = sum(p.stat().st_size for p in model_path.glob("*.safetensors"))
         eos = sorted(self.tokenizer.eos_token_ids)
@@ -191,8 +205,8 @@ class Engine:
         if msg.messages is not None:
             try:
                 return list(self.tokenizer.apply_chat_template(
-                    template_messages(msg.messages), tools=template_tools(msg.tools), add_generation_prompt=True,
-                    **msg.template_kwargs))
+                    template_messages(msg.messages), tools=template_tools(msg.tools),
+                    **chat_template_args(msg.messages, msg.template_kwargs)))
             except Exception as exc:  # a template can reject roles or shapes it does not know
                 raise RequestRejected(INVALID_REQUEST, f"chat template rejected the messages: {exc}") from None
         if msg.prompt_ids is not None:
@@ -204,6 +218,11 @@ class Engine:
         bos = self.tokenizer.bos_token
         add_special = bos is None or not prompt.startswith(bos)
         return list(self.tokenizer.encode(prompt, add_special_tokens=add_special))
+
+    def tokenize(self, msg: Submit) -> list[int]:
+        """The prompt's token ids as `submit` would encode and check them; nothing generated, the batch untouched."""
+        self._check_ids(msg)
+        return self.encode_prompt(msg)
 
     def _top_k(self, msg: Submit) -> int:
         return msg.top_k if self.vocab_size <= 0 or msg.top_k < self.vocab_size else 0
@@ -255,6 +274,9 @@ class Engine:
                 what = msg.constraint.get("name") or ("the tool call" if msg.constraint.get("type") == "tool"
                                                       else "the response format")
                 raise RequestRejected(INVALID_REQUEST, f"cannot constrain decoding to {what}: {exc}") from None
+        if chat and (budget := reasoning_budget(self.family, self.tokenizer, budget_of(
+                msg.reasoning_budget, msg.template_kwargs), in_think, msg.resume_tokens)) is not None:
+            processors.append(budget)
         processors += scripted.processors(msg.messages, self.tokenizer, len(msg.resume_tokens))  # tests only
         sampler = self._sampler(msg) if msg.seed is None else seeded_sampler(
             msg.temperature, msg.top_p, msg.min_p, self._top_k(msg), msg.seed, skip=len(msg.resume_tokens))
@@ -273,8 +295,12 @@ class Engine:
             raise RequestRejected(INVALID_REQUEST, "the prompt is empty")
         prompt_tokens = len(tokens)
         tokens += self._resume_tokens(msg)
-        max_tokens = msg.max_tokens or self.context_length - len(tokens)  # 0: up to the context
-        if max_tokens <= 0 or len(tokens) + max_tokens > self.context_length:
+        # max_tokens is a ceiling: what the context leaves after the prompt (and a resumed request's earlier
+        # tokens) caps it, and a request stopped there finishes as "context_window"; refused only when the prompt
+        # leaves no room, or, with strict_context, when max_tokens does not fit (0: up to the context)
+        room = self.context_length - len(tokens)
+        max_tokens = min(msg.max_tokens or room, room)
+        if max_tokens <= 0 or (self.strict_context and msg.max_tokens > room):
             raise RequestRejected(
                 CONTEXT_LENGTH_EXCEEDED,
                 f"this model's maximum context length is {self.context_length} tokens; the prompt has "
@@ -303,7 +329,8 @@ class Engine:
             )
         req = Request(msg.rid, uid, prompt_tokens, out, completion_tokens=len(msg.resume_tokens),
                       cached_tokens=min(cached, prompt_tokens), prefill_left=len(tokens) - cached - 1, position=cached,
-                      start=cached, snapshot_at=frozenset(points), grammar=grammar)
+                      start=cached, snapshot_at=frozenset(points), grammar=grammar,
+                      clamped=max_tokens < msg.max_tokens or not msg.max_tokens)
         self._by_uid[uid] = req
         self._by_rid[msg.rid] = req
         if req.prefill_left > 0:
@@ -480,6 +507,8 @@ class Engine:
                     req.unsent = []
                 continue
             text, extra, reason = req.out.finish(reason)
+            if reason == "length" and req.clamped:
+                reason = CONTEXT_WINDOW
             finished.append(Finished(req.rid, text, reason, req.prompt_tokens, req.completion_tokens,
                                      req.cached_tokens, req.unsent, extra))
             del self._by_uid[req.uid]
