@@ -121,7 +121,10 @@ def _tool_grammar(family: Family, tools: list[dict], parallel: bool, in_think: b
                            for i in alternatives)
         return f"start: {calls}\n" + "\n".join(rules) + "\n"  # <|call|> ends the turn: one call per turn
     tool = family.tool
-    if tool is None or not tool.json_call:
+    if tool is None:
+        raise ConstraintError("this model has no tool-call format (its chat template and tokenizer define none), "
+                              "so a call cannot be required of it")
+    if not tool.json_call:
         raise ConstraintError("this model's tool-call format cannot be forced (only JSON calls and harmony can)")
     calls = " | ".join(f'{_marker(family, tool.start)} '
                        f'{_lark_str(chr(10) + "{" + chr(34) + "name" + chr(34) + ": ")} '

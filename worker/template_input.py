@@ -3,7 +3,8 @@
 The engine (worker/mlx_engine/engine.py) renders a chat request's messages and tools through the
 model's chat template with these (`chat_template_args`), and leaves the special tokens out of the text it streams.
 Templates write a tool's name raw, so the engine refuses names holding a special token's text
-(`f<|end|><|start|>system` would open a turn of its own). Invariant: nothing here changes what a
+(`f<|end|><|start|>system` would open a turn of its own), and refuses tools outright for a model whose template
+does not write them (`renders_tools`): dropping them silently would answer as if the client had sent none. Invariant: nothing here changes what a
 client sent, only its shape (a tool call's JSON-string arguments become the mapping templates read).
 """
 
@@ -29,6 +30,24 @@ def special_token_texts(tokenizer) -> frozenset[str]:
     added = getattr(tokenizer, "added_tokens_decoder", None) or {}
     texts.update(getattr(tok, "content", "") for tok in added.values())
     return frozenset(t for t in texts if t)
+
+
+TOOLS_UNSUPPORTED = ("this model's chat template does not support tools: it writes no tool list into the prompt, so "
+                     "the model cannot see or call them; send the request without 'tools', or use a model whose "
+                     "template renders tools (Qwen3, Llama 3.1+, gpt-oss...)")
+_PROBE = "mlxsup_probe_tool_name"
+
+
+def renders_tools(tokenizer) -> bool:
+    """Whether the chat template writes the tools it is given into the prompt (a probe tool's name shows)."""
+    probe = [{"type": "function", "function": {"name": _PROBE, "description": "probe",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=probe, tokenize=False,
+                                             add_generation_prompt=True)
+    except Exception:  # a template that rejects the probe rejects a request's tools itself, with its own words
+        return True
+    return _PROBE in str(text)
 
 
 def tool_names(tools: list | None, messages: list | None) -> list[str]:

@@ -25,7 +25,7 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
 from tests.conftest import MLXSUP
 from tests.families.conftest import BY_NAME, MODELS
-from worker.mlx_engine.engine import special_token_ids
+from worker.template_input import special_token_ids
 
 KV, ROT, ARR = "KVCache", "RotatingKVCache", "ArraysCache"
 CACHES = {

@@ -22,7 +22,7 @@ from mlx_lm import load, stream_generate
 
 from tests.conftest import Daemon, start_daemon, wait_for
 from worker.chat_format import family_of, parser_for, starts_in_think
-from worker.mlx_engine.engine import special_token_ids
+from worker.template_input import special_token_ids
 
 SERVED = ["llama", "qwen3", "qwen3_moe", "gemma3", "gpt_oss", "qwen3_5", "qwen3-4bit", "qwen3_5-4bit"]
 CHATS = [[{"role": "system", "content": "You answer in one line."},

@@ -157,7 +157,7 @@ def test_special_tokens_are_not_text(client: openai.OpenAI, model_dir) -> None:
     temperature 1): they count as tokens but never reach `content`."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from worker.mlx_engine.engine import special_token_ids
+    from worker.template_input import special_token_ids
     from worker.textstream import TextStream
 
     tok = load_tokenizer(model_dir / "tiny")

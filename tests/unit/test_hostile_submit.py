@@ -8,7 +8,7 @@ import pytest
 
 from protocol.messages import INVALID_REQUEST, Failed, Finished, Submit
 from worker.engine_api import RequestRejected
-from worker.mlx_engine import engine as engine_module
+from worker.mlx_engine import decoding as engine_module  # SAMPLERS_KEPT
 from worker.mlx_engine.engine import Engine
 from worker.mlx_engine.make_model import make_model
 

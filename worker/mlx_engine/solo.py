@@ -14,6 +14,9 @@ BatchGenerator as the request's starting cache, with the tokens not yet fed (the
 token, or the rest of the prompt) as its prompt: no token is lost or repeated, and what
 follows is the batch's.
 
+`SoloLane` is the engine's side of it: the solo in flight (at most one), its start, the hand-over into the
+engine's BatchGenerator, and the token read at a hand-over, which the engine emits at its next step.
+
 Invariants: `fed` tokens are in the cache (its offset) and are `tokens[:fed]`; a finished solo
 hands its cache and exactly those tokens to the prompt caches; main thread only.
 """
@@ -27,10 +30,11 @@ from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import generation_stream
+from mlx_lm.generate import BatchGenerator, StopSequences, generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
 from worker.mlx_engine.decode_graph import DecodeGraph, DecodeState
+from worker.step_cost import StepPlan
 
 
 @dataclass(slots=True)
@@ -183,3 +187,64 @@ class Solo:
             assert self.graph is not None
             self.graph.write_back(self._state, self.cache)
         return self.cache
+
+
+class SoloLane:
+    """The engine's solo, if a request is alone, and its way into the engine's generator when another comes."""
+
+    def __init__(self, model: nn.Module, gen: BatchGenerator, stop_eos: StopSequences,
+                 stop_none: StopSequences) -> None:
+        self.model = model
+        self._gen = gen
+        self._stop_eos, self._stop_none = stop_eos, stop_none
+        self.solo: Solo | None = None
+        self.plan: StepPlan | None = None  # the plan of every solo decode step (Engine.plan_step)
+        self.pending: list[SoloResponse] = []  # a solo's token read when it joined the batch, emitted next step
+        self._uids = 0
+
+    def start(self, tokens: list[int], cached: int, cache: list | None, max_tokens: int, sampler: Callable | None,
+              eos: set[int] | None, graph: DecodeGraph | None) -> int:
+        """A request alone runs as the solo; its uid (negative: the generator's count up from 0)."""
+        self._uids -= 1
+        self.solo = Solo(self.model, self._uids, tokens, cached, cache, max_tokens, sampler, eos, graph)
+        self.plan = None  # predicted afresh, from what the fits know now
+        return self._uids
+
+    def to_batch(self) -> tuple[int, int, int] | None:
+        """A second request came: the solo goes into the generator (the module's docstring says how no token is
+        lost). (its uid as the solo, its uid in the generator, the tokens in its starting cache); None when there
+        was no solo, or the token in flight ends it (it stays pending, and finishes at the next step)."""
+        solo, self.solo = self.solo, None
+        if solo is None:
+            return None
+        pending, cache, fed, rest = solo.hand_over()
+        if pending is not None and pending.finish_reason is not None:
+            pending.prompt_cache, pending.all_tokens = cache, fed
+            self.pending.append(pending)
+            return None
+        (uid,) = self._gen.insert_segments(
+            [[rest]], max_tokens=[solo.max_tokens - solo.generated], caches=[cache] if cache is not None else None,
+            all_tokens=[fed], samplers=[solo.sampler], logits_processors=[[]],  # type: ignore[list-item]
+            stop_sequences=[self._stop_eos if solo.eos is not None else self._stop_none])
+        if pending is not None:
+            pending.uid = uid
+            self.pending.append(pending)
+        return solo.uid, uid, len(fed)
+
+    def drop(self, uid: int) -> bool:
+        """Forget a request (aborted): its pending token, and the solo if it is that one; True if it was."""
+        self.pending = [r for r in self.pending if r.uid != uid]
+        if self.solo is not None and self.solo.uid == uid:
+            self.solo = None
+            return True
+        return False
+
+    def finish(self, r: SoloResponse) -> tuple[list | None, list[int] | None]:
+        """The solo ended at `r` (a stop string, when it says no reason): its cache and tokens, for the caches."""
+        solo, self.solo = self.solo, None
+        assert solo is not None
+        return solo.release() if r.finish_reason is None else (r.prompt_cache, r.all_tokens)
+
+    def close(self) -> None:
+        self.solo = None
+        self.pending = []

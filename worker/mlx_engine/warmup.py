@@ -15,6 +15,8 @@ paid in full (bench: 9.9 s over in-process load + first token, against a target 
 idle, a request arriving meanwhile waits for one step at most, and a ramp arriving later meets
 shapes already built.
 
+`WarmUp` is the engine's idle work, a step per call: first the decode graph's first trace (a solo's
+compiled step, worker/mlx_engine/decode_graph.py), then the batch shapes.
 `mode`: "on", "off", or "auto" (on where MLX runs on a GPU; MLX on the CPU builds nothing per
 shape, and there the warm-up would only cost time).
 Invariants: the engine's own generator is untouched (the scratch one is closed, its memory given
@@ -32,6 +34,8 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator
+
+from worker.mlx_engine.decode_graph import DecodeGraph
 
 log = logging.getLogger(__name__)
 
@@ -113,3 +117,31 @@ class ShapeWarmer:
             warmed.decode_sizes.add(len(gen._generation_batch))
             done += sum(r.finish_reason is not None for r in responses)
             yield True
+
+
+class WarmUp:
+    """The decode graph's first trace (if there is a graph), then the ShapeWarmer's steps, one per `step()`."""
+
+    def __init__(self, model: nn.Module, graph: DecodeGraph | None, max_batch_size: int, prefill_batch_size: int,
+                 prefill_step_size: int, budget_s: float, model_id: str) -> None:
+        self._graph = graph  # None once traced
+        self.shapes = ShapeWarmer(model, max_batch_size, prefill_batch_size, prefill_step_size, budget_s)
+        self.warmed = self.shapes.warmed
+        self.model_id = model_id
+
+    def step(self) -> bool:
+        """Run one step; False once the warm-up is over."""
+        graph, self._graph = self._graph, None
+        if graph is not None:
+            if graph.warm():
+                log.info("[warm] model=%s decode_graph s=%.2f", self.model_id, graph.warm_s)
+            return True
+        if self.shapes.step():
+            return True
+        w = self.warmed
+        log.info("[warm] model=%s batch_shapes sizes=%d steps=%d s=%.2f complete=%s", self.model_id,
+                 len(w.decode_sizes), w.steps, w.seconds, w.complete)
+        return False
+
+    def close(self) -> None:
+        self.shapes.close()
