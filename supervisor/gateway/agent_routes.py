@@ -1,10 +1,10 @@
 """HTTP routes of the coding agents' APIs: Anthropic Messages (Claude Code) and OpenAI Responses (Codex).
 
-Both run on the chat API's request path (a `Calls` with the lease released in `close()` on every
-path, the same Submit, parsing and constraints); only the shapes differ (anthropic_shape.py,
-responses_shape.py). An `Api` adapter gives a route its shapes: the events that open a stream, those
-of each delta and of the end, a ping, the events of a failure and the whole response. Invariants,
-as for chat: an error before the first token is the response's HTTP status (in the API's own error
+Both run on the chat API's request path (sse.py: a `Calls` with the lease released in `close()` on
+every path, the same Submit, parsing and constraints); only the shapes differ (anthropic_shape.py,
+responses_shape.py). One `AgentWriter` gives either API's shaper to that path: the events that open a
+stream, those of each delta and of the end, a ping, the events of a failure and the whole response.
+Invariants, as for chat: an error before the first token is the response's HTTP status (in the API's own error
 body); after it, an error event (Anthropic's `error`, Responses' `error` and `response.failed`),
 never a cut stream; a stream waiting on a cold load or a slow step gets the API's ping (or an SSE
 comment) every `sse_keepalive_s`.
@@ -15,121 +15,79 @@ model has is mapped by `model_aliases` (glob patterns, first match) and then `de
 
 from __future__ import annotations
 
-import asyncio
 import fnmatch
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from contextlib import aclosing
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive
 
 from protocol.codec import ProtocolError
 from protocol.messages import Finished, Submit, Tokenize, Tokenized
 from supervisor import errors
 from supervisor.config import Settings
 from supervisor.gateway.anthropic_api import anthropic_error_body, parse_messages
-from supervisor.gateway.anthropic_shape import MessageShaper, sse_event
+from supervisor.gateway.anthropic_shape import MessageShaper
 from supervisor.gateway.call import Calls
+from supervisor.gateway.http import read_json, sse_event
 from supervisor.gateway.openai_api import Parsed
 from supervisor.gateway.response_store import ResponseStore
-from supervisor.gateway.responses_api import ResponsesRequest, parse_responses
+from supervisor.gateway.responses_api import parse_responses
 from supervisor.gateway.responses_shape import ResponseShaper
-from supervisor.gateway.responses_shape import sse_event as responses_event
+from supervisor.gateway.sse import streamed, whole
+from supervisor.gateway.transcript import Delta
 from supervisor.router import Router
 
 log = logging.getLogger(__name__)
 TOKENIZE_TIMEOUT_S = 60.0  # a worker answers a Tokenize between two steps: this long only if it is stuck
+RESPONSES_PING = b": keep-alive\n\n"  # the Responses API has no ping event: an SSE comment
 
 
-@dataclass(frozen=True)
-class HttpKit:
-    """What these routes use of app.py (given by it, so that neither module imports the other)."""
+class AgentWriter:
+    """A Messages or Responses stream's events (sse.Writer) from its shaper; the whole response from the same."""
 
-    sse_response: Callable[[AsyncIterator[bytes], Callable[[], None]], Response]
-    unless_client_leaves: Callable[[Coroutine[Any, Any, Finished], Receive, str], Awaitable[Finished]]
-    read_json: Callable[[Request, int], Awaitable[Any]]
+    def __init__(self, shaper: MessageShaper | ResponseShaper, ping: bytes,
+                 failed: Callable[[errors.MlxsupError], list[dict]]) -> None:
+        self.shaper = shaper
+        self.ping = ping
+        self._failed = failed
+        self.on_done: Callable[[dict], None] | None = None  # given the whole response once it is complete
 
+    def opening(self) -> bytes:
+        return b"".join(sse_event(e) for e in self.shaper.start())
 
-class Api(Protocol):
-    """One response's shapes, streamed (bytes of SSE events) or whole."""
+    def waiting(self) -> bytes:
+        return self.ping
 
-    def opening(self) -> list[bytes]: ...
+    def idle(self) -> bytes:
+        return self.ping
 
-    def delta(self, text: str, extra: dict | None) -> list[bytes]: ...
+    def delta(self, index: int, delta: Delta, first: bool) -> bytes:
+        return b"".join([sse_event(e) for e in self.shaper.feed(delta[0], delta[2])])  # a delta's events in one write
 
-    def record(self, text: str, extra: dict | None) -> None: ...  # a whole response's delta: nothing written
+    def end(self, index: int, fin: Finished, first: bool) -> bytes:
+        events = [*self.shaper.feed(fin.text, fin.extra), *self.shaper.finish(fin)]
+        if self.on_done is not None:
+            self.on_done(self.shaper.whole(fin))
+        return b"".join(sse_event(e) for e in events)
 
-    def end(self, fin: Finished) -> list[bytes]: ...
+    def done(self) -> bytes:
+        return b""
 
-    def ping(self) -> bytes: ...
-
-    def failed(self, exc: errors.MlxsupError) -> list[bytes]: ...
-
-    def whole(self, fin: Finished) -> dict: ...
-
-
-class AnthropicApi:
-    def __init__(self, parsed: Parsed, model: str) -> None:
-        self.shaper = MessageShaper(parsed.submit.rid, model)
-
-    def opening(self) -> list[bytes]:
-        return [sse_event(e) for e in self.shaper.start()]
-
-    def delta(self, text: str, extra: dict | None) -> list[bytes]:
-        return [sse_event(e) for e in self.shaper.feed(text, extra)]
-
-    def record(self, text: str, extra: dict | None) -> None:
-        self.shaper.feed(text, extra)
-
-    def end(self, fin: Finished) -> list[bytes]:
-        return [sse_event(e) for e in self.shaper.finish(fin)]
-
-    def ping(self) -> bytes:
-        return sse_event({"type": "ping"})
-
-    def failed(self, exc: errors.MlxsupError) -> list[bytes]:
-        return [sse_event(anthropic_error_body(exc))]
-
-    def whole(self, fin: Finished) -> dict:
-        return self.shaper.whole(fin)
+    def failed(self, exc: errors.MlxsupError) -> bytes:
+        return b"".join(sse_event(e) for e in self._failed(exc))
 
 
-class ResponsesApi:
-    def __init__(self, request: ResponsesRequest, model: str) -> None:
-        self.shaper = ResponseShaper(request.parsed.submit.rid, model, request.echo)
-
-    def opening(self) -> list[bytes]:
-        return [responses_event(e) for e in self.shaper.start()]
-
-    def delta(self, text: str, extra: dict | None) -> list[bytes]:
-        return [responses_event(e) for e in self.shaper.feed(text, extra)]
-
-    def record(self, text: str, extra: dict | None) -> None:
-        self.shaper.feed(text, extra)
-
-    def end(self, fin: Finished) -> list[bytes]:
-        return [responses_event(e) for e in self.shaper.finish(fin)]
-
-    def ping(self) -> bytes:
-        return b": keep-alive\n\n"  # the Responses API has no ping event: an SSE comment
-
-    def failed(self, exc: errors.MlxsupError) -> list[bytes]:
-        return [responses_event(e) for e in self.shaper.failed(exc)]
-
-    def whole(self, fin: Finished) -> dict:
-        return self.shaper.whole(fin)
+def anthropic_writer(parsed: Parsed, model: str) -> AgentWriter:
+    return AgentWriter(MessageShaper(parsed.submit.rid, model), sse_event({"type": "ping"}),
+                       lambda exc: [anthropic_error_body(exc)])
 
 
 class AgentRoutes:
-    def __init__(self, router: Router, settings: Settings, kit: HttpKit) -> None:
+    def __init__(self, router: Router, settings: Settings) -> None:
         self.router = router
         self.settings = settings
-        self.kit = kit
         self.store = ResponseStore(settings.response_store_count, settings.response_store_bytes)
 
     def local_model(self, name: str) -> str:
@@ -150,9 +108,9 @@ class AgentRoutes:
         return await _anthropic_errors(self._messages(request))
 
     async def _messages(self, request: Request) -> Response:
-        parsed = parse_messages(await self.kit.read_json(request, self.settings.max_body_bytes))
+        parsed = parse_messages(await read_json(request, self.settings.max_body_bytes))
         requested, parsed.model = parsed.model, self.local_model(parsed.model)
-        return await self.serve(request, parsed, AnthropicApi(parsed, requested))
+        return await self.serve(request, parsed, anthropic_writer(parsed, requested))
 
     async def count_tokens(self, request: Request) -> Response:
         return await _anthropic_errors(self._count_tokens(request))
@@ -160,7 +118,7 @@ class AgentRoutes:
     async def _count_tokens(self, request: Request) -> Response:
         """The prompt's tokens, by the model's own chat template and tokenizer, as the same body's request would
         encode them; nothing is generated and the batch is not touched (the worker answers a Tokenize)."""
-        parsed = parse_messages(await self.kit.read_json(request, self.settings.max_body_bytes), counting=True)
+        parsed = parse_messages(await read_json(request, self.settings.max_body_bytes), counting=True)
         parsed.model = self.local_model(parsed.model)
         return JSONResponse({"input_tokens": await self.count_prompt(parsed.model, parsed.submit)})
 
@@ -195,17 +153,19 @@ class AgentRoutes:
         return conversation
 
     async def responses(self, request: Request) -> Response:
-        wanted = parse_responses(await self.kit.read_json(request, self.settings.max_body_bytes), self._history,
+        wanted = parse_responses(await read_json(request, self.settings.max_body_bytes), self._history,
                                  self.settings.strict_fields)
         parsed = wanted.parsed
         requested, parsed.model = parsed.model, self.local_model(parsed.model)
-        api = ResponsesApi(wanted, requested)
+        shaper = ResponseShaper(parsed.submit.rid, requested, wanted.echo)
+        writer = AgentWriter(shaper, RESPONSES_PING, shaper.failed)
 
         def keep(body: dict) -> None:
             if wanted.store and body["status"] in ("completed", "incomplete"):
-                self.store.put(body, [*wanted.turn, api.shaper.turn()], wanted.previous_id)
+                self.store.put(body, [*wanted.turn, shaper.turn()], wanted.previous_id)
 
-        return await self.serve(request, parsed, api, keep)
+        writer.on_done = keep
+        return await self.serve(request, parsed, writer)
 
     async def get_response(self, request: Request) -> Response:
         stored = self.store.get(request.path_params["response_id"])
@@ -221,77 +181,16 @@ class AgentRoutes:
 
     # --- the request path --------------------------------------------------------------------
 
-    async def serve(self, request: Request, parsed: Parsed, api: Api,
-                    on_done: Callable[[dict], None] | None = None) -> Response:
-        """Run a request and answer in `api`'s shapes; `on_done` gets the whole response once it is complete."""
-        if not parsed.stream:
-            fin = await self.run_whole(request, parsed, api.record)
-            body = api.whole(fin)
-            if on_done is not None:
-                on_done(body)
-            return JSONResponse(body)
-        call = Calls(self.router, parsed, request.url.path)
-        starting = asyncio.create_task(call.start(), name=f"start[{parsed.submit.rid}]")
-        try:
-            done, _ = await asyncio.wait({starting}, timeout=self.settings.sse_keepalive_s)
-        except asyncio.CancelledError:
-            starting.cancel()
-            call.close()
-            raise
-        if done and starting.exception() is not None:
-            call.close()
-            raise starting.exception()  # type: ignore[misc]
-        return self.kit.sse_response(self._stream(call, starting, api, on_done), call.close)
-
-    async def _stream(self, call: Calls, starting: asyncio.Task, api: Api,
-                      on_done: Callable[[dict], None] | None) -> AsyncIterator[bytes]:
-        every = self.settings.sse_keepalive_s
-        yield b"".join(api.opening())
-        try:
-            while not starting.done():  # a cold load
-                await asyncio.wait({starting}, timeout=every)
-                if not starting.done():
-                    yield api.ping()
-            starting.result()
-            async with aclosing(call.events(every)) as items:
-                async for _, item in items:
-                    if item is None:  # nothing within `every`: a ping (the request may wait to be resumed)
-                        yield api.ping()
-                        continue
-                    if isinstance(item, Finished):
-                        yield b"".join([*api.delta(item.text, item.extra), *api.end(item)])
-                        if on_done is not None:
-                            on_done(api.whole(item))
-                        return
-                    if events := api.delta(item[0], item[2]):  # a delta's events in one write
-                        yield b"".join(events)
-        except errors.MlxsupError as exc:
-            log.info("[agents] stream failed rid=%s code=%s", call.parsed.submit.rid, exc.code)
-            yield b"".join(api.failed(exc))
-        finally:
-            if not starting.done():
-                starting.cancel()
-
-    async def run_whole(self, request: Request, parsed: Parsed, feed: Callable[[str, dict | None], Any]) -> Finished:
-        """Run a request to its end, feeding each delta; a client that leaves aborts it."""
-        call = Calls(self.router, parsed, request.url.path)
-
-        async def collect() -> Finished:
-            await call.start()
-            async with aclosing(call.events()) as events:
-                async for _, event in events:
-                    if event is None:
-                        continue
-                    if isinstance(event, Finished):
-                        feed(event.text, event.extra)
-                        return event
-                    feed(event[0], event[2])
-            raise errors.MlxsupError("the generation ended without finishing")
-
-        try:
-            return await self.kit.unless_client_leaves(collect(), request.receive, f"collect[{parsed.submit.rid}]")
-        finally:
-            call.close()
+    async def serve(self, request: Request, parsed: Parsed, writer: AgentWriter) -> Response:
+        """Run a request and answer in `writer`'s shapes (its `on_done` gets the whole response once complete)."""
+        calls = Calls(self.router, parsed, request.url.path)
+        if parsed.stream:
+            return await streamed(calls, writer, self.settings.sse_keepalive_s)
+        fin, = await whole(calls, request.receive, [writer.shaper.feed])
+        body = writer.shaper.whole(fin)
+        if writer.on_done is not None:
+            writer.on_done(body)
+        return JSONResponse(body)
 
 
 async def _anthropic_errors(handling: Awaitable[Response]) -> Response:
@@ -302,8 +201,8 @@ async def _anthropic_errors(handling: Awaitable[Response]) -> Response:
         return JSONResponse(anthropic_error_body(exc), status_code=exc.status)
 
 
-def agent_routes(router: Router, settings: Settings, kit: HttpKit) -> list[Route]:
-    routes = AgentRoutes(router, settings, kit)
+def agent_routes(router: Router, settings: Settings) -> list[Route]:
+    routes = AgentRoutes(router, settings)
     return [
         Route("/v1/messages", routes.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", routes.count_tokens, methods=["POST"]),

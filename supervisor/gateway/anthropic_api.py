@@ -30,6 +30,7 @@ from typing import Any
 from protocol.messages import Submit
 from supervisor.errors import MlxsupError
 from supervisor.gateway.openai_api import MAX_STOP_LEN, MAX_TOKENS_LIMIT, Parsed, new_id, valid_name
+from supervisor.gateway.tools import ToolDialect, parse_tools
 from supervisor.units import is_number
 
 log = logging.getLogger(__name__)
@@ -197,28 +198,12 @@ def _conversation(body: dict) -> list[dict]:
     return ([{"role": "system", "content": system_text}] if system_text else []) + out
 
 
-def _tools(body: dict) -> list[dict] | None:
-    tools = body.get("tools")
-    if tools is None:
-        return None
-    if not isinstance(tools, list):
-        raise _bad("tools: must be a list")
-    out = []
-    for j, tool in enumerate(tools):
-        if not isinstance(tool, dict):
-            raise _bad(f"tools.{j}: must be an object")
-        if tool.get("type") not in (None, "custom"):  # Anthropic's server tools (web_search, bash_2025...)
-            log.warning("[anthropic] skipped tool of type=%.40r name=%.40r: only custom tools run here",
-                        tool.get("type"), tool.get("name"))
-            continue
-        name, schema = tool.get("name"), tool.get("input_schema")
-        if not isinstance(name, str) or not name:
-            raise _bad(f"tools.{j}.name: Field required")
-        _tool_name(name, f"tools.{j}.name")
-        if not isinstance(schema, dict):
-            raise _bad(f"tools.{j}.input_schema: must be a JSON schema object")
-        out.append({"name": name, "description": str(tool.get("description") or ""), "parameters": schema})
-    return out or None
+TOOLS = ToolDialect(
+    api="anthropic", path="tools.{j}", function=lambda tool: tool, at="", schema="input_schema", default_schema=None,
+    check_name=_tool_name, bad=lambda message, param: _bad(message),
+    said={"list": "tools: must be a list", "object": "{where}: must be an object", "name": "{where}: Field required",
+          "schema": "{where}: must be a JSON schema object"},
+    skips=lambda tool: tool.get("type") not in (None, "custom"), runs_here="custom")  # not server tools (web_search...)
 
 
 def _tool_choice(body: dict, tools: list[dict] | None) -> tuple[list[dict] | None, dict | None]:
@@ -346,7 +331,7 @@ def parse_messages(body: Any, counting: bool = False) -> Parsed:
         raise _bad("stream: must be a boolean")
     _check_metadata(body)
     messages = _conversation(body)
-    tools, constraint = _tool_choice(body, _tools(body))
+    tools, constraint = _tool_choice(body, parse_tools(body.get("tools"), TOOLS))
     json_format, kwargs = _output_config(body)
     constraint = constraint or json_format
     thinking, budget = _thinking(body, MAX_TOKENS_LIMIT + 1 if counting else max_tokens)  # it shapes the prompt too

@@ -22,11 +22,6 @@ STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens", CONTEXT_WINDOW
 BLOCKS = {"reasoning": "thinking", "text": "text", "call": "tool_use"}  # a transcript part's block type
 
 
-def sse_event(event: dict) -> bytes:
-    """An event as Anthropic writes it: its type as the SSE event name, the object as data."""
-    return f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'), ensure_ascii=False)}\n\n".encode()
-
-
 def stop_reason(fin: Finished) -> tuple[str, str | None]:
     """(stop_reason, stop_sequence) of a finished generation."""
     hit = (fin.extra or {}).get("stop_sequence")

@@ -1,6 +1,6 @@
 """One generation request's life in the supervisor: lease, submit, events, close, metrics.
 
-HTTP-agnostic: app.py decides how events are written. Invariant: close() runs once per Call,
+HTTP-agnostic: sse.py decides how events are written. Invariant: close() runs once per Call,
 and releases the lease (telling the worker to abort if the request still runs) on every path:
 completion, error, client disconnect, shutdown. Metrics are observed there, once per request.
 A request whose worker ends under it may be suspended and resumed on the next one

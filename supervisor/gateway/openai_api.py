@@ -26,6 +26,7 @@ from typing import Any
 from protocol.messages import Submit
 from supervisor.errors import InvalidRequest
 from supervisor.gateway import unknown_fields
+from supervisor.gateway.tools import ToolDialect, parse_tool_choice, parse_tools
 from supervisor.units import is_number
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -258,57 +259,37 @@ def _message(m: Any, i: int) -> dict:
     return out
 
 
+def _function(tool: dict) -> dict | None:
+    """A chat tool's function, when it has one with a name."""
+    fn = tool.get("function") if tool.get("type") == "function" else None
+    return fn if isinstance(fn, dict) and isinstance(fn.get("name"), str) and fn["name"] else None
+
+
+def _choice_name(choice: dict) -> Any:
+    """The function a tool_choice object names: {"type": "function", "function": {"name"}} (or the legacy {"name"})."""
+    fn = choice.get("function") if choice.get("type", "function") == "function" else None
+    return fn.get("name") if isinstance(fn, dict) else choice.get("name")
+
+
+TOOLS = ToolDialect(
+    api="openai", path="tools[{j}]", function=_function, at="function.", schema="parameters",
+    default_schema={"type": "object", "properties": {}}, check_name=_name,
+    bad=lambda message, param: InvalidRequest(message, param=param),
+    said={"list": "'tools' must be a list of function tools",
+          "object": "{where} must be {{'type': 'function', 'function': {{'name': ...}}}}",
+          "name": "{where} is required", "schema": "{where} must be a JSON schema object",
+          "needs": "'tool_choice' needs 'tools'",
+          "choice": "'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}"},
+    choice_name=_choice_name)
+
+
 def _tools(body: dict) -> list[dict] | None:
     """`tools` (or the legacy `functions`) as neutral function definitions."""
     tools = body.get("tools")
     if tools is None and body.get("functions") is not None:
         tools = [{"type": "function", "function": f} for f in body["functions"]] \
             if isinstance(body["functions"], list) else body["functions"]
-    if tools is None:
-        return None
-    if not isinstance(tools, list):
-        raise InvalidRequest("'tools' must be a list of function tools", param="tools")
-    out = []
-    for j, tool in enumerate(tools):
-        fn = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise InvalidRequest(f"tools[{j}] must be {{'type': 'function', 'function': {{'name': ...}}}}",
-                                 param=f"tools[{j}]")
-        _name(fn["name"], f"tools[{j}].function.name")
-        params = fn.get("parameters") or {"type": "object", "properties": {}}
-        if not isinstance(params, dict):
-            raise InvalidRequest(f"tools[{j}].function.parameters must be a JSON schema object",
-                                 param=f"tools[{j}].function.parameters")
-        out.append({"name": fn["name"], "description": str(fn.get("description") or ""), "parameters": params})
-    return out or None
-
-
-def _tool_choice(body: dict, tools: list[dict] | None) -> tuple[list[dict] | None, dict | None]:
-    """(the tools the template and parser get, the decoding constraint) for tool_choice."""
-    choice = body.get("tool_choice", body.get("function_call"))
-    parallel = body.get("parallel_tool_calls", True)
-    if not isinstance(parallel, bool):
-        raise InvalidRequest("'parallel_tool_calls' must be a boolean", param="parallel_tool_calls")
-    if choice is None or choice == "auto":
-        return tools, None
-    if choice == "none":
-        return None, None
-    if not tools:
-        raise InvalidRequest("'tool_choice' needs 'tools'", param="tool_choice")
-    names = [t["name"] for t in tools]
-    if choice == "required":
-        return tools, {"type": "tool", "names": names, "parallel": parallel}
-    name = None
-    if isinstance(choice, dict):
-        fn = choice.get("function") if choice.get("type", "function") == "function" else None
-        name = fn.get("name") if isinstance(fn, dict) else choice.get("name")
-    if not isinstance(name, str):
-        raise InvalidRequest("'tool_choice' must be 'none', 'auto', 'required' or "
-                             "{'type': 'function', 'function': {'name': ...}}", param="tool_choice")
-    if name not in names:
-        raise InvalidRequest(f"'tool_choice' names function {name[:64]!r}, which is not in 'tools'",
-                             param="tool_choice")
-    return tools, {"type": "tool", "names": [name], "parallel": False}
+    return parse_tools(tools, TOOLS)
 
 
 def _response_format(fmt: Any) -> dict | None:
@@ -364,7 +345,8 @@ def parse_chat(body: Any, strict: bool = False) -> Parsed:
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty list", param="messages")
     clean = [_message(m, i) for i, m in enumerate(messages)]
-    tools, constraint = _tool_choice(body, _tools(body))
+    tools, constraint = parse_tool_choice(body.get("tool_choice", body.get("function_call")),
+                                          body.get("parallel_tool_calls", True), _tools(body), TOOLS)
     json_format = _response_format(body.get("response_format"))
     if constraint is None:
         constraint = json_format

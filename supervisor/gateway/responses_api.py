@@ -31,6 +31,7 @@ from protocol.messages import Submit
 from supervisor.errors import InvalidRequest
 from supervisor.gateway import unknown_fields
 from supervisor.gateway.openai_api import MAX_TOKENS_LIMIT, Parsed, new_id, valid_name
+from supervisor.gateway.tools import ToolDialect, parse_tool_choice, parse_tools
 from supervisor.units import is_number
 
 log = logging.getLogger(__name__)
@@ -157,50 +158,14 @@ def _messages(items: Any, known_calls: set[str]) -> list[dict]:
     return out
 
 
-def _tools(body: dict) -> list[dict] | None:
-    tools = body.get("tools")
-    if tools is None:
-        return None
-    if not isinstance(tools, list):
-        raise _bad("'tools' must be a list", "tools")
-    out = []
-    for j, tool in enumerate(tools):
-        if not isinstance(tool, dict):
-            raise _bad(f"tools[{j}] must be an object", f"tools[{j}]")
-        if tool.get("type") != "function":
-            log.warning("[responses] skipped tool of type=%.40r: only function tools run here", tool.get("type"))
-            continue
-        name, params = tool.get("name"), tool.get("parameters") or {"type": "object", "properties": {}}
-        if not isinstance(name, str) or not name:
-            raise _bad(f"tools[{j}].name is required", f"tools[{j}].name")
-        _name(name, f"tools[{j}].name")
-        if not isinstance(params, dict):
-            raise _bad(f"tools[{j}].parameters must be a JSON schema object", f"tools[{j}].parameters")
-        out.append({"name": name, "description": str(tool.get("description") or ""), "parameters": params})
-    return out or None
-
-
-def _tool_choice(body: dict, tools: list[dict] | None) -> tuple[list[dict] | None, dict | None]:
-    choice = body.get("tool_choice", "auto")
-    parallel = body.get("parallel_tool_calls", True)
-    if not isinstance(parallel, bool):
-        raise _bad("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
-    if choice in (None, "auto"):
-        return tools, None
-    if choice == "none":
-        return None, None
-    if not tools:
-        raise _bad("'tool_choice' needs function 'tools'", "tool_choice")
-    names = [t["name"] for t in tools]
-    if choice == "required":
-        return tools, {"type": "tool", "names": names, "parallel": parallel}
-    name = choice.get("name") if isinstance(choice, dict) and choice.get("type") == "function" else None
-    if not isinstance(name, str):
-        raise _bad("'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'name': ...}",
-                   "tool_choice")
-    if name not in names:
-        raise _bad(f"'tool_choice' names function {name[:64]!r}, which is not in 'tools'", "tool_choice")
-    return tools, {"type": "tool", "names": [name], "parallel": False}
+TOOLS = ToolDialect(
+    api="responses", path="tools[{j}]", function=lambda tool: tool, at="", schema="parameters",
+    default_schema={"type": "object", "properties": {}}, check_name=_name, bad=_bad,
+    said={"list": "'tools' must be a list", "object": "{where} must be an object", "name": "{where} is required",
+          "schema": "{where} must be a JSON schema object", "needs": "'tool_choice' needs function 'tools'",
+          "choice": "'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'name': ...}"},
+    skips=lambda tool: tool.get("type") != "function",
+    choice_name=lambda choice: choice.get("name") if choice.get("type") == "function" else None)
 
 
 def _text_format(body: dict) -> tuple[dict | None, dict]:
@@ -272,7 +237,8 @@ def parse_responses(body: Any, history: Callable[[str], list[dict]], strict: boo
     known = {c["id"] for m in earlier for c in m.get("tool_calls") or []}
     turn = _messages(body["input"], known)
     conversation = earlier + turn
-    tools, constraint = _tool_choice(body, _tools(body))
+    tools, constraint = parse_tool_choice(body.get("tool_choice", "auto"), body.get("parallel_tool_calls", True),
+                                          parse_tools(body.get("tools"), TOOLS), TOOLS)
     json_format, text_echo = _text_format(body)
     kwargs, reasoning_echo = _reasoning(body)
     max_tokens = body.get("max_output_tokens")

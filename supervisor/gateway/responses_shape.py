@@ -12,7 +12,6 @@ the same. Invariants: every event has the next `sequence_number`; a stream ends 
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Any
@@ -22,10 +21,6 @@ from supervisor.errors import MlxsupError
 from supervisor.gateway.transcript import PIECE, START, Part, Step, Transcript
 
 TAGS = {"reasoning": "rs", "text": "msg", "call": "fc"}  # a transcript part's item id prefix
-
-
-def sse_event(event: dict) -> bytes:
-    return f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'), ensure_ascii=False)}\n\n".encode()
 
 
 def _item_id(prefix: str) -> str:

@@ -214,7 +214,7 @@ def test_a_chain_with_a_link_gone_is_not_found_and_walking_keeps_a_chain_fresh()
     assert store.get("x") is None and store.conversation("c") is not None
     store.delete("a")
     assert store.conversation("c") is None and store.conversation("b") is None
-    routes = AgentRoutes(None, Settings(), None)  # type: ignore[arg-type]
+    routes = AgentRoutes(None, Settings())  # type: ignore[arg-type]
     routes.store = store
     with pytest.raises(NotFound) as gone:
         routes._history("c")

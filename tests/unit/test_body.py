@@ -12,8 +12,8 @@ from protocol.codec import ProtocolError, encode
 from protocol.messages import Evict, Submit
 from supervisor.errors import InvalidRequest
 from supervisor.gateway import body
-from supervisor.gateway.app import read_json
 from supervisor.gateway.body import MAX_DEPTH, OFF_LOOP_BYTES, decode_json, decode_json_off_loop
+from supervisor.gateway.http import read_json
 
 
 @pytest.mark.parametrize("raw, says, param", [

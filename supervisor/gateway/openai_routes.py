@@ -1,0 +1,147 @@
+"""HTTP routes of the OpenAI API: chat completions, completions, and the model list.
+
+A generation runs on the one request path (sse.py: a `Calls` with the lease released in `close()` on
+every path); this module gives it OpenAI's shapes (openai_shape.py): a chunk per event, each choice's
+end (its last delta and finish_reason) in one write, then the usage chunk and `[DONE]`; an error after
+the first token is a `data:` error body, never a cut stream. A stream waiting on a cold load says so
+in SSE comments (stage and fraction); one whose worker ended under it (resume.py) keeps its stream,
+with comments saying why until it resumes; a whole response just comes later.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from protocol.messages import Finished
+from supervisor import errors
+from supervisor.config import Settings
+from supervisor.gateway.call import Calls
+from supervisor.gateway.http import SSE_DONE, read_json, sse
+from supervisor.gateway.openai_api import Parsed, parse_chat, parse_completion
+from supervisor.gateway.openai_shape import Shaper
+from supervisor.gateway.sse import streamed, whole
+from supervisor.gateway.transcript import Delta, Transcript
+from supervisor.router import Router
+
+RESUME_CAUSES = {"crash": "its worker crashed", "hang": "its worker hung",
+                 "pressure": "its model was evicted under memory pressure"}
+
+
+def resume_note(router: Router, calls: Calls, model: str) -> bytes:
+    """An SSE comment for a suspended request's client (b"" while none of its choices is suspended)."""
+    for c in calls.calls:
+        suspension = router.suspension(c.submit.rid)
+        if suspension is not None:
+            paused = router.clock.monotonic() - suspension.since
+            return f": resuming {model}: {RESUME_CAUSES[suspension.cause]}; paused {paused:.0f}s\n\n".encode()
+    return b""
+
+
+class ChatWriter:
+    """A chat or completion stream's events (sse.Writer)."""
+
+    def __init__(self, router: Router, calls: Calls, shaper: Shaper) -> None:
+        self.router = router
+        self.calls = calls
+        self.shaper = shaper
+        self.finished: dict[int, Finished] = {}
+        self._chunk = shaper.chunk  # looked up once: it runs once per token
+
+    def opening(self) -> bytes:
+        return b""
+
+    def waiting(self) -> bytes:
+        worker = self.router.loading(self.calls.parsed.model)
+        note = f"{worker.progress.stage} {worker.progress.fraction:.0%}" if worker else "waiting for memory"
+        return self.idle() or f": loading {self.shaper.model}: {note}\n\n".encode()
+
+    def idle(self) -> bytes:
+        return resume_note(self.router, self.calls, self.shaper.model)
+
+    def delta(self, index: int, delta: Delta, first: bool) -> bytes:
+        return sse(self._chunk(index, delta[0], delta[2], first=first))
+
+    def end(self, index: int, fin: Finished, first: bool) -> bytes:
+        shaper = self.shaper
+        said = first or shaper.has_delta(fin.text, fin.extra)
+        chunks = [shaper.chunk(index, fin.text, fin.extra, first=first)] if said else []
+        chunks.append(shaper.chunk(index, "", None, finish_reason=fin.finish_reason))
+        self.finished[index] = fin
+        return b"".join(sse(c) for c in chunks)  # one write for the end's chunks
+
+    def done(self) -> bytes:
+        if not self.calls.parsed.include_usage:
+            return SSE_DONE
+        return sse(self.shaper.usage_chunk([self.finished[i] for i in sorted(self.finished)])) + SSE_DONE
+
+    def failed(self, exc: errors.MlxsupError) -> bytes:
+        return sse(exc.body())
+
+
+class OpenAIRoutes:
+    def __init__(self, router: Router, settings: Settings) -> None:
+        self.router = router
+        self.settings = settings
+        self.started = time.time()
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, parse_chat)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, parse_completion)
+
+    async def _generate(self, request: Request, parse: Callable[[Any, bool], Parsed]) -> Response:
+        parsed = parse(await read_json(request, self.settings.max_body_bytes), self.settings.strict_fields)
+        calls = Calls(self.router, parsed, request.url.path)
+        shaper = Shaper(parsed, self.router.registry.resolve(parsed.model).id)
+        if parsed.stream:
+            return await streamed(calls, ChatWriter(self.router, calls, shaper), self.settings.sse_keepalive_s)
+        said = [Transcript() for _ in calls.calls]
+        # a client that leaves during the load or the prefill is seen at once, too
+        finished = await whole(calls, request.receive, [t.feed for t in said])
+        return JSONResponse(shaper.whole(said, finished))
+
+    async def models(self, request: Request) -> Response:
+        created = int(self.started)
+        self.router.registry.refresh()  # a model folder added since is listed too
+        data = [{"id": m, "object": "model", "created": created, "owned_by": "mlxsup"}
+                for m in self.router.registry.ids()]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def model(self, request: Request) -> Response:
+        """One model (the openai client's models.retrieve): its context length and whether it is loaded."""
+        self.router.registry.refresh()
+        spec = self.router.registry.resolve(request.path_params["model"])
+        status: dict = next((m for m in self.router.status().to_dict()["models"] if m["id"] == spec.id), {})
+        state = status.get("state")
+        return JSONResponse({"id": spec.id, "object": "model", "created": int(self.started), "owned_by": "mlxsup",
+                             "loaded": state == "ready", "state": state or "unloaded",
+                             "context_length": status.get("context_length") or _config_context(spec.path)})
+
+
+def _config_context(path: Path) -> int | None:
+    """A model's context length from its config.json (a nested text_config first), before any worker reads it."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+        value = {**config, **(config.get("text_config") or {})}.get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) else None
+
+
+def openai_routes(router: Router, settings: Settings) -> list[Route]:
+    routes = OpenAIRoutes(router, settings)
+    return [
+        Route("/v1/chat/completions", routes.chat, methods=["POST"]),
+        Route("/v1/completions", routes.completions, methods=["POST"]),
+        Route("/v1/models", routes.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", routes.model, methods=["GET"]),
+    ]
