@@ -49,6 +49,18 @@ class IllegalTransition(RuntimeError):
     """A worker asked to move where TRANSITIONS does not allow: a bug in the router."""
 
 
+class EventQueue(asyncio.Queue):
+    """A stream's queue that can also wake one shared waiter (a request of several choices reads all of its
+    streams with one Event instead of a task per stream and token)."""
+
+    waker: asyncio.Event | None = None
+
+    def put_nowait(self, item: Any) -> None:
+        super().put_nowait(item)
+        if self.waker is not None:
+            self.waker.set()
+
+
 class Stream:
     """One request's events, in order: (text, n_tokens, extras) tuples, then a Finished or an error.
 
@@ -61,7 +73,7 @@ class Stream:
 
     def __init__(self, rid: str, submit: Submit | None = None, lease: Any = None) -> None:
         self.rid = rid
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.queue: EventQueue = EventQueue()
         self.submit = submit  # None: not resumable
         self.lease = lease  # the lease.Lease its request holds (moved to the next worker on a resume)
         self.token_ids: list[int] = []

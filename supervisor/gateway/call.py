@@ -24,6 +24,7 @@ from supervisor import errors
 from supervisor.gateway.openai_api import Parsed
 from supervisor.gateway.transcript import Delta, merged, span
 from supervisor.router import Lease, Router
+from supervisor.workers import EventQueue
 
 log = logging.getLogger(__name__)
 STATUS_DISCONNECTED = 499  # the client left before the end (nginx's code for it)
@@ -71,6 +72,26 @@ class Call:
         item = await self.next_within(None)
         assert item is not None, "with no timeout, an event or an error"
         return item
+
+    def next_queued(self, waker: asyncio.Event) -> Delta | Finished | None:
+        """The next event if one is queued already (merged as next_within merges), else None; `waker` is set
+        from now on whenever this Call's stream gets an item (Calls.events waits on it for all its choices)."""
+        if isinstance(self._queue, EventQueue):
+            self._queue.waker = waker
+        item, self._held = self._held, None
+        if item is None and (item := self._queued()) is None:
+            return None
+        if isinstance(item, tuple) and not self._queue.empty():
+            item = self._coalesce(item)
+        return self._took(item)
+
+    def has_queued(self) -> bool:
+        return self._held is not None or not self._queue.empty()
+
+    def next_queued_stop(self) -> None:
+        """No waker from now on (the request's reading ended)."""
+        if isinstance(self._queue, EventQueue):
+            self._queue.waker = None
 
     async def next_within(self, keepalive_s: float | None) -> Delta | Finished | None:
         """The next event, deltas already queued merged into it; None when none came within `keepalive_s`.
@@ -209,28 +230,39 @@ class Calls:
                 item = event
                 yield 0, item
             return
-        pending: dict[asyncio.Task, int] = {}
+        for i, call in enumerate(self.calls):
+            assert call.first is not None, "a request is read only after every choice's first event"
+            yield i, call.first
+        live = [i for i, call in enumerate(self.calls) if not isinstance(call.first, Finished)]
+        waker = asyncio.Event()  # one waiter for every choice's stream: set by any of their queues, or the timer
+        loop = asyncio.get_running_loop()
+        timer: asyncio.TimerHandle | None = None
         try:
-            for i, call in enumerate(self.calls):
-                assert call.first is not None, "a request is read only after every choice's first event"
-                yield i, call.first
-                if not isinstance(call.first, Finished):
-                    pending[asyncio.create_task(call.next(), name=f"next[{call.submit.rid}]")] = i
-            while pending:
-                done, _ = await asyncio.wait(pending, timeout=keepalive_s, return_when=asyncio.FIRST_COMPLETED)
-                if not done:
-                    yield -1, None
+            while live:
+                waker.clear()
+                came = False
+                for i in list(live):
+                    while (item := self.calls[i].next_queued(waker)) is not None:
+                        came = True
+                        yield i, item
+                        if isinstance(item, Finished):
+                            live.remove(i)
+                            break
+                if came or not live:
                     continue
-                for task in sorted(done, key=lambda t: pending[t]):
-                    i = pending.pop(task)
-                    item = task.result()
-                    yield i, item
-                    if not isinstance(item, Finished):
-                        pending[asyncio.create_task(self.calls[i].next(), name=f"next[{i}]")] = i
+                if keepalive_s is not None:
+                    timer = loop.call_later(keepalive_s, waker.set)
+                await waker.wait()
+                if timer is not None:
+                    timer.cancel()
+                    timer = None
+                    if not any(self.calls[i].has_queued() for i in live):
+                        yield -1, None  # nothing within keepalive_s
         finally:
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
+            if timer is not None:
+                timer.cancel()
+            for call in self.calls:
+                call.next_queued_stop()
 
     def close(self) -> None:
         for call in self.calls:

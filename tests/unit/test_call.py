@@ -266,3 +266,72 @@ def test_deltas_queued_together_are_one_write_of_one_event() -> None:
     said = [w for w in messages if b"w0 " in w]
     assert len(said) == 1 and said[0].count(b"text_delta") == 1  # the block's start and its one delta: one write
     assert len(messages) == 3  # the opening, the answer, the end
+
+
+class ManyStreamsLease(StubLease):
+    """A lease whose every submit (one per choice) gets a Stream of its own, kept in order."""
+
+    def __init__(self, queued: list) -> None:
+        super().__init__(queued)
+        self.streams: list[Stream] = []
+
+    def submit(self, msg: Any) -> Stream:
+        self.streams.append(super().submit(msg))
+        return self.streams[-1]
+
+
+async def stream_choices(n: int, keepalive_s: float) -> tuple[int, list[int]]:
+    """Stream n tokens through each of two choices, each token put only once the request waits for it:
+    (tasks created meanwhile, events read per choice)."""
+    router = StubRouter([("t", 1, None)])
+    lease = router.lease = ManyStreamsLease([("t", 1, None)])
+    calls = Calls(router, parse_chat({**CHAT, "stream": True, "n": 2}), "/v1/chat/completions")  # type: ignore[arg-type]
+    await calls.start()
+    loop = asyncio.get_running_loop()
+    tasks = counting_tasks()
+    read = [0, 0]
+    try:
+        async for i, item in calls.events(keepalive_s):
+            assert i in (0, 1), "no keep-alive: a token always comes within it"
+            read[i] += 1
+            if not isinstance(item, Finished):
+                stream = lease.streams[i]
+                if read[i] < n:
+                    loop.call_soon(stream.put, "t", [read[i]])
+                else:
+                    loop.call_soon(stream.queue.put_nowait, fin(n))
+        return tasks(), read
+    finally:
+        loop.set_task_factory(None)
+        calls.close()
+
+
+def test_several_choices_stream_with_one_waiter_and_no_task_per_token() -> None:
+    few, read_few = asyncio.run(stream_choices(50, keepalive_s=30))
+    many, read_many = asyncio.run(stream_choices(1000, keepalive_s=30))
+    assert read_few == [51, 51] and read_many == [1001, 1001]
+    assert many == few <= 1
+
+
+def test_several_choices_get_a_keepalive_when_none_speaks() -> None:
+    async def main() -> list:
+        router = StubRouter([])
+        lease = router.lease = ManyStreamsLease([("t", 1, None)])
+        calls = Calls(router, parse_chat({**CHAT, "stream": True, "n": 2}), "/v1/chat/completions")  # type: ignore[arg-type]
+        await calls.start()
+        seen: list = []
+        try:
+            async for i, item in calls.events(0.05):
+                seen.append((i, item))
+                if i == -1:  # quiet: both finish now
+                    for stream in lease.streams:
+                        stream.queue.put_nowait(fin(1))
+                if sum(isinstance(x, Finished) for _, x in seen) == 2:
+                    break
+            return seen
+        finally:
+            calls.close()
+
+    seen = asyncio.run(main())
+    assert seen[:3] == [(0, ("t", 1, None)), (1, ("t", 1, None)), (-1, None)]
+    assert sorted(i for i, x in seen[3:]) == [0, 1] and all(isinstance(x, Finished) for _, x in seen[3:])
