@@ -28,7 +28,6 @@ deploy/'s renderings check them together; the two backends are ~160 lines of it.
 
 from __future__ import annotations
 
-import abc
 import argparse
 import logging
 import math
@@ -40,6 +39,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from supervisor.cli.exits import EXIT_NO_DAEMON, EXIT_USAGE, CliError
 from supervisor.config import ConfigError, Settings, default_config_path, load_file
@@ -211,24 +211,23 @@ def _write(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-class Backend(abc.ABC):
-    """One service manager and its tool; `path` is where its plist/unit lives."""
+class Tool:
+    """A service manager's command-line tool (launchctl, systemctl): found on PATH, run, its failures worded."""
 
-    tool = ""
-    path: Path
-
-    def __init__(self) -> None:
-        self.exe = shutil.which(self.tool)
+    def __init__(self, command: str, backend: str) -> None:
+        self.command = command
+        self.backend = backend
+        self.exe = shutil.which(command)
 
     def require(self) -> str:
         if self.exe is None:
-            raise CliError(f"{self.tool} not found on PATH: the {self.name} backend cannot work on this host "
+            raise CliError(f"{self.command} not found on PATH: the {self.backend} backend cannot work on this host "
                            f"(choose another with --backend)")
         return self.exe
 
     def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         exe = self.require()
-        log.debug("running %s %s", self.tool, " ".join(args))
+        log.debug("running %s %s", self.command, " ".join(args))
         proc = subprocess.run([exe, *args], capture_output=True, text=True)
         if check and proc.returncode != 0:
             raise CliError(self.failure(args, proc))
@@ -236,36 +235,36 @@ class Backend(abc.ABC):
 
     def failure(self, args: tuple[str, ...], proc: subprocess.CompletedProcess[str]) -> str:
         detail = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
-        return f"`{self.tool} {' '.join(args)}` failed (exit {proc.returncode}): {detail}"
+        return f"`{self.command} {' '.join(args)}` failed (exit {proc.returncode}): {detail}"
 
-    @property
-    def name(self) -> str:
-        return type(self).__name__.lower()
 
-    @abc.abstractmethod
+class Backend(Protocol):
+    """One service manager: where its plist/unit lives, and the four actions (each backend owns its Tool)."""
+
+    name: str
+    path: Path
+    tool: Tool
+
     def install(self, inst: Install) -> None: ...
 
-    @abc.abstractmethod
     def uninstall(self) -> bool: ...  # False: there was nothing to remove
 
-    @abc.abstractmethod
     def restart(self) -> None: ...
 
-    @abc.abstractmethod
     def status(self) -> int: ...  # 0 running, EXIT_NO_DAEMON not
 
 
-class Launchd(Backend):
-    tool = "launchctl"
+class Launchd:
+    name = "launchd"
 
     def __init__(self) -> None:
-        super().__init__()
+        self.tool = Tool("launchctl", self.name)
         self.domain = f"gui/{os.getuid()}"
         self.target = f"{self.domain}/{LABEL}"
         self.path = Path.home() / "Library" / "LaunchAgents" / f"{LABEL}.plist"
 
     def loaded(self) -> bool:
-        return self.run("print", self.target, check=False).returncode == 0
+        return self.tool.run("print", self.target, check=False).returncode == 0
 
     def stop_wait_s(self) -> float:
         """How long the loaded job may take to stop: its own ExitTimeOut, plus a little."""
@@ -277,9 +276,9 @@ class Launchd(Backend):
     def bootout(self) -> None:
         """Unload, then wait until launchd has really let go (bootout can return before that)."""
         timeout_s = self.stop_wait_s()
-        proc = self.run("bootout", self.target, check=False)
+        proc = self.tool.run("bootout", self.target, check=False)
         if proc.returncode not in (0, 3, 113):  # 3 (ESRCH), 113: it went away meanwhile
-            raise CliError(self.failure(("bootout", self.target), proc))
+            raise CliError(self.tool.failure(("bootout", self.target), proc))
         deadline = time.monotonic() + timeout_s
         while self.loaded():
             if time.monotonic() > deadline:
@@ -288,12 +287,12 @@ class Launchd(Backend):
 
     def bootstrap(self) -> None:
         for attempt in range(1, BOOTSTRAP_RETRIES + 1):
-            proc = self.run("bootstrap", self.domain, str(self.path), check=False)
+            proc = self.tool.run("bootstrap", self.domain, str(self.path), check=False)
             if proc.returncode == 0:
                 return
             if proc.returncode not in _RACE_CODES or attempt == BOOTSTRAP_RETRIES:
                 hint = " (no GUI login session for this user?)" if proc.returncode == 125 else ""
-                raise CliError(self.failure(("bootstrap", self.domain, str(self.path)), proc) + hint)
+                raise CliError(self.tool.failure(("bootstrap", self.domain, str(self.path)), proc) + hint)
             time.sleep(RETRY_DELAY_S)
 
     def install(self, inst: Install) -> None:
@@ -320,7 +319,7 @@ class Launchd(Backend):
         self.bootstrap()
 
     def status(self) -> int:
-        proc = self.run("print", self.target, check=False)
+        proc = self.tool.run("print", self.target, check=False)
         print(f"launchd {self.target}: {'loaded' if proc.returncode == 0 else 'not loaded'}; plist {self.path}"
               f"{'' if self.path.exists() else ' (missing)'}")
         if proc.returncode != 0:
@@ -330,19 +329,19 @@ class Launchd(Backend):
         return 0
 
 
-class Systemd(Backend):
-    tool = "systemctl"
+class Systemd:
+    name = "systemd"
 
     def __init__(self) -> None:
-        super().__init__()
+        self.tool = Tool("systemctl", self.name)
         config_home = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
         self.path = Path(config_home) / "systemd" / "user" / UNIT
 
     def install(self, inst: Install) -> None:
         _write(self.path, render_unit(inst).encode())
-        self.run("--user", "daemon-reload")
-        self.run("--user", "enable", UNIT)
-        self.run("--user", "restart", UNIT)  # starts it, or restarts it on the new unit
+        self.tool.run("--user", "daemon-reload")
+        self.tool.run("--user", "enable", UNIT)
+        self.tool.run("--user", "restart", UNIT)  # starts it, or restarts it on the new unit
         user = os.environ.get("USER") or str(os.getuid())
         if not Path("/var/lib/systemd/linger", user).exists():
             print(f"note: it runs while you are logged in; to start it at boot: loginctl enable-linger {user}")
@@ -350,20 +349,20 @@ class Systemd(Backend):
     def uninstall(self) -> bool:
         if not self.path.exists():
             return False
-        self.run("--user", "disable", "--now", UNIT)
+        self.tool.run("--user", "disable", "--now", UNIT)
         self.path.unlink()
-        self.run("--user", "daemon-reload")
+        self.tool.run("--user", "daemon-reload")
         return True
 
     def restart(self) -> None:
         if not self.path.exists():
             raise CliError(f"not installed ({self.path} missing): run `mlxsup service install`")
-        self.run("--user", "restart", UNIT)
+        self.tool.run("--user", "restart", UNIT)
 
     def status(self) -> int:
-        proc = self.run("--user", "--no-pager", "status", UNIT, check=False)
+        proc = self.tool.run("--user", "--no-pager", "status", UNIT, check=False)
         if proc.returncode not in (0, 3, 4):  # 3: not running, 4: no such unit
-            raise CliError(self.failure(("--user", "--no-pager", "status", UNIT), proc))
+            raise CliError(self.tool.failure(("--user", "--no-pager", "status", UNIT), proc))
         print(f"systemd --user {UNIT}: {'running' if proc.returncode == 0 else 'not running'}; unit {self.path}"
               f"{'' if self.path.exists() else ' (missing)'}")
         print((proc.stdout or proc.stderr).rstrip())
@@ -381,7 +380,7 @@ def backend(name: str | None) -> Backend:
 def cmd_service(args: argparse.Namespace) -> int:
     mgr = backend(args.backend)
     if args.action == "install":
-        mgr.require()  # before anything is written
+        mgr.tool.require()  # before anything is written
         inst = prepare(args.config)
         inst.log_dir.mkdir(parents=True, exist_ok=True)  # launchd does not create it
         mgr.install(inst)
