@@ -1,8 +1,8 @@
 """Every message that crosses the supervisor <-> worker boundary, one typed class each.
 
-Messages to the worker are imperative (Load, Submit, Abort, Evict, ClearCache, Tokenize); messages from it
-are facts (Standby, Progress, Ready, Tokens, Finished, Failed, Heartbeat, StepStarted, CacheStats, CacheCleared,
-Tokenized, Bye).
+Messages to the worker are imperative (Load, Submit, Abort, Evict, ClearCache, Tokenize, Embed); messages from
+it are facts (Standby, Progress, Ready, Tokens, Finished, Failed, Heartbeat, StepStarted, CacheStats, CacheCleared,
+Tokenized, Embedded, Bye).
 Fields hold only msgpack-native types (str, int, float, bool, None, list, dict) so the codec can
 validate them without any custom serialisation; errors travel as data (a machine code and a message), never as
 serialised exceptions.
@@ -14,10 +14,10 @@ import signal
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-PROTOCOL_VERSION = 5  # 2: prompt caches (ClearCache, CacheCleared, CacheStats); 3: StepStarted;
+PROTOCOL_VERSION = 6  # 2: prompt caches (ClearCache, CacheCleared, CacheStats); 3: StepStarted;
 # 4: resumed requests (Submit.resume_tokens, token ids in Tokens chunks and Finished); Submit's tools, template
 # kwargs, constraint, logprobs, seed, penalties, prompt_ids; typed chunk extras; 5: Tokenize/Tokenized,
-# Submit.reasoning_budget
+# Submit.reasoning_budget; 6: Embed/Embedded (embedding models)
 
 # Machine codes carried by Failed and surfaced to HTTP clients as the error "code".
 MODEL_EVICTED = "model_evicted"
@@ -116,6 +116,20 @@ class Tokenize(Message):
     tools: list | None = None
     template_kwargs: dict = field(default_factory=dict)
     ids: bool = False
+
+
+@dataclass(slots=True)
+class Embed(Message):
+    """To an embedding model's worker: one vector per input, answered by Embedded(rid). Each input is a text
+    (tokenized with the model's special tokens) or a list of token ids (used as given). `truncate`: None
+    refuses an input longer than the model's window; 0 cuts it to the window; n > 0 to its first n tokens.
+    `dimensions`: keep the first n components and normalise again (None: all)."""
+
+    KIND: ClassVar[str] = "embed"
+    rid: str
+    inputs: list
+    truncate: int | None = None
+    dimensions: int | None = None
 
 
 @dataclass(slots=True)
@@ -298,6 +312,19 @@ class Tokenized(Message):
 
 
 @dataclass(slots=True)
+class Embedded(Message):
+    """The answer to Embed: a vector per input, in the inputs' order, and the tokens they took; or why not
+    (`code`, `message`: as Failed's, no vectors)."""
+
+    KIND: ClassVar[str] = "embedded"
+    rid: str
+    vectors: list = field(default_factory=list)
+    tokens: int = 0
+    code: str | None = None
+    message: str = ""
+
+
+@dataclass(slots=True)
 class Bye(Message):
     """The last message of a worker that exits in order; phases maps phase -> seconds."""
 
@@ -316,6 +343,7 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     Evict,
     ClearCache,
     Tokenize,
+    Embed,
     Standby,
     Ready,
     Progress,
@@ -327,5 +355,6 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     CacheStats,
     CacheCleared,
     Tokenized,
+    Embedded,
     Bye,
 )

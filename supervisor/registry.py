@@ -6,7 +6,8 @@ The Hugging Face cache is searched too (ids `org/name`). Config entries (`[model
 `path`, `aliases`, and per-model worker and cache options) override discovered ones of the same
 id. Aliases resolve to ids. A name that resolves to nothing makes the registry look at its
 folders again (at most once per RESCAN_S), so a model put there later is served without a
-restart; models are only ever added, never dropped, while the daemon runs.
+restart; models are only ever added, never dropped, while the daemon runs. Each model's kind (chat or embedding)
+is read from its files (protocol/modelkind.py), as its worker reads it to choose its engine.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from protocol.modelkind import CHAT, model_kind
 from supervisor.cache_config import CacheConfig, parse_cache
 from supervisor.errors import ModelNotFound
 from supervisor.group import GroupSpec, parse_group
@@ -34,6 +36,7 @@ class ModelSpec:
     pinned: bool = False  # loaded at start-up; only an explicit evict removes it
     cache: CacheConfig = CacheConfig()  # overrides of the [cache] section; unset keys inherit
     group: GroupSpec | None = None  # served by a worker group of several ranks (supervisor/group.py)
+    kind: str = CHAT  # protocol/modelkind.py: chat or embedding (which routes serve it)
 
 
 def is_model_dir(path: Path) -> bool:
@@ -48,11 +51,12 @@ def discover(model_dir: Path) -> list[ModelSpec]:
     if not model_dir.is_dir():
         return []
     if is_model_dir(model_dir):  # a model folder itself, not a folder of them
-        return [ModelSpec(model_dir.resolve().name, model_dir.resolve(), weights_bytes=weights_bytes(model_dir))]
+        return [ModelSpec(model_dir.resolve().name, model_dir.resolve(), weights_bytes=weights_bytes(model_dir),
+                          kind=model_kind(model_dir))]
     found = []
     for sub in sorted(model_dir.iterdir()):
         if sub.is_dir() and is_model_dir(sub):
-            found.append(ModelSpec(sub.name, sub.resolve(), weights_bytes=weights_bytes(sub)))
+            found.append(ModelSpec(sub.name, sub.resolve(), weights_bytes=weights_bytes(sub), kind=model_kind(sub)))
     return found
 
 
@@ -74,7 +78,8 @@ def discover_hf(hub: Path) -> list[ModelSpec]:
             snapshot = candidates[-1] if candidates else None
         if snapshot is not None and is_model_dir(snapshot):
             model_id = repo.name[len("models--"):].replace("--", "/")
-            found.append(ModelSpec(model_id, snapshot.resolve(), weights_bytes=weights_bytes(snapshot)))
+            found.append(ModelSpec(model_id, snapshot.resolve(), weights_bytes=weights_bytes(snapshot),
+                                   kind=model_kind(snapshot)))
     return found
 
 
@@ -104,7 +109,7 @@ def from_config(models: dict, base: Path) -> list[ModelSpec]:
         cache = parse_cache(entry.get("cache", {}), f"models.{model_id}.cache", base)
         group = parse_group(entry["group"], f"models.{model_id}.group") if "group" in entry else None
         specs.append(ModelSpec(model_id, path, tuple(aliases), tuple(args), weights_bytes(path),
-                               None if ttl is None else float(ttl), pinned, cache, group))
+                               None if ttl is None else float(ttl), pinned, cache, group, model_kind(path)))
     return specs
 
 

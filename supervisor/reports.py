@@ -71,6 +71,7 @@ class ModelStatus:
 
     id: str
     state: str  # loading | ready | evicting | stopped | failed
+    kind: str = "chat"  # chat | embedding (protocol/modelkind.py)
     pid: int | None = None
     memory_bytes: int | None = None  # measured footprint of its worker
     in_flight: int = 0

@@ -34,6 +34,7 @@ from protocol.messages import (
     Bye,
     CacheCleared,
     CacheStats,
+    Embedded,
     Failed,
     Finished,
     Heartbeat,
@@ -289,7 +290,7 @@ class Router(Generic[MetricsT]):
         if stream is not None:
             stream.fail(errors.from_worker(msg.code, msg.message))
 
-    def _on_reply(self, worker: Worker, msg: CacheCleared | Tokenized) -> None:
+    def _on_reply(self, worker: Worker, msg: CacheCleared | Tokenized | Embedded) -> None:
         """A reply (a kind that carries its request's rid, mapped here in HANDLERS): resolves its `ask`."""
         pending = worker.replies.pop(msg.rid, None)
         if pending is not None and not pending.done():
@@ -327,6 +328,7 @@ class Router(Generic[MetricsT]):
         CacheStats.KIND: _on_cache_stats,
         CacheCleared.KIND: _on_reply,
         Tokenized.KIND: _on_reply,
+        Embedded.KIND: _on_reply,
         Bye.KIND: _on_bye,
     }
 
@@ -339,7 +341,7 @@ class Router(Generic[MetricsT]):
         spec = self.registry.specs[model_id]
         ttl = self.settings.model_ttl(spec)
         now = self.clock.monotonic()
-        status = ModelStatus(id=model_id, state=State.STOPPED.value, ttl_s=ttl, pinned=spec.pinned,
+        status = ModelStatus(id=model_id, state=State.STOPPED.value, kind=spec.kind, ttl_s=ttl, pinned=spec.pinned,
                              weights_bytes=spec.weights_bytes,
                              restarts=max(0, record.starts - 1), crashes=record.crashes, last_error=record.last_error,
                              stderr_tail=tuple(record.last_stderr), last_eviction=record.last_eviction,

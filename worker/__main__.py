@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from protocol.messages import DUMP_STACKS_SIGNAL, EXIT_CRASHED, EXIT_LOAD_FAILED, EXIT_OK
+from protocol.modelkind import EMBEDDING, model_kind
 from worker.faults import FAULTS, Faults
 from worker.shutdown import Shutdown, install_signal_handlers, leave, watch_lifeline
 
@@ -203,7 +204,14 @@ def serve_model(args: argparse.Namespace, sock: zmq.Socket, shutdown: Shutdown, 
                              args.cache_block_tokens, args.cache_close_s, faults, args.cache_kv_bits,
                              args.cache_snapshot_every)
         engine: EngineApi
-        if args.group_rank is not None:  # rank 0 of a group: its engine shares each step's schedule
+        if model_kind(args.model_path) == EMBEDDING:  # an encoder: its own engine, no generation batch
+            from worker.mlx_engine.embedder import EmbeddingEngine
+
+            if args.group_rank is not None:
+                raise ValueError("an embedding model is served by one worker, not a group")
+
+            engine = EmbeddingEngine(args.model_path, report)
+        elif args.group_rank is not None:  # rank 0 of a group: its engine shares each step's schedule
             from worker.group_main import leader_engine
 
             engine = leader_engine(args, report, cache)

@@ -17,13 +17,18 @@ What an engine promises the loop:
 - `fail_all` and `abort` remove requests at once, so `len(engine)` counts only live ones;
 - `warm_step` runs only while nothing waits in the inbox, and never delays more than one step;
 - `close_caches` and `settle` run once, at the end, after the last request has left.
+
+An embedding model's engine (worker/mlx_engine/embedder.py) is an EngineApi whose batch stays empty (it refuses
+every Submit and Tokenize) and an EmbedderApi too; a chat engine is never an EmbedderApi, so the loop answers
+an Embed sent to it with a refusal.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
-from protocol.messages import CacheStats, Failed, Finished, Submit
+from protocol.messages import CacheStats, Embed, Failed, Finished, Submit
 from worker.step_cost import StepPlan
 
 
@@ -102,4 +107,14 @@ class EngineApi(Protocol):
 
     def settle(self) -> int:
         """Release what the engine holds; the process footprint left, in bytes."""
+        ...
+
+
+@runtime_checkable
+class EmbedderApi(Protocol):
+    """An engine that embeds: the loop calls `embed` for an Embed, between its turns."""
+
+    def embed(self, msg: Embed, between: Callable[[], None]) -> tuple[list[list[float]], int]:
+        """One vector per input in order, and the tokens they took; RequestRejected for a bad input.
+        `between` runs after each batch (the loop's heartbeat), so a long request shows the loop alive."""
         ...

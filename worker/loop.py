@@ -21,9 +21,10 @@ Messages are handled by a table from kind to `_on_<kind>`. The loop knows the en
 worker/engine_api.py's EngineApi and the link only as worker/channel.py's Channel, and imports
 no MLX: tests/unit/test_worker_loop.py drives it with fakes. Invariants: every Submit is
 answered (admitted, or Failed with a code); every Tokenize by Tokenized (a count, or why not),
-with no step; a step that raises fails its batch and ends the worker; any other unexpected
-exception fails every request in flight (worker_crashed) while the channel still works, then
-ends the worker.
+with no step; every Embed by Embedded (vectors from an embedding engine, heartbeats between its
+batches; a refusal from any other engine); a step that raises fails its batch and ends the worker;
+any other unexpected exception fails every request in flight (worker_crashed) while the channel
+still works, then ends the worker.
 """
 
 from __future__ import annotations
@@ -38,11 +39,14 @@ from protocol.codec import ProtocolError, VersionMismatch, decode, encode
 from protocol.messages import (
     CACHE_TIERS,
     INTERNAL_ERROR,
+    INVALID_REQUEST,
     MODEL_EVICTED,
     WORKER_CRASHED,
     Abort,
     CacheCleared,
     ClearCache,
+    Embed,
+    Embedded,
     Evict,
     Failed,
     Heartbeat,
@@ -55,7 +59,7 @@ from protocol.messages import (
     Tokens,
 )
 from worker.channel import Channel
-from worker.engine_api import EngineApi, RequestRejected
+from worker.engine_api import EmbedderApi, EngineApi, RequestRejected
 from worker.faults import NO_FAULTS, Faults
 from worker.memory import process_memory_bytes
 from worker.shutdown import Shutdown
@@ -94,6 +98,7 @@ class WorkerLoop:
             Abort.KIND: self._on_abort,
             ClearCache.KIND: self._on_clear_cache,
             Tokenize.KIND: self._on_tokenize,
+            Embed.KIND: self._on_embed,
             Evict.KIND: self._on_evict,
         }
 
@@ -203,6 +208,26 @@ class WorkerLoop:
             self.send(Tokenized(msg.rid, 0, code=INTERNAL_ERROR, message=f"the worker could not tokenize: {exc}"))
             return
         self.send(Tokenized(msg.rid, len(ids), ids if msg.ids else []))
+
+    def _on_embed(self, msg: Embed) -> None:
+        """Embed between turns (an embedder has no generation batch to hold up), heartbeats between its batches."""
+        if not isinstance(self.engine, EmbedderApi):
+            self.send(Embedded(msg.rid, code=INVALID_REQUEST, message=f"'{self.model_id}' is a chat model: it does "
+                                                                      "not serve embeddings"))
+            return
+        if not self.shutdown.admitting:
+            self.send(Embedded(msg.rid, code=MODEL_EVICTED, message="the model is being evicted"))
+            return
+        try:
+            vectors, tokens = self.engine.embed(msg, self._maybe_heartbeat)
+        except RequestRejected as exc:
+            self.send(Embedded(msg.rid, code=exc.code, message=str(exc)))
+            return
+        except Exception as exc:
+            log.exception("[embed] rid=%s failed", msg.rid)
+            self.send(Embedded(msg.rid, code=INTERNAL_ERROR, message=f"the worker could not embed: {exc}"))
+            return
+        self.send(Embedded(msg.rid, vectors, tokens))
 
     def _on_abort(self, msg: Abort) -> None:
         self.engine.abort(msg.rid)

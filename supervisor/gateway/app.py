@@ -28,6 +28,7 @@ from supervisor.config_view import effective
 from supervisor.gateway.agent_routes import agent_routes
 from supervisor.gateway.anthropic_api import anthropic_error_body
 from supervisor.gateway.body import decode_json
+from supervisor.gateway.embeddings_routes import embeddings_routes
 from supervisor.gateway.guard import WebGuard
 from supervisor.gateway.http import SSEResponse, error_response, read_body, sse
 from supervisor.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -204,6 +205,7 @@ def build_app(router: Router, settings: Settings) -> ASGIApp:
         Route(UI_PATH, dashboard.page, methods=["GET"]),
         Route("/api/config", gw.config, methods=["GET"]),
         *openai_routes(router, settings),
+        *embeddings_routes(router, settings),  # /v1/embeddings
         Route("/health", gw.health, methods=["GET"]),
         Route("/api/status", gw.status, methods=["GET"]),
         Route("/metrics", gw.metrics, methods=["GET"]),

@@ -16,6 +16,8 @@ from protocol.messages import (
     CacheCleared,
     CacheStats,
     ClearCache,
+    Embed,
+    Embedded,
     Evict,
     Failed,
     Finished,
@@ -65,6 +67,8 @@ SAMPLES = [
              tools=[{"name": "f", "description": "", "parameters": {"type": "object"}}],
              template_kwargs={"continue_final_message": True}, ids=True),
     Tokenized(rid="t1", count=3, ids=[1, 2, 3]),
+    Embed(rid="e1", inputs=["héllo", [101, 7592, 102]], truncate=0, dimensions=2),
+    Embedded(rid="e1", vectors=[[0.6, -0.8], [1.0, 0.0]], tokens=6),
     Bye(reason="evict", aborted=1, drained=2, phases={"settle": 0.01}, memory_bytes=5),
 ]
 

@@ -1,0 +1,151 @@
+"""`POST /v1/embeddings` (OpenAI's shape): the body checked here, the vectors from the model's worker (an Embed).
+
+Only a model whose kind is embedding (protocol/modelkind.py, the registry's) is asked; any other is a 400
+that says so, before a worker is started for it. The worker does the rest of the checking (token ids in the
+vocabulary, an input over the window, `dimensions` beyond the model's width) and its refusals come back
+with their codes, as 4xx. Invariants: every bad body is a 4xx in OpenAI's error shape, raised before the
+worker is asked; the lease taken for the request is released on every path; `base64` is the float32
+little-endian bytes of the same vector `float` gives.
+"""
+
+from __future__ import annotations
+
+import base64
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from protocol.codec import ProtocolError
+from protocol.messages import Embed, Embedded
+from protocol.modelkind import EMBEDDING
+from supervisor import errors
+from supervisor.config import Settings
+from supervisor.gateway.http import read_json
+from supervisor.router import Router
+
+MAX_INPUTS = 2048  # OpenAI's own limit per request
+EMBED_TIMEOUT_S = 600.0  # the worker heartbeats between batches; this bounds only a worker that stopped answering
+ENCODINGS = ("float", "base64")
+
+
+@dataclass
+class EmbeddingsRequest:
+    model: str
+    inputs: list  # each a str or a list of token ids
+    encoding_format: str = "float"
+    dimensions: int | None = None
+    truncate: int | None = None  # Embed.truncate: None refuses an input over the window, 0 cuts to it, n > 0 to n
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _inputs(value: Any) -> list:
+    """OpenAI's four input forms, as a list of texts and token-id lists (see the module docstring)."""
+    bad = errors.InvalidRequest("input must be a string, a list of strings, a list of token ids or a list of "
+                                "lists of token ids", param="input")
+    if isinstance(value, str):
+        value = [value]
+    elif isinstance(value, list) and value and all(_is_int(t) for t in value):
+        value = [value]
+    if not isinstance(value, list):
+        raise bad
+    if not value:
+        raise errors.InvalidRequest("input must not be empty", param="input")
+    if len(value) > MAX_INPUTS:
+        raise errors.InvalidRequest(f"input has {len(value)} items; at most {MAX_INPUTS} are accepted per request",
+                                    param="input")
+    for i, item in enumerate(value):
+        if isinstance(item, str):
+            if not item:
+                raise errors.InvalidRequest(f"input[{i}] is an empty string", param="input")
+        elif isinstance(item, list) and all(_is_int(t) for t in item):
+            if not item:
+                raise errors.InvalidRequest(f"input[{i}] is an empty list of token ids", param="input")
+        else:
+            raise bad
+    if len({type(item) for item in value}) > 1:
+        raise errors.InvalidRequest("input mixes strings and token ids", param="input")
+    return value
+
+
+def parse_embeddings(body: Any) -> EmbeddingsRequest:
+    """The request, or InvalidRequest naming the field at fault."""
+    if not isinstance(body, dict):
+        raise errors.InvalidRequest("the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise errors.InvalidRequest("model is required (a string)", param="model")
+    if "input" not in body:
+        raise errors.InvalidRequest("input is required", param="input")
+    req = EmbeddingsRequest(model, _inputs(body["input"]))
+    fmt = body.get("encoding_format")
+    if fmt is not None:
+        if fmt not in ENCODINGS:
+            raise errors.InvalidRequest(f"encoding_format must be one of {', '.join(ENCODINGS)}",
+                                        param="encoding_format")
+        req.encoding_format = fmt
+    dims = body.get("dimensions")
+    if dims is not None:
+        if not _is_int(dims) or dims < 1:
+            raise errors.InvalidRequest("dimensions must be a positive integer", param="dimensions")
+        req.dimensions = dims
+    truncate, tokens = body.get("truncate"), body.get("truncate_prompt_tokens")
+    if truncate is not None and not isinstance(truncate, bool):
+        raise errors.InvalidRequest("truncate must be true or false", param="truncate")
+    if tokens is not None and (not _is_int(tokens) or tokens == 0 or tokens < -1):
+        raise errors.InvalidRequest("truncate_prompt_tokens must be a positive token count, or -1 for the window",
+                                    param="truncate_prompt_tokens")
+    if tokens is not None:
+        req.truncate = 0 if tokens == -1 else tokens
+    elif truncate:
+        req.truncate = 0
+    return req
+
+
+def _encoded(vector: list[float], fmt: str) -> list[float] | str:
+    if fmt == "float":
+        return vector
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+
+
+class EmbeddingsRoutes:
+    def __init__(self, router: Router, settings: Settings) -> None:
+        self.router = router
+        self.settings = settings
+
+    async def embeddings(self, request: Request) -> Response:
+        req = parse_embeddings(await read_json(request, self.settings.max_body_bytes))
+        spec = self.router.registry.resolve(req.model)
+        if spec.kind != EMBEDDING:
+            raise errors.InvalidRequest(f"'{spec.id}' is a {spec.kind} model: /v1/embeddings needs an embedding "
+                                        "model", param="model")
+        lease = await self.router.acquire(spec.id)
+        try:
+            reply = await self.router.ask(spec.id, lambda rid: Embed(rid, req.inputs, req.truncate, req.dimensions),
+                                          EMBED_TIMEOUT_S)
+        except ProtocolError as exc:  # a value the wire cannot carry (a token id past 64 bits): the request's fault
+            raise errors.InvalidRequest(f"the request cannot be sent to the worker: {exc}", param="input") from None
+        except TimeoutError:
+            raise errors.MlxsupError(f"the worker of '{spec.id}' did not answer in {EMBED_TIMEOUT_S:.0f}s") from None
+        finally:
+            lease.release()
+        if reply is None:
+            raise errors.WorkerDied(f"the worker of '{spec.id}' ended before it answered")
+        assert isinstance(reply, Embedded)
+        if reply.code is not None:
+            raise errors.from_worker(reply.code, reply.message)
+        data = [{"object": "embedding", "index": i, "embedding": _encoded(v, req.encoding_format)}
+                for i, v in enumerate(reply.vectors)]
+        return JSONResponse({"object": "list", "data": data, "model": spec.id,
+                             "usage": {"prompt_tokens": reply.tokens, "total_tokens": reply.tokens}})
+
+
+def embeddings_routes(router: Router, settings: Settings) -> list[Route]:
+    routes = EmbeddingsRoutes(router, settings)
+    return [Route("/v1/embeddings", routes.embeddings, methods=["POST"])]
