@@ -15,10 +15,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import anthropic
+import httpx
 import openai
 import pytest
 
-from tests.conftest import Daemon
+from tests.conftest import Daemon, assert_gone, wait_for
 from tests.realweights.conftest import MODEL
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -152,3 +153,70 @@ def test_the_readme_s_first_example_answers_paris_against_serve_demo(daemon_fact
     run = subprocess.run([sys.executable, "-c", source], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "Paris" in run.stdout, run.stdout
+
+
+LONG = ("You are a careful assistant. " + " ".join(f"Rule {i}: answer briefly and truthfully." for i in range(30)))
+
+
+def long_chat(d: Daemon) -> tuple[str, int, int]:
+    """(text, prompt tokens, cached tokens) of a greedy chat whose prompt spans several 64-token cache blocks."""
+    r = openai_client(d).chat.completions.create(
+        model=MODEL, max_tokens=16, temperature=0,
+        messages=[{"role": "system", "content": LONG}, {"role": "user", "content": "What is the capital of France?"}])
+    usage = r.usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    return r.choices[0].message.content or "", usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens or 0
+
+
+def test_a_hot_hit_and_an_ssd_hit_after_evict_and_reload_answer_the_same(smollm: Daemon) -> None:
+    cold, prompt_tokens, _ = long_chat(smollm)
+    assert prompt_tokens > 3 * 64
+    hot, _, cached = long_chat(smollm)
+    assert hot == cold and cached > 0
+    wait_for(lambda: (smollm.model(MODEL)["cache"] or {}).get("ssd", {}).get("entries", 0) >= prompt_tokens // 64 - 1,
+             30, what="the SSD writes")
+    pid = smollm.model(MODEL)["pid"]
+    r = httpx.post(f"{smollm.url}/api/models/{MODEL}/evict", json={"mode": "drain"}, timeout=120)
+    assert r.status_code == 200 and r.json()["evicted"], r.text
+    assert_gone([pid])
+    reloaded, _, cached = long_chat(smollm)
+    assert reloaded == cold and cached >= 64
+    assert wait_for(lambda: (smollm.model(MODEL)["cache"] or {}).get("ssd", {}).get("hits", 0) >= 1, 10,
+                    what="an SSD hit in the status")
+
+
+def test_a_stop_sequence_cuts_the_answer_before_it(smollm: Daemon, reference: dict) -> None:
+    case = reference["cases"][0]  # "The capital of France is Paris."
+    r = openai_client(smollm).chat.completions.create(model=MODEL, messages=case["messages"], max_tokens=64,
+                                                      temperature=0, stop=[" Paris"])
+    assert r.choices[0].message.content == case["text"].split(" Paris")[0]
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_n_choices_with_a_seed_are_reproducible(smollm: Daemon, reference: dict) -> None:
+    def sampled() -> list[str]:
+        r = openai_client(smollm).chat.completions.create(model=MODEL, messages=reference["cases"][2]["messages"],
+                                                          max_tokens=12, temperature=0.9, n=2, seed=1234)
+        return [c.message.content or "" for c in r.choices]
+
+    first = sampled()
+    assert len(first) == 2 and sampled() == first
+
+
+def test_logprobs_equal_in_process_mlx_lm(smollm: Daemon, smollm_models: Path, reference: dict) -> None:
+    import mlx.core as mx
+    from mlx_lm import load
+
+    case = reference["cases"][0]
+    r = openai_client(smollm).completions.create(model=MODEL, prompt=case["prompt_ids"], max_tokens=8, temperature=0,
+                                                 logprobs=0)
+    served = r.choices[0].logprobs
+    assert served is not None and served.token_logprobs is not None
+    model, _ = load(str(smollm_models / MODEL))
+    ids = case["prompt_ids"] + case["tokens"][:len(served.token_logprobs)]
+    logits = model(mx.array([ids]))[0].astype(mx.float32)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    start = len(case["prompt_ids"]) - 1  # the logits at position p predict token p + 1
+    expected = [logprobs[start + i, t].item() for i, t in enumerate(case["tokens"][:len(served.token_logprobs)])]
+    assert len(expected) == len(served.token_logprobs) > 0
+    assert all(abs(a - b) < 2e-2 for a, b in zip(served.token_logprobs, expected)), (served.token_logprobs, expected)
