@@ -194,6 +194,12 @@ def test_import_refuses_an_existing_folder_and_an_unmapped_architecture(tmp_path
     run = imported(tmp_path / "notes.gguf", tmp_path / "notes")
     assert run.returncode == 2 and "is not a GGUF file" in run.stderr and "Traceback" not in run.stderr
 
+    whole = (tmp_path / "m.gguf").read_bytes()  # a download cut short: the header is there, the tensors are not
+    (tmp_path / "cut.gguf").write_bytes(whole[: len(whole) * 2 // 3])
+    run = imported(tmp_path / "cut.gguf", tmp_path / "cut")
+    assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr
+    assert not (tmp_path / "cut").exists() and not list(tmp_path.glob(".cut*"))
+
 
 def test_mlxsup_import_writes_into_the_model_dir_under_the_file_s_name(tmp_path: Path) -> None:
     made = tmp_path / "made"

@@ -119,6 +119,23 @@ def model_config(meta: dict, arch: str, names: set[str]) -> dict:
     return {k: v for k, v in config.items() if v is not None}
 
 
+def check_complete(path: Path) -> None:
+    """Refuse a file cut short (an interrupted download) or damaged before anything is read from its tensors."""
+    import gguf
+
+    size = path.stat().st_size
+    try:
+        reader = gguf.GGUFReader(str(path))
+        ends = [int(t.data_offset) + int(t.n_bytes) for t in reader.tensors]
+    except Exception as exc:  # gguf's reader raises what numpy raises on a short buffer
+        raise GGUFImportError(f"{path} is truncated or damaged: its header cannot be read ({exc})") from None
+    if not ends:
+        raise GGUFImportError(f"{path} holds no tensors: there is no model in it")
+    if max(ends) > size:
+        raise GGUFImportError(f"{path} is truncated: its tensors need {max(ends)} bytes, the file has "
+                              f"{size} (an interrupted download?)")
+
+
 def read_gguf(path: Path, quantize: int | None, progress: Progress) -> tuple[dict, dict, int]:
     """(tensors by GGUF name, as MLX arrays, quantized ones as weight/scales/biases; the metadata; their group size)."""
     import mlx.core as mx
@@ -261,6 +278,7 @@ def import_gguf(gguf: Path, out: Path, force: bool = False, quantize: int | None
         if f.read(4) != b"GGUF":
             raise GGUFImportError(f"{gguf} is not a GGUF file (it does not start with GGUF's magic bytes)")
     progress.stage(f"reading {gguf} ({gguf.stat().st_size / 2**20:.0f} MiB)")
+    check_complete(gguf)
     tensors, meta, group = read_gguf(gguf, quantize, progress)
     progress.stage(f"converting {len(tensors)} tensors ({scalar(meta, 'general.architecture')})")
     weights, config = convert(tensors, meta, group)
