@@ -224,7 +224,12 @@ class Router(Generic[MetricsT]):
             reply: asyncio.Future = asyncio.get_running_loop().create_future()
             reply.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved even if we stop waiting
             worker.replies[rid] = reply
-            if not self.transport.send(worker.identity, build(rid)):
+            try:
+                sent = self.transport.send(worker.identity, build(rid))
+            except BaseException:  # a value the wire cannot carry (ProtocolError): the caller's to answer
+                worker.replies.pop(rid, None)
+                raise
+            if not sent:
                 worker.replies.pop(rid, None)
                 raise errors.WorkerDied(f"the worker of '{model_id}' is not reachable")
             try:

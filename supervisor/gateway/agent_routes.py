@@ -23,7 +23,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from protocol.codec import ProtocolError
 from protocol.messages import Finished, Submit, Tokenize, Tokenized
 from supervisor import errors
 from supervisor.config import Settings
@@ -37,6 +36,7 @@ from supervisor.gateway.responses_api import parse_responses
 from supervisor.gateway.responses_shape import ResponseShaper
 from supervisor.gateway.sse import streamed, whole
 from supervisor.gateway.transcript import Delta
+from supervisor.gateway.worker_ask import ask_worker
 from supervisor.router import Router
 
 log = logging.getLogger(__name__)
@@ -124,22 +124,10 @@ class AgentRoutes:
 
     async def count_prompt(self, model: str, submit: Submit) -> int:
         """The prompt tokens of `submit` on `model`'s worker (loaded if it is not; held by a lease meanwhile)."""
-        lease = await self.router.acquire(model)
-        try:
-            reply = await self.router.ask(lease.worker.spec.id, lambda rid: Tokenize(
-                rid, submit.messages, submit.prompt, submit.tools, submit.template_kwargs), TOKENIZE_TIMEOUT_S)
-        except ProtocolError as exc:  # a value the wire cannot carry: the request's fault, not the worker's
-            raise errors.InvalidRequest(f"the request cannot be sent to the worker: {exc}") from None
-        except TimeoutError:
-            raise errors.MlxsupError(f"the worker of '{model}' did not count the prompt in "
-                                     f"{TOKENIZE_TIMEOUT_S:.0f}s") from None
-        finally:
-            lease.release()
-        if reply is None:
-            raise errors.WorkerDied(f"the worker of '{model}' ended before it counted the prompt")
+        reply = await ask_worker(self.router, model, lambda rid: Tokenize(
+            rid, submit.messages, submit.prompt, submit.tools, submit.template_kwargs), TOKENIZE_TIMEOUT_S,
+            "count the prompt")
         assert isinstance(reply, Tokenized)
-        if reply.code is not None:
-            raise errors.from_worker(reply.code, reply.message)
         return reply.count
 
     # --- OpenAI Responses ---------------------------------------------------------------------

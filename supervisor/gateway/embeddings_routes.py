@@ -19,12 +19,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from protocol.codec import ProtocolError
 from protocol.messages import Embed, Embedded
 from protocol.modelkind import EMBEDDING
 from supervisor import errors
 from supervisor.config import Settings
 from supervisor.gateway.http import read_json
+from supervisor.gateway.worker_ask import ask_worker
 from supervisor.router import Router
 
 MAX_INPUTS = 2048  # OpenAI's own limit per request
@@ -125,21 +125,9 @@ class EmbeddingsRoutes:
         if spec.kind != EMBEDDING:
             raise errors.InvalidRequest(f"'{spec.id}' is a {spec.kind} model: /v1/embeddings needs an embedding "
                                         "model", param="model")
-        lease = await self.router.acquire(spec.id)
-        try:
-            reply = await self.router.ask(spec.id, lambda rid: Embed(rid, req.inputs, req.truncate, req.dimensions),
-                                          EMBED_TIMEOUT_S)
-        except ProtocolError as exc:  # a value the wire cannot carry (a token id past 64 bits): the request's fault
-            raise errors.InvalidRequest(f"the request cannot be sent to the worker: {exc}", param="input") from None
-        except TimeoutError:
-            raise errors.MlxsupError(f"the worker of '{spec.id}' did not answer in {EMBED_TIMEOUT_S:.0f}s") from None
-        finally:
-            lease.release()
-        if reply is None:
-            raise errors.WorkerDied(f"the worker of '{spec.id}' ended before it answered")
+        reply = await ask_worker(self.router, spec.id, lambda rid: Embed(rid, req.inputs, req.truncate, req.dimensions),
+                                 EMBED_TIMEOUT_S, "embed the inputs", param="input")
         assert isinstance(reply, Embedded)
-        if reply.code is not None:
-            raise errors.from_worker(reply.code, reply.message)
         data = [{"object": "embedding", "index": i, "embedding": _encoded(v, req.encoding_format)}
                 for i, v in enumerate(reply.vectors)]
         return JSONResponse({"object": "list", "data": data, "model": spec.id,

@@ -835,3 +835,16 @@ async def test_a_submit_the_wire_cannot_carry_fails_its_request_with_400(tmp_pat
     assert isinstance(error, errors.InvalidRequest) and "cannot be sent to the worker" in str(error)
     assert not lease.worker.streams  # nothing waits for an answer that cannot come
     lease.release()
+
+
+@scenario
+async def test_a_question_the_wire_cannot_carry_leaves_no_reply_waiting(tmp_path: Path) -> None:
+    """Catches: a reply slot left in the worker's table when sending the question raised (ProtocolError)."""
+    from protocol.codec import ProtocolError
+    from protocol.messages import Tokenize
+
+    w = World(tmp_path)
+    (await w.load("m")).release()
+    with pytest.raises(ProtocolError):
+        await w.router.ask("m", lambda rid: Tokenize(rid, prompt="x", template_kwargs={"n": 2**70}), 5.0)
+    assert w.worker("m").replies == {}
