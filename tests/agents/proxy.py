@@ -13,9 +13,32 @@ import json
 import threading
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Self
 from urllib.parse import urlsplit
 
 HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "accept-encoding"}
+
+
+class LoopbackServer:
+    """A threaded HTTP server on 127.0.0.1 serving `handler`, for the length of a `with` block."""
+
+    def _serve(self, handler: type[BaseHTTPRequestHandler], name: str) -> None:
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, name=name, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(10)
 
 
 @dataclass
@@ -26,28 +49,14 @@ class Seen:
     status: int = 0
 
 
-class RecordingProxy:
+class RecordingProxy(LoopbackServer):
     def __init__(self, upstream: str, drop: frozenset[str] = frozenset()) -> None:
         self.drop = drop
         up = urlsplit(upstream)
         self.host, self.port = up.hostname or "127.0.0.1", up.port or 80
         self.seen: list[Seen] = []
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, name="recording-proxy", daemon=True)
+        self._serve(self._handler(), "recording-proxy")
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
-
-    def __enter__(self) -> RecordingProxy:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(10)
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         proxy = self
@@ -94,7 +103,7 @@ class RecordingProxy:
         return Handler
 
 
-class OutsideRefused:
+class OutsideRefused(LoopbackServer):
     """The programs' HTTP(S)_PROXY: every request for the outside world (CONNECT or absolute URL) is refused
     with 403 and its target recorded in `attempts`, so a test sees what a program tried to reach beyond loopback."""
 
@@ -112,19 +121,5 @@ class OutsideRefused:
 
             do_CONNECT = do_GET = do_POST = do_PUT = do_DELETE = do_HEAD = _refuse
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, name="outside-refused", daemon=True)
+        self._serve(Handler, "outside-refused")
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
-
-    def __enter__(self) -> OutsideRefused:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(10)
