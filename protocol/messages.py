@@ -1,8 +1,8 @@
 """Every message that crosses the supervisor <-> worker boundary, one typed class each.
 
-Messages to the worker are imperative (Load, Submit, Abort, Evict, ClearCache, Tokenize, Embed); messages from
-it are facts (Standby, Progress, Ready, Tokens, Finished, Failed, Heartbeat, StepStarted, CacheStats, CacheCleared,
-Tokenized, Embedded, Bye).
+Messages to the worker are imperative (Load, Submit, Abort, Evict, ClearCache, Tokenize, Embed, Rerank); messages
+from it are facts (Standby, Progress, Ready, Tokens, Finished, Failed, Heartbeat, StepStarted, CacheStats,
+CacheCleared, Tokenized, Embedded, Reranked, Bye).
 Fields hold only msgpack-native types (str, int, float, bool, None, list, dict) so the codec can
 validate them without any custom serialisation; errors travel as data (a machine code and a message), never as
 serialised exceptions.
@@ -14,10 +14,12 @@ import signal
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-PROTOCOL_VERSION = 6  # 2: prompt caches (ClearCache, CacheCleared, CacheStats); 3: StepStarted;
+PROTOCOL_VERSION = 7  # 2: prompt caches (ClearCache, CacheCleared, CacheStats); 3: StepStarted;
 # 4: resumed requests (Submit.resume_tokens, token ids in Tokens chunks and Finished); Submit's tools, template
 # kwargs, constraint, logprobs, seed, penalties, prompt_ids; typed chunk extras; 5: Tokenize/Tokenized,
-# Submit.reasoning_budget; 6: Embed/Embedded (embedding models)
+# Submit.reasoning_budget; 6: Embed/Embedded (embedding models); 7: Rerank/Reranked, Embed.input_type and
+# Embed.instruction, Finished.drafted_tokens and accepted_tokens (speculative decoding),
+# Submit.cache_mark and Finished.cache_written (prompt-cache breakpoints and usage)
 
 # Machine codes carried by Failed and surfaced to HTTP clients as the error "code".
 MODEL_EVICTED = "model_evicted"
@@ -26,6 +28,8 @@ CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 INVALID_REQUEST = "invalid_request"
 ABORTED = "aborted"
 INTERNAL_ERROR = "internal_error"
+
+INPUT_TYPES = ("query", "document")  # Embed.input_type: which of the model's prompts prefixes a text input
 
 EVICT_MODES = ("drain", "now")
 CACHE_TIERS = ("hot", "ssd")  # ClearCache.which: the in-memory prefix cache or the on-disk one
@@ -76,6 +80,13 @@ class Submit(Message):
     `template_kwargs["reasoning_effort"]` maps to (worker/mlx_engine/budget.py), or none.
     `template_kwargs["continue_final_message"]`: the last message is the assistant's, to be continued (a
     prefill), not a finished turn.
+
+    `cache_mark`: [[n, ttl_s], ...], Anthropic's `cache_control` breakpoints: the prompt's prefix through its first n
+    `messages` (the tools with them) is kept ahead of other prefixes in the hot cache for ttl_s seconds.
+
+    `images`: for a vision model, each image as [media_type ("image/png", "image/jpeg", ...), its encoded bytes
+    (msgpack bin)], in the order of the `{"type": "image"}` parts of `messages`' contents (the gateway has turned
+    every API's image block into such a part and checked the bytes); empty for a text request.
     """
 
     KIND: ClassVar[str] = "submit"
@@ -101,6 +112,8 @@ class Submit(Message):
     logit_bias: list | None = None
     resume_tokens: list = field(default_factory=list)
     reasoning_budget: int | None = None
+    images: list = field(default_factory=list)  # [[media_type, bytes], ...]: a vision model's images (docs/vision.md)
+    cache_mark: list = field(default_factory=list)  # [[messages, ttl_s], ...]: prefixes to keep cached a while
 
 
 @dataclass(slots=True)
@@ -123,13 +136,32 @@ class Embed(Message):
     """To an embedding model's worker: one vector per input, answered by Embedded(rid). Each input is a text
     (tokenized with the model's special tokens) or a list of token ids (used as given). `truncate`: None
     refuses an input longer than the model's window; 0 cuts it to the window; n > 0 to its first n tokens.
-    `dimensions`: keep the first n components and normalise again (None: all)."""
+    `dimensions`: keep the first n components and normalise again (None: all). `input_type` ("query",
+    "document" or None) prefixes each text input with the model's prompt of that name (its sentence-transformers
+    `prompts`), `instruction` a query with this task instead (in the model's own instruction format); token ids
+    are never prefixed."""
 
     KIND: ClassVar[str] = "embed"
     rid: str
     inputs: list
     truncate: int | None = None
     dimensions: int | None = None
+    input_type: str | None = None
+    instruction: str | None = None
+
+
+@dataclass(slots=True)
+class Rerank(Message):
+    """To a reranker's worker: a relevance score of each document for the query, answered by Reranked(rid).
+    `instruction`: the task the model's prompt names (None: its default). `truncate`: each query-document pair
+    is cut to the window (None or 0) or to its first n > 0 tokens; the document is cut, never the query."""
+
+    KIND: ClassVar[str] = "rerank"
+    rid: str
+    query: str
+    documents: list
+    instruction: str | None = None
+    truncate: int | None = None
 
 
 @dataclass(slots=True)
@@ -223,6 +255,9 @@ class Finished(Message):
     cached_tokens: int = 0
     token_ids: list = field(default_factory=list)  # generated since the request's last Tokens chunk
     extra: dict | None = None  # the last deltas' typed extras, as in a Tokens chunk; "stop_sequence": the stop hit
+    drafted_tokens: int = 0  # speculative decoding: tokens drafted and verified, and how many of them were kept
+    accepted_tokens: int = 0
+    cache_written: int = 0  # prompt tokens not read from the caches that the worker keeps in them for later requests
 
 
 @dataclass(slots=True)
@@ -325,6 +360,19 @@ class Embedded(Message):
 
 
 @dataclass(slots=True)
+class Reranked(Message):
+    """The answer to Rerank: a score per document, in the documents' order (higher is more relevant), and the
+    tokens the pairs took; or why not (`code`, `message`: as Failed's, no scores)."""
+
+    KIND: ClassVar[str] = "reranked"
+    rid: str
+    scores: list = field(default_factory=list)
+    tokens: int = 0
+    code: str | None = None
+    message: str = ""
+
+
+@dataclass(slots=True)
 class Bye(Message):
     """The last message of a worker that exits in order; phases maps phase -> seconds."""
 
@@ -344,6 +392,7 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     ClearCache,
     Tokenize,
     Embed,
+    Rerank,
     Standby,
     Ready,
     Progress,
@@ -356,5 +405,6 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     CacheCleared,
     Tokenized,
     Embedded,
+    Reranked,
     Bye,
 )

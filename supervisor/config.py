@@ -116,6 +116,13 @@ class Settings:
     # context, and the API says the context ended it); a field the API does not know is a 400 (else ignored, logged)
     strict_context: bool = False
     strict_fields: bool = False
+    # images (a vision model's requests; supervisor/gateway/images.py): checked before any worker sees them;
+    # image URLs are fetched by the daemon only with image_fetch (it reaches what the daemon reaches)
+    image_max_bytes: int = 20 * 2**20
+    image_max_pixels: int = 50_000_000
+    image_max_count: int = 8  # per request
+    image_fetch: bool = False
+    image_fetch_timeout_s: float = 10.0
 
     def security_warning(self) -> str | None:
         """What is wrong with listening where this daemon listens without a key; None: nothing."""
@@ -167,6 +174,8 @@ _SERVER_KEYS: dict[str, type | tuple[type, ...]] = {
     "max_resumes": int, "resume_timeout_s": (int, float),
     "model_aliases": dict, "default_model": str, "response_store_count": int, "response_store_bytes": int,
     "insecure_no_key": bool, "strict_context": bool, "strict_fields": bool,
+    "image_max_bytes": int, "image_max_pixels": int, "image_max_count": int, "image_fetch": bool,
+    "image_fetch_timeout_s": (int, float),
 }
 _MEMORY_KEYS = {
     "ceiling": "memory_ceiling_bytes", "reserve": "memory_reserve_bytes", "worker_overhead": "worker_overhead_bytes",

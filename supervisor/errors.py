@@ -106,6 +106,12 @@ class ModelEvicted(MlxsupError):
     code = MODEL_EVICTED
 
 
+class ModelDownloading(MlxsupError):
+    status = 503
+    type = "server_error"
+    code = "model_downloading"
+
+
 class ShuttingDown(MlxsupError):
     status = 503
     type = "server_error"
@@ -116,6 +122,12 @@ class InsufficientMemory(MlxsupError):
     status = 507
     type = "server_error"
     code = "insufficient_memory"
+
+
+class WorkerTimeout(MlxsupError):
+    status = 504
+    type = "server_error"
+    code = "timeout"
 
 
 class RequestAborted(MlxsupError):

@@ -4,22 +4,31 @@ A model directory is any directory holding `config.json` and at least one `*.saf
 its id is the directory's name. A `--model-dir` is a folder of such directories, or one itself.
 The Hugging Face cache is searched too (ids `org/name`). Config entries (`[models.ID]` with
 `path`, `aliases`, and per-model worker and cache options) override discovered ones of the same
-id. Aliases resolve to ids. A name that resolves to nothing makes the registry look at its
-folders again (at most once per RESCAN_S), so a model put there later is served without a
-restart; models are only ever added, never dropped, while the daemon runs. Each model's kind (chat or embedding)
-is read from its files (protocol/modelkind.py), as its worker reads it to choose its engine.
+id. A model is reachable by its id, its aliases, and its short name (`NAME` of `ORG/NAME`) where no
+other model has that name. A name that resolves to nothing makes the registry look at its folders
+again (at most once per RESCAN_S), so a model put there later is served without a restart; models are
+only ever added while the daemon runs, never dropped, but one whose folder is gone (`mlxsup rm`) is not
+found until it is there again. A repo the cache holds under a pull mark (hub/store.py: a pull under way
+or cut) is not discovered, and a request for it is a 503 (downloading) or a 404 that says to pull it
+again. A weights index naming a shard that is not there makes no model. Each model's kind (chat or
+embedding) is read from its files (protocol/modelkind.py), as its worker reads it to choose its engine.
 """
 
 from __future__ import annotations
 
+import glob
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from protocol.modelkind import CHAT, model_kind
 from supervisor.cache_config import CacheConfig, parse_cache
-from supervisor.errors import ModelNotFound
+from supervisor.draft_config import KEYS as DRAFT_KEYS
+from supervisor.draft_config import speculative_args
+from supervisor.errors import ModelDownloading, ModelNotFound
 from supervisor.group import GroupSpec, parse_group
+from supervisor.hub import store
 from supervisor.units import is_number
 
 RESCAN_S = 2.0
@@ -40,7 +49,19 @@ class ModelSpec:
 
 
 def is_model_dir(path: Path) -> bool:
-    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors")) and _shards_present(path)
+
+
+def _shards_present(path: Path) -> bool:
+    """Every file the weights' index names is there (a half-copied folder of several shards is no model yet)."""
+    index = path / "model.safetensors.index.json"
+    if not index.is_file():
+        return True
+    try:
+        shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+    except (OSError, ValueError, AttributeError):
+        return False
+    return all(isinstance(s, str) and (path / s).is_file() for s in shards)
 
 
 def weights_bytes(path: Path) -> int:
@@ -70,6 +91,8 @@ def discover_hf(hub: Path) -> list[ModelSpec]:
         return []
     found = []
     for repo in sorted(hub.glob("models--*")):
+        if (repo / store.MARK).exists():  # a pull under way or cut: not a model until it completes
+            continue
         snapshots = repo / "snapshots"
         ref = repo / "refs" / "main"
         snapshot = snapshots / ref.read_text().strip() if ref.is_file() else None
@@ -93,7 +116,7 @@ def from_config(models: dict, base: Path) -> list[ModelSpec]:
         path = (base / path).resolve() if not path.is_absolute() else path
         if not is_model_dir(path):
             raise ValueError(f"models.{model_id}.path: {path} holds no config.json and *.safetensors")
-        unknown = set(entry) - {"path", "aliases", "worker_args", "ttl_s", "pinned", "cache", "group"}
+        unknown = set(entry) - {"path", "aliases", "worker_args", "ttl_s", "pinned", "cache", "group", *DRAFT_KEYS}
         if unknown:
             raise ValueError(f"models.{model_id}.{sorted(unknown)[0]}: unknown key")
         aliases = entry.get("aliases", [])
@@ -108,7 +131,8 @@ def from_config(models: dict, base: Path) -> list[ModelSpec]:
             raise ValueError(f"models.{model_id}.pinned: must be true or false")
         cache = parse_cache(entry.get("cache", {}), f"models.{model_id}.cache", base)
         group = parse_group(entry["group"], f"models.{model_id}.group") if "group" in entry else None
-        specs.append(ModelSpec(model_id, path, tuple(aliases), tuple(args), weights_bytes(path),
+        drafting, draft_bytes = speculative_args(entry, f"models.{model_id}", base)  # before worker_args: they win
+        specs.append(ModelSpec(model_id, path, tuple(aliases), (*drafting, *args), weights_bytes(path) + draft_bytes,
                                None if ttl is None else float(ttl), pinned, cache, group, model_kind(path)))
     return specs
 
@@ -147,22 +171,54 @@ class Registry:
     def can_grow(self) -> bool:
         return bool(self.watched())
 
-    def refresh(self) -> None:
-        """Add models that appeared in the watched folders since the last look (rate-limited)."""
-        if time.monotonic() - self._scanned_at < RESCAN_S:
+    def refresh(self, force: bool = False) -> None:
+        """Add models that appeared in the watched folders since the last look (rate-limited unless forced)."""
+        if not force and time.monotonic() - self._scanned_at < RESCAN_S:
             return
         for spec in self._scan():
-            self.specs.setdefault(spec.id, spec)
+            known = self.specs.get(spec.id)
+            if known is None or not known.path.is_dir():  # new, or removed and pulled again
+                self.specs[spec.id] = spec
+
+    def _lookup(self, name: str) -> ModelSpec | None:
+        """By id, alias, or a short name no other model shares; None for a model whose folder is gone."""
+        spec = self.specs.get(self.aliases.get(name, name))
+        if spec is None and "/" not in name:
+            named = [s for s in self.specs.values() if s.id.rpartition("/")[2] == name]
+            spec = named[0] if len(named) == 1 else None
+        return spec if spec is None or spec.path.is_dir() else None
+
+    def _just_pulled(self, name: str) -> bool:
+        """A cache entry of that name (repo id or short name) with no pull mark is there: a pull has just
+        completed, so the registry looks now, not RESCAN_S later."""
+        if self.hf_cache is None:
+            return False
+        pattern = f"models--{name.replace('/', '--')}" if "/" in name else f"models--*--{glob.escape(name)}"
+        return any(f.is_dir() and not (f / store.MARK).exists() for f in self.hf_cache.glob(glob.escape(pattern)
+                   if "/" in name else pattern))
 
     def resolve(self, name: str) -> ModelSpec:
-        spec = self.specs.get(self.aliases.get(name, name))
+        spec = self._lookup(name)
         if spec is None:
-            self.refresh()
-            spec = self.specs.get(self.aliases.get(name, name))
+            self.refresh(force=self._just_pulled(name))
+            spec = self._lookup(name)
         if spec is None:
+            for mark in store.marks(self.hf_cache).values():
+                if name in (mark.repo_id, mark.repo_id.rpartition("/")[2]):
+                    err: ModelNotFound | ModelDownloading = ModelDownloading(mark.message(), param="model") \
+                        if mark.state == store.DOWNLOADING else ModelNotFound(mark.message(), param="model")
+                    raise err
+            same = sorted(s.id for s in self.specs.values() if s.id.rpartition("/")[2] == name)
+            if len(same) > 1:
+                raise ModelNotFound(f"The model name '{name}' is ambiguous: say which of {', '.join(same)}.",
+                                    param="model")
             available = ", ".join(sorted(self.specs)) or "none"
             raise ModelNotFound(f"The model '{name}' does not exist. Available models: {available}.", param="model")
         return spec
 
     def ids(self) -> list[str]:
         return sorted(self.specs)
+
+    def on_disk(self) -> list[ModelSpec]:
+        """The models whose folders are there now, by id."""
+        return [self.specs[m] for m in sorted(self.specs) if self.specs[m].path.is_dir()]

@@ -41,6 +41,7 @@ from protocol.messages import (
     Message,
     Progress,
     Ready,
+    Reranked,
     StepStarted,
     Submit,
     Tokenized,
@@ -205,7 +206,8 @@ class Router(Generic[MetricsT]):
         it answers fails the pending reply, and the model is looked at again. None is returned in
         the turn that found no worker, so a caller that acts on it before its next await acts
         while none can start. Raises WorkerDied if the worker is unreachable, TimeoutError
-        after `timeout_s` (on the router's clock).
+        after `timeout_s` (on the router's clock). A question left unanswered (timed out, or the caller cancelled:
+        its client gone) is withdrawn with an Abort, so the worker stops computing what nobody will read.
         """
         while True:
             worker = self.lifecycle.workers.get(model_id)
@@ -236,6 +238,10 @@ class Router(Generic[MetricsT]):
                 return await self._reply_within(reply, timeout_s)
             except errors.MlxsupError:
                 continue  # it exited before it answered (its exit failed the reply): look again
+            except BaseException:  # no reply in time, or the asker gone (cancelled): the worker drops the work
+                if not reply.done():
+                    self.transport.send(worker.identity, Abort(rid))
+                raise
             finally:
                 worker.replies.pop(rid, None)
 
@@ -295,7 +301,7 @@ class Router(Generic[MetricsT]):
         if stream is not None:
             stream.fail(errors.from_worker(msg.code, msg.message))
 
-    def _on_reply(self, worker: Worker, msg: CacheCleared | Tokenized | Embedded) -> None:
+    def _on_reply(self, worker: Worker, msg: CacheCleared | Tokenized | Embedded | Reranked) -> None:
         """A reply (a kind that carries its request's rid, mapped here in HANDLERS): resolves its `ask`."""
         pending = worker.replies.pop(msg.rid, None)
         if pending is not None and not pending.done():
@@ -334,6 +340,7 @@ class Router(Generic[MetricsT]):
         CacheCleared.KIND: _on_reply,
         Tokenized.KIND: _on_reply,
         Embedded.KIND: _on_reply,
+        Reranked.KIND: _on_reply,
         Bye.KIND: _on_bye,
     }
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from protocol.messages import DUMP_STACKS_SIGNAL, EXIT_CRASHED, EXIT_LOAD_FAILED, EXIT_OK
-from protocol.modelkind import EMBEDDING, model_kind
+from protocol.modelkind import EMBEDDING, RERANK, VISION, model_kind
 from worker.faults import FAULTS, Faults
 from worker.shutdown import Shutdown, install_signal_handlers, leave, watch_lifeline
 
@@ -60,6 +60,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         " auto: routed on CUDA only")
     p.add_argument("--strict-context", action="store_true",
                    help="refuse a request whose prompt + max_tokens passes the context (default: clamp max_tokens)")
+    p.add_argument("--speculative", choices=("off", "prompt-lookup", "draft"), default=None,
+                   help="a request alone drafts tokens and verifies them in one pass (worker/mlx_engine/speculative.py):"
+                        " from its own prompt and output (prompt-lookup), or with --draft's model; default: draft"
+                        " with --draft, else off")
+    p.add_argument("--draft", type=Path, default=None, help="the draft model's folder (the same tokenizer)")
+    p.add_argument("--num-draft-tokens", type=int, default=4, help="the most tokens drafted per verification")
     p.add_argument("--lifeline", action="store_true", help="exit when stdin reaches EOF")
     p.add_argument("--hot-cache-bytes", type=int, default=0, help="hot prefix cache budget (0: off)")
     p.add_argument("--ssd-cache-root", type=Path, default=None,
@@ -88,6 +94,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not args.spare and (args.model_path is None or args.model_id is None):
         p.error("--model-path and --model-id are required (or --spare)")
+    if args.speculative is None:
+        args.speculative = "draft" if args.draft is not None else "off"
+    if (args.speculative == "draft" and args.draft is None) or args.num_draft_tokens < 1:
+        p.error("--speculative draft needs --draft, and --num-draft-tokens is at least 1")
     return args
 
 
@@ -156,6 +166,13 @@ def name_process(model_id: str | None, argv: list[str]) -> None:
     setproctitle(f"mlxsup-worker {model_id or '(spare)'}: python -m worker {' '.join(argv)}")
 
 
+def vision_installed() -> bool:
+    """mlx-vlm is there (the `vision` extra): without it a vision model's folder is served as text, by mlx-lm."""
+    import importlib.util
+
+    return importlib.util.find_spec("mlx_vlm") is not None
+
+
 def stand_by(sock: zmq.Socket, shutdown: Shutdown, log: logging.Logger) -> list[str] | None:
     """As a spare: import everything, report Standby, and wait for a Load (None: told to go)."""
     import zmq
@@ -204,13 +221,20 @@ def serve_model(args: argparse.Namespace, sock: zmq.Socket, shutdown: Shutdown, 
                              args.cache_block_tokens, args.cache_close_s, faults, args.cache_kv_bits,
                              args.cache_snapshot_every)
         engine: EngineApi
-        if model_kind(args.model_path) == EMBEDDING:  # an encoder: its own engine, no generation batch
-            from worker.mlx_engine.embedder import EmbeddingEngine
+        if model_kind(args.model_path) in (EMBEDDING, RERANK):  # its own engine: a queue, no generation batch
+            from worker.mlx_engine.embedder import load_engine
 
             if args.group_rank is not None:
-                raise ValueError("an embedding model is served by one worker, not a group")
+                raise ValueError("an embedding or rerank model is served by one worker, not a group")
+            engine = load_engine(args.model_path, report)
+        elif model_kind(args.model_path) == VISION and args.group_rank is None and vision_installed():
+            from worker.mlx_engine.vision import vision_engine  # mlx-vlm's classes under the batch engine
 
-            engine = EmbeddingEngine(args.model_path, report)
+            engine = vision_engine(args.model_path, report, max_batch_size=args.max_batch_size, cache=cache,
+                                   prefill_step_size=args.prefill_step_size, model_id=args.model_id,
+                                   step_target_s=args.step_target_s, warm=args.warm_batch_shapes,
+                                   warm_budget_s=args.warm_budget_s, attention=args.attention,
+                                   strict_context=args.strict_context)
         elif args.group_rank is not None:  # rank 0 of a group: its engine shares each step's schedule
             from worker.group_main import leader_engine
 
@@ -220,7 +244,9 @@ def serve_model(args: argparse.Namespace, sock: zmq.Socket, shutdown: Shutdown, 
                             prefill_step_size=args.prefill_step_size, report=report, cache=cache,
                             model_id=args.model_id, step_target_s=args.step_target_s,
                             warm=args.warm_batch_shapes, warm_budget_s=args.warm_budget_s, solo=args.solo,
-                            attention=args.attention, strict_context=args.strict_context)
+                            attention=args.attention, strict_context=args.strict_context,
+                            speculative=args.speculative, num_draft_tokens=args.num_draft_tokens,
+                            draft=args.draft if args.speculative == "draft" else None)
     except Exception as exc:
         log.error("[load] model=%s path=%s failed: %s", args.model_id, args.model_path, exc)
         return EXIT_LOAD_FAILED

@@ -18,17 +18,18 @@ What an engine promises the loop:
 - `warm_step` runs only while nothing waits in the inbox, and never delays more than one step;
 - `close_caches` and `settle` run once, at the end, after the last request has left.
 
-An embedding model's engine (worker/mlx_engine/embedder.py) is an EngineApi whose batch stays empty (it refuses
-every Submit and Tokenize) and an EmbedderApi too; a chat engine is never an EmbedderApi, so the loop answers
-an Embed sent to it with a refusal.
+An embedding or rerank model's engine (worker/embedding_engine.py) is an EngineApi whose generation batch stays
+empty (it refuses every Submit and Tokenize; `len` counts its queued requests) and an EmbedderApi too; a chat
+engine is never an EmbedderApi, so the loop answers an Embed or a Rerank sent to it with a refusal. Its
+`fail_all` answers with Embedded or Reranked (a code, no rows), which is why `fail_all` returns messages.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-from protocol.messages import CacheStats, Embed, Failed, Finished, Submit
+from protocol.messages import CacheStats, Embed, Embedded, Failed, Finished, Message, Rerank, Reranked, Submit
 from worker.step_cost import StepPlan
 
 
@@ -95,8 +96,8 @@ class EngineApi(Protocol):
         """Run the planned step: text chunks [[rid, text, n_tokens], ...] and the requests that ended."""
         ...
 
-    def fail_all(self, code: str, message: str) -> list[Failed]:
-        """Remove every request in flight; the Failed each of their clients is owed."""
+    def fail_all(self, code: str, message: str) -> Sequence[Message]:
+        """Remove every request in flight; the Failed (an embedder: Embedded, Reranked) each client is owed."""
         ...
 
     def warm_step(self) -> bool:
@@ -112,9 +113,18 @@ class EngineApi(Protocol):
 
 @runtime_checkable
 class EmbedderApi(Protocol):
-    """An engine that embeds: the loop calls `embed` for an Embed, between its turns."""
+    """An engine that embeds or reranks: requests queue (`enqueue`), and the loop runs `embed_step`, one batch
+    across every pending request, once per turn while any is pending, so Abort and Evict are read between
+    batches and the heartbeat comes between them."""
 
-    def embed(self, msg: Embed, between: Callable[[], None]) -> tuple[list[list[float]], int]:
-        """One vector per input in order, and the tokens they took; RequestRejected for a bad input.
-        `between` runs after each batch (the loop's heartbeat), so a long request shows the loop alive."""
+    def enqueue(self, msg: Embed | Rerank) -> None:
+        """Check, tokenize and queue a request; RequestRejected for a bad one (nothing is queued)."""
+        ...
+
+    def embed_step(self) -> list[Embedded | Reranked]:
+        """One batch; the replies of the requests it completed (or failed: a code and no rows)."""
+        ...
+
+    def withdraw(self, rid: str, code: str, message: str) -> Embedded | Reranked | None:
+        """Remove a pending request; the reply (with `code`) its client is owed, None when it is not pending."""
         ...

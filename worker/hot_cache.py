@@ -10,12 +10,17 @@ The blocks are also known by their parent (`_children`), so that a prompt which 
 of its next block with a cached one can pick up that part (`best_child`): requests that share
 a chat template's system prefix, shorter than a block, share its K/V.
 
+A prefix can be pinned for a while (`pin`: an Anthropic `cache_control` breakpoint and its ttl): eviction
+passes over its blocks, which go back to the recent end, as long as unpinned blocks are left to take; pins
+are by key, so a block pinned before it is held is kept once it is put. Past its deadline a pin is gone.
+
 Invariants: `nbytes` is the sum of the held blocks' `nbytes` and never exceeds `budget` once
 a call returns; a budget of 0 turns the cache off. Main thread only (blocks are MLX arrays).
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
@@ -28,6 +33,7 @@ class HotCache:
         self.budget = max(0, budget_bytes)
         self._blocks: OrderedDict[bytes, Block] = OrderedDict()
         self._children: dict[bytes, set[bytes]] = {}  # parent key -> keys of the held blocks under it
+        self._pins: dict[bytes, float] = {}  # key -> time.monotonic() deadline of its pin
         self.nbytes = 0
         self.hits = 0
         self.misses = 0
@@ -79,6 +85,16 @@ class HotCache:
             if key in self._blocks:
                 self._blocks.move_to_end(key)
 
+    def pin(self, keys: list[bytes], ttl_s: float) -> None:
+        """Keep these blocks ahead of unpinned ones for `ttl_s` seconds from now (a later pin only extends)."""
+        now = time.monotonic()
+        self._pins = {k: t for k, t in self._pins.items() if t > now}  # the expired go: the dict stays small
+        for key in keys:
+            self._pins[key] = max(self._pins.get(key, 0.0), now + ttl_s)
+
+    def pinned(self, key: bytes) -> bool:
+        return self._pins.get(key, 0.0) > time.monotonic()
+
     def room_for(self, block_bytes: int) -> int:
         """How many blocks of `block_bytes` the whole budget holds."""
         return self.budget // block_bytes if block_bytes > 0 else 0
@@ -98,8 +114,14 @@ class HotCache:
                 self._blocks[block.key] = block
                 self._children.setdefault(block.parent, set()).add(block.key)
         self.touch([b.key for b in blocks])
+        passed = 0  # pinned blocks sent back to the recent end; once all were, the oldest goes anyway
         while self.nbytes > self.budget and self._blocks:
-            _, old = self._blocks.popitem(last=False)
+            key = next(iter(self._blocks))
+            if passed < len(self._blocks) and self.pinned(key):
+                self._blocks.move_to_end(key)
+                passed += 1
+                continue
+            old = self._blocks.pop(key)
             self.nbytes -= old.nbytes
             siblings = self._children.get(old.parent)
             if siblings is not None:
@@ -112,5 +134,6 @@ class HotCache:
         released = (len(self._blocks), self.nbytes)
         self._blocks.clear()
         self._children.clear()
+        self._pins.clear()
         self.nbytes = 0
         return released

@@ -21,10 +21,12 @@ Messages are handled by a table from kind to `_on_<kind>`. The loop knows the en
 worker/engine_api.py's EngineApi and the link only as worker/channel.py's Channel, and imports
 no MLX: tests/unit/test_worker_loop.py drives it with fakes. Invariants: every Submit is
 answered (admitted, or Failed with a code); every Tokenize by Tokenized (a count, or why not),
-with no step; every Embed by Embedded (vectors from an embedding engine, heartbeats between its
-batches; a refusal from any other engine); a step that raises fails its batch and ends the worker;
-any other unexpected exception fails every request in flight (worker_crashed) while the channel
-still works, then ends the worker.
+with no step; every Embed by Embedded and every Rerank by Reranked: queued by an embedding engine
+(worker/embedding_engine.py), which answers it from one of its batches, each turn's step being one
+batch across every pending request (so an Abort, answered with its code, or an Evict is read between
+batches and heartbeats come between them); a refusal at once from any other engine or while exiting;
+a step that raises fails its batch and ends the worker; any other unexpected exception fails every
+request in flight (worker_crashed) while the channel still works, then ends the worker.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from typing import Any
 
 from protocol.codec import ProtocolError, VersionMismatch, decode, encode
 from protocol.messages import (
+    ABORTED,
     CACHE_TIERS,
     INTERNAL_ERROR,
     INVALID_REQUEST,
@@ -52,6 +55,8 @@ from protocol.messages import (
     Heartbeat,
     Message,
     Ready,
+    Rerank,
+    Reranked,
     StepStarted,
     Submit,
     Tokenize,
@@ -81,6 +86,7 @@ class WorkerLoop:
                  memory: Callable[[], int] = process_memory_bytes) -> None:
         self.channel = channel
         self.engine = engine
+        self.embedder = engine if isinstance(engine, EmbedderApi) else None  # asked once: the step path is hot
         self.model_id = model_id
         self.shutdown = shutdown
         self.heartbeat_s = heartbeat_s
@@ -99,6 +105,7 @@ class WorkerLoop:
             ClearCache.KIND: self._on_clear_cache,
             Tokenize.KIND: self._on_tokenize,
             Embed.KIND: self._on_embed,
+            Rerank.KIND: self._on_embed,
             Evict.KIND: self._on_evict,
         }
 
@@ -133,8 +140,13 @@ class WorkerLoop:
 
     def fail_in_flight(self, exc: BaseException) -> None:
         """An unexpected error ends the worker: tell every request's client, best effort."""
+        message = f"the worker crashed: {type(exc).__name__}: {exc}"
+        if self.embedder is not None:  # its queue is plain data: each asker gets its own kind of answer
+            for reply in self.embedder.fail_all(WORKER_CRASHED, message):
+                self.send(reply)
+            return
         for rid in self.engine.rids:
-            self.send(Failed(rid, WORKER_CRASHED, f"the worker crashed: {type(exc).__name__}: {exc}"))
+            self.send(Failed(rid, WORKER_CRASHED, message))
 
     def _handle_shutdown(self) -> bool:
         return self.shutdown.keep_running(self.engine, self.send)
@@ -209,27 +221,31 @@ class WorkerLoop:
             return
         self.send(Tokenized(msg.rid, len(ids), ids if msg.ids else []))
 
-    def _on_embed(self, msg: Embed) -> None:
-        """Embed between turns (an embedder has no generation batch to hold up), heartbeats between its batches."""
-        if not isinstance(self.engine, EmbedderApi):
-            self.send(Embedded(msg.rid, code=INVALID_REQUEST, message=f"'{self.model_id}' is a chat model: it does "
-                                                                      "not serve embeddings"))
+    def _on_embed(self, msg: Embed | Rerank) -> None:
+        """Queue an Embed or a Rerank for the embedding engine's batches; refuse it at once where it cannot go."""
+        reply = Reranked if isinstance(msg, Rerank) else Embedded
+        if self.embedder is None:
+            serves = "rerank" if isinstance(msg, Rerank) else "embeddings"
+            self.send(reply(msg.rid, code=INVALID_REQUEST,
+                            message=f"'{self.model_id}' is a chat model: it does not serve {serves}"))
             return
         if not self.shutdown.admitting:
-            self.send(Embedded(msg.rid, code=MODEL_EVICTED, message="the model is being evicted"))
+            self.send(reply(msg.rid, code=MODEL_EVICTED, message="the model is being evicted"))
             return
         try:
-            vectors, tokens = self.engine.embed(msg, self._maybe_heartbeat)
+            self.embedder.enqueue(msg)
         except RequestRejected as exc:
-            self.send(Embedded(msg.rid, code=exc.code, message=str(exc)))
-            return
+            self.send(reply(msg.rid, code=exc.code, message=str(exc)))
         except Exception as exc:
             log.exception("[embed] rid=%s failed", msg.rid)
-            self.send(Embedded(msg.rid, code=INTERNAL_ERROR, message=f"the worker could not embed: {exc}"))
-            return
-        self.send(Embedded(msg.rid, vectors, tokens))
+            self.send(reply(msg.rid, code=INTERNAL_ERROR, message=f"the worker could not take the request: {exc}"))
 
     def _on_abort(self, msg: Abort) -> None:
+        if self.embedder is not None:  # a question's asker waits for its answer: it gets one, with a code
+            reply = self.embedder.withdraw(msg.rid, ABORTED, "the request was aborted")
+            if reply is not None:
+                self.send(reply)
+            return
         self.engine.abort(msg.rid)
 
     def _on_clear_cache(self, msg: ClearCache) -> None:
@@ -255,6 +271,9 @@ class WorkerLoop:
     def _step(self) -> None:
         if not len(self.engine):
             return
+        if self.embedder is not None:
+            self._embed_step(self.embedder)
+            return
         self.faults.before_step()  # testing: crash-in-loop raises here, outside the step's own handling
         try:
             plan = self.engine.plan_step()
@@ -275,6 +294,14 @@ class WorkerLoop:
         self.shutdown.note_finished(len(finished))
         if self._warming:  # once the idle work is over, the per-token path reads no clock for it
             self._busy_at = self.clock()
+
+    def _embed_step(self, embedder: EmbedderApi) -> None:
+        """One batch across the pending embeddings (their failures are answered by the engine, which goes on)."""
+        self.faults.before_step()  # testing: slow-steps (a batch that takes long), crash-in-loop (a crash mid-batch)
+        replies = embedder.embed_step()
+        for reply in replies:
+            self.send(reply)
+        self.shutdown.note_finished(len(replies))
 
     def _maybe_heartbeat(self) -> None:
         now = self.clock()

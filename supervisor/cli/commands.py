@@ -1,4 +1,5 @@
-"""The `mlxsup` command: serve | status | evict | load | logs | config show | make-model | import | service.
+"""The `mlxsup` command: serve | status | evict | load | logs | config show | make-model | import | service
+| pull | ls | rm (cli/models.py).
 
 Client commands talk to a running daemon over HTTP (URL from --url, MLXSUP_URL, or the daemon
 file in the state directory). Every failure is a one-line message on stderr and a non-zero
@@ -26,6 +27,7 @@ from supervisor import __version__
 from supervisor.cli.client import Client, client_settings, connect
 from supervisor.cli.exits import EXIT_NO_DAEMON, EXIT_USAGE, CliError
 from supervisor.cli.importer import add_import_parser
+from supervisor.cli.models import add_model_parsers
 from supervisor.cli.service import add_service_parser
 from supervisor.cli.views import duration, evict_line, memory_line, size, status_table
 from supervisor.config import DEFAULT_PORT, ConfigError, Settings, parse_size, resolve
@@ -33,7 +35,9 @@ from supervisor.config_view import effective, to_toml
 from supervisor.reports import EvictReport, ModelStatus
 
 # `mlxsup make-model --arch`: the families worker/mlx_engine/make_model writes (the supervisor never imports the worker)
-MODEL_ARCHES = ["llama", "qwen3", "qwen3_moe", "gemma3", "gpt_oss", "qwen3_5"]
+MODEL_ARCHES = ["llama", "qwen3", "qwen3_moe", "gemma3", "gpt_oss", "qwen3_5",
+                "qwen3-embedding", "qwen3-reranker", "bert",
+                "xlm-roberta", "modernbert"]
 EVICT_PROGRESS_S = 0.5  # an evict that takes longer than this says what it is waiting for
 
 
@@ -353,6 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--seed", type=int, default=0, help="random seed of the weights (default 0)")
     m.set_defaults(func=cmd_make_model)
 
+    add_model_parsers(sub, client)
     add_import_parser(sub)
     add_service_parser(sub)
     return p

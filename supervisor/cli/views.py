@@ -73,13 +73,13 @@ def memory_line(status: dict[str, Any]) -> str:
 
 
 def status_table(status: dict[str, Any]) -> list[str]:
-    rows = [("MODEL", "STATE", "PID", "MEMORY", "SIZE", "CONTEXT", "IN-FLIGHT", "BATCH", "UNTIL", "HOT CACHE",
+    rows = [("MODEL", "KIND", "STATE", "PID", "MEMORY", "SIZE", "CONTEXT", "IN-FLIGHT", "BATCH", "UNTIL", "HOT CACHE",
              "SSD CACHE", "RESUMED", "LAST ERROR")]
     for m in map(ModelStatus.from_dict, status["models"]):
         cache = m.cache or {}
         in_flight = f"{m.in_flight} ({m.suspended} suspended)" if m.suspended else str(m.in_flight)
         resumed = f"{m.resumed} ({m.resume_failed} failed)" if m.resume_failed else str(m.resumed)
-        rows.append((m.id, m.state, str(m.pid or "-"), size(m.memory_bytes), size(m.weights_bytes or None),
+        rows.append((m.id, m.kind, m.state, str(m.pid or "-"), size(m.memory_bytes), size(m.weights_bytes or None),
                      str(m.context_length or "-"), in_flight, str(m.batch_size), until(m),
                      _cache(cache.get("hot"), False), _cache(cache.get("ssd"), True), resumed,
                      (m.last_error or "")[:60]))

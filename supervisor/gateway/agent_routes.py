@@ -10,7 +10,8 @@ never a cut stream; a stream waiting on a cold load or a slow step gets the API'
 comment) every `sse_keepalive_s`.
 
 Model names: the agents ask for their vendors' names (claude-sonnet-..., gpt-5-codex); a name no
-model has is mapped by `model_aliases` (glob patterns, first match) and then `default_model`.
+model has is mapped by `model_aliases` (glob patterns, first match) and then `default_model`; with neither
+configured, to the one chat model loaded (or the only one there is): `only_chat_model`.
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from protocol.messages import Finished, Submit, Tokenize, Tokenized
+from protocol.modelkind import CHAT
 from supervisor import errors
 from supervisor.config import Settings
 from supervisor.gateway.anthropic_api import anthropic_error_body, parse_messages
 from supervisor.gateway.anthropic_shape import MessageShaper
 from supervisor.gateway.call import Calls
 from supervisor.gateway.http import read_json, sse_event
+from supervisor.gateway.images import ImageLimits, attach
 from supervisor.gateway.openai_api import Parsed
 from supervisor.gateway.response_store import ResponseStore
 from supervisor.gateway.responses_api import parse_responses
@@ -100,7 +103,17 @@ class AgentRoutes:
                     return target
             if self.settings.default_model:
                 return self.settings.default_model
+            if not self.settings.model_aliases and (only := self.only_chat_model()) is not None:
+                return only
             raise
+
+    def only_chat_model(self) -> str | None:
+        """With neither `model_aliases` nor `default_model` configured, an agent's name for a model (Claude Code's
+        side requests name claude-haiku-*) goes to the one chat model loaded, or, none loaded, to the one there
+        is: never a second worker for it, and never a guess between several."""
+        loaded = {w.spec.id for w in self.router.workers.values() if w.spec.kind == CHAT}
+        there = loaded or {s.id for s in self.router.registry.specs.values() if s.kind == CHAT}
+        return next(iter(there)) if len(there) == 1 else None
 
     # --- Anthropic ---------------------------------------------------------------------------
 
@@ -110,6 +123,7 @@ class AgentRoutes:
     async def _messages(self, request: Request) -> Response:
         parsed = parse_messages(await read_json(request, self.settings.max_body_bytes))
         requested, parsed.model = parsed.model, self.local_model(parsed.model)
+        await attach(parsed, self.router.registry, ImageLimits.of(self.settings))
         return await self.serve(request, parsed, anthropic_writer(parsed, requested))
 
     async def count_tokens(self, request: Request) -> Response:
@@ -120,6 +134,7 @@ class AgentRoutes:
         encode them; nothing is generated and the batch is not touched (the worker answers a Tokenize)."""
         parsed = parse_messages(await read_json(request, self.settings.max_body_bytes), counting=True)
         parsed.model = self.local_model(parsed.model)
+        await attach(parsed, self.router.registry, ImageLimits.of(self.settings))  # checked; not counted yet
         return JSONResponse({"input_tokens": await self.count_prompt(parsed.model, parsed.submit)})
 
     async def count_prompt(self, model: str, submit: Submit) -> int:
@@ -145,6 +160,7 @@ class AgentRoutes:
                                  self.settings.strict_fields)
         parsed = wanted.parsed
         requested, parsed.model = parsed.model, self.local_model(parsed.model)
+        await attach(parsed, self.router.registry, ImageLimits.of(self.settings))
         shaper = ResponseShaper(parsed.submit.rid, requested, wanted.echo)
         writer = AgentWriter(shaper, RESPONSES_PING, shaper.failed)
 

@@ -10,14 +10,17 @@ continues its text (and the response holds only the continuation); an empty one 
 So a Messages request differs from a chat one only in shape.
 
 Tolerant where Anthropic's own API is, because Claude Code and the SDKs evolve faster than this
-server: top-level fields it has no use for (`metadata`, `cache_control`, `service_tier`, betas' new
-fields) are ignored; a `system` message inside `messages` is folded into the system prompt; a content
+server: top-level fields it has no use for (`metadata`, `service_tier`, betas' new fields) are ignored; a `system` message inside `messages` is folded into the system prompt; a content
 block of a type it does not know is skipped with a logged warning. What matters is still refused with
 Anthropic's error body (`anthropic_error_body`): a missing `max_tokens`, a bad role, a `tool_result`
-whose `tool_use` no earlier assistant turn made, an image (no vision yet), a `metadata` that is not
+whose `tool_use` no earlier assistant turn made, a document block, a `metadata` that is not
 an object with an optional string `user_id`, an empty stop sequence, and a tool name (of a tool or a
 `tool_use` block) outside Anthropic's `^[a-zA-Z0-9_-]{1,128}$`: names reach the chat template
-unescaped, so that rule is what keeps template markup out of them.
+unescaped, so that rule is what keeps template markup out of them. An `image` block (in a user turn or a
+tool_result) becomes an image part (images.py), checked once the model is known.
+`cache_control` breakpoints (on tools, system blocks, message content blocks, or top-level for the whole
+prompt) become Submit.cache_mark: the prefix through each is kept ahead of others in the worker's hot cache for
+its `ttl` ("5m" or "1h"); any other `type` or `ttl` is refused, as Anthropic refuses it.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from typing import Any
 
 from protocol.messages import Submit
 from supervisor.errors import MlxsupError
+from supervisor.gateway.images import base64_source, image_part, url_source
+from supervisor.gateway.images import content as content_of
 from supervisor.gateway.openai_api import MAX_STOP_LEN, MAX_TOKENS_LIMIT, Parsed, new_id, valid_name
 from supervisor.gateway.tools import ToolDialect, parse_tools
 from supervisor.units import is_number
@@ -37,8 +42,9 @@ log = logging.getLogger(__name__)
 
 MAX_STOP_SEQUENCES = 16
 TOOL_CHOICES = ("auto", "any", "tool", "none")
-MEDIA_BLOCKS = ("image", "document", "search_result")
+MEDIA_BLOCKS = ("document", "search_result")
 IGNORED_BLOCKS = ("redacted_thinking",)
+CACHE_TTLS = {"5m": 300.0, "1h": 3600.0}  # cache_control.ttl, in seconds
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,128}")  # Anthropic's rule for tool names, by fullmatch
 EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}  # kept by Anthropic for its own models; nothing to give a local one
 
@@ -99,7 +105,10 @@ def _blocks(content: Any, where: str) -> list[dict]:
             raise _bad(f"{where}.{j}: a content block must be an object with a 'type'")
         kind = block["type"]
         if kind in MEDIA_BLOCKS:
-            raise _bad(f"{where}.{j}: '{kind}' blocks are not supported (this server has no vision yet)")
+            raise _bad(f"{where}.{j}: '{kind}' blocks are not supported (this server reads text and images)")
+        if kind == "image":
+            out.append(_image(block, f"{where}.{j}"))
+            continue
         if kind in IGNORED_BLOCKS:
             continue
         if kind not in ("text", "tool_use", "tool_result", "thinking"):
@@ -111,8 +120,28 @@ def _blocks(content: Any, where: str) -> list[dict]:
     return out
 
 
+def _image(block: dict, where: str) -> dict:
+    source = block.get("source")
+    source = source if isinstance(source, dict) else {}
+    kind = source.get("type")
+    if kind == "base64":
+        return image_part(base64_source(source.get("media_type"), source.get("data"), f"{where}.source"))
+    if kind == "url":
+        return image_part(url_source(source.get("url"), f"{where}.source.url"))
+    raise _bad(f"{where}.source: must be {{'type': 'base64', 'media_type', 'data'}} or {{'type': 'url', 'url'}}")
+
+
+def _parts(content: Any, where: str) -> list[dict]:
+    """Content's text and image parts, in order."""
+    return [b if b["type"] == "image" else {"type": "text", "text": b["text"]}
+            for b in _blocks(content, where) if b["type"] in ("text", "image")]
+
+
 def _text_of(content: Any, where: str) -> str:
-    return "".join(b["text"] for b in _blocks(content, where) if b["type"] == "text")
+    parts = _parts(content, where)
+    if any(p["type"] == "image" for p in parts):
+        raise _bad(f"{where}: an image belongs in a user turn or a tool_result")
+    return "".join(p["text"] for p in parts)
 
 
 def _tool_result(block: dict, where: str, known_calls: set[str]) -> dict:
@@ -121,10 +150,10 @@ def _tool_result(block: dict, where: str, known_calls: set[str]) -> dict:
         raise _bad(f"{where}: tool_result block(s) provided for tool_use id {call_id!r}, which no earlier "
                    "assistant turn's tool_use block has")
     content = block.get("content", "")
-    text = "" if content is None else _text_of(content, f"{where}.content")
+    parts = [] if content is None else _parts(content, f"{where}.content")
     if block.get("is_error"):
-        text = f"Error: {text}"
-    return {"role": "tool", "tool_call_id": call_id, "content": text}
+        parts.insert(0, {"type": "text", "text": "Error: "})
+    return {"role": "tool", "tool_call_id": call_id, "content": content_of(parts)}
 
 
 def _assistant(blocks: list[dict], where: str, known_calls: set[str]) -> dict:
@@ -154,17 +183,19 @@ def _assistant(blocks: list[dict], where: str, known_calls: set[str]) -> dict:
 
 
 def _user(blocks: list[dict], where: str, known_calls: set[str]) -> list[dict]:
-    """A user turn: its tool results as `tool` messages (in order), then its text as one user message."""
-    out, text = [], []
+    """A user turn: its tool results as `tool` messages (in order), then its text and images as one user message."""
+    out, parts = [], []
     for j, block in enumerate(blocks):
         if block["type"] == "tool_result":
             out.append(_tool_result(block, f"{where}.{j}", known_calls))
         elif block["type"] == "text":
-            text.append(block["text"])
+            parts.append({"type": "text", "text": block["text"]})
+        elif block["type"] == "image":
+            parts.append(block)
         else:
             raise _bad(f"{where}.{j}: a user turn cannot hold a '{block['type']}' block")
-    if text or not out:
-        out.append({"role": "user", "content": "".join(text)})
+    if parts or not out:
+        out.append({"role": "user", "content": content_of(parts)})
     return out
 
 
@@ -196,6 +227,38 @@ def _conversation(body: dict) -> list[dict]:
             out.extend(_user(blocks, f"{where}.content", known_calls))
     system_text = "\n\n".join(p for p in parts if p)
     return ([{"role": "system", "content": system_text}] if system_text else []) + out
+
+
+def _ttl(block: Any, where: str) -> float | None:
+    """The ttl in seconds of a block's `cache_control` breakpoint; None: it has none."""
+    control = block.get("cache_control") if isinstance(block, dict) else None
+    if control is None:
+        return None
+    if not isinstance(control, dict) or control.get("type") != "ephemeral" \
+            or control.get("ttl", "5m") not in CACHE_TTLS:
+        raise _bad(f"{where}cache_control: must be {{'type': 'ephemeral'}} with an optional ttl of '5m' or '1h'")
+    return CACHE_TTLS[control.get("ttl", "5m")]
+
+
+def _cache_marks(body: dict, messages: list[dict]) -> list[list]:
+    """The breakpoints as Submit.cache_mark: [[template messages through it, ttl_s], ...]. One on the tools or the
+    system prompt covers the system message; one in a message, the template messages made through that one."""
+    marks = []
+    head = 1 if messages and messages[0]["role"] == "system" else 0
+    for key in ("tools", "system"):
+        blocks = body.get(key)
+        for j, block in enumerate(blocks if isinstance(blocks, list) else []):
+            if (ttl := _ttl(block, f"{key}.{j}.")) is not None:
+                marks.append([head, ttl])
+    for i, m in enumerate(body["messages"]):
+        content = m.get("content")
+        ttls = [t for j, b in enumerate(content if isinstance(content, list) else [])
+                if (t := _ttl(b, f"messages.{i}.content.{j}.")) is not None]
+        if ttls:
+            marks.append([len(_conversation({**body, "messages": body["messages"][:i + 1]})), max(ttls)])
+    if (ttl := _ttl(body, "")) is not None:  # top-level: Anthropic puts it on the last block
+        marks.append([len(messages), ttl])
+    return marks
 
 
 TOOLS = ToolDialect(
@@ -345,5 +408,5 @@ def parse_messages(body: Any, counting: bool = False) -> Parsed:
                     tools=tools, constraint=None if counting else constraint, template_kwargs=kwargs,
                     temperature=1.0 if temperature is None else temperature, top_p=1.0 if top_p is None else top_p,
                     top_k=0 if top_k is None else _integer(top_k, "top_k", 0, MAX_TOKENS_LIMIT),
-                    reasoning_budget=budget)
+                    reasoning_budget=budget, cache_mark=_cache_marks(body, messages))
     return Parsed(model, submit, stream and not counting, False)

@@ -5,8 +5,12 @@ the chat API) become content blocks: `thinking`, `text`, `tool_use` (its input s
 `input_json_delta` pieces, an object in the whole message). One `MessageShaper` writes both the
 events and the whole message from the same transcript (transcript.py: a block is one of its parts,
 started before its deltas and stopped before the next starts; whitespace-only text opens none), so
-a stream and a whole response say the same. Invariant: `usage.input_tokens` counts the prompt
-tokens not read from the prompt caches, `cache_read_input_tokens` those that were.
+a stream and a whole response say the same. Invariant: usage splits the prompt as Anthropic's does,
+`cache_read_input_tokens + cache_creation_input_tokens + input_tokens` = the prompt's tokens: read from the
+worker's prompt caches, written to them (computed here, up to the request's last `cache_control` breakpoint, and
+kept for later requests: Finished.cache_written), and the rest (past the last breakpoint, or all of the computed
+tokens of a request that marks none: the caches keep those too, but a client is billed no cache write for them,
+as on Anthropic's API).
 """
 
 from __future__ import annotations
@@ -33,8 +37,9 @@ def stop_reason(fin: Finished) -> tuple[str, str | None]:
 def usage(fin: Finished | None) -> dict:
     prompt = fin.prompt_tokens if fin else 0
     cached = min(fin.cached_tokens, prompt) if fin else 0
-    return {"input_tokens": prompt - cached, "output_tokens": fin.completion_tokens if fin else 0,
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
+    written = min(fin.cache_written, prompt - cached) if fin else 0
+    return {"input_tokens": prompt - cached - written, "output_tokens": fin.completion_tokens if fin else 0,
+            "cache_creation_input_tokens": written, "cache_read_input_tokens": cached}
 
 
 def _tool_input(arguments: str) -> Any:

@@ -33,6 +33,8 @@ from supervisor.gateway.guard import WebGuard
 from supervisor.gateway.http import SSEResponse, error_response, read_body, sse
 from supervisor.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from supervisor.gateway.openai_routes import openai_routes
+from supervisor.gateway.pull_routes import pull_routes
+from supervisor.gateway.rerank_routes import rerank_routes
 from supervisor.gateway.ui import UI_PATH, Dashboard
 from supervisor.router import Router
 from supervisor.units import is_number
@@ -206,6 +208,7 @@ def build_app(router: Router, settings: Settings) -> ASGIApp:
         Route("/api/config", gw.config, methods=["GET"]),
         *openai_routes(router, settings),
         *embeddings_routes(router, settings),  # /v1/embeddings
+        *rerank_routes(router, settings),  # /v1/rerank, /rerank, /v2/rerank
         Route("/health", gw.health, methods=["GET"]),
         Route("/api/status", gw.status, methods=["GET"]),
         Route("/metrics", gw.metrics, methods=["GET"]),
@@ -213,6 +216,7 @@ def build_app(router: Router, settings: Settings) -> ASGIApp:
         Route("/api/models/{model:path}/evict", gw.evict, methods=["POST"]),
         Route("/api/hot-cache/clear", gw.clear_hot_cache, methods=["POST"]),
         Route("/api/ssd-cache/clear", gw.clear_ssd_cache, methods=["POST"]),
+        *pull_routes(router, settings),  # /api/pull
         *agent_routes(router, settings),  # /v1/messages (Anthropic), /v1/responses (OpenAI Responses)
     ]
     handlers = {errors.MlxsupError: _on_error, HTTPException: _on_error, Exception: _on_error}

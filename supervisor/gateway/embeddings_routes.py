@@ -5,7 +5,8 @@ that says so, before a worker is started for it. The worker does the rest of the
 vocabulary, an input over the window, `dimensions` beyond the model's width) and its refusals come back
 with their codes, as 4xx. Invariants: every bad body is a 4xx in OpenAI's error shape, raised before the
 worker is asked; the lease taken for the request is released on every path; `base64` is the float32
-little-endian bytes of the same vector `float` gives.
+little-endian bytes of the same vector `float` gives. `input_type` ("query", "document", or Cohere's names for
+them) picks the model's prompt for text inputs, `instruction` a query's task (protocol/messages.py's Embed).
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ from supervisor.router import Router
 MAX_INPUTS = 2048  # OpenAI's own limit per request
 EMBED_TIMEOUT_S = 600.0  # the worker heartbeats between batches; this bounds only a worker that stopped answering
 ENCODINGS = ("float", "base64")
+# input_type as clients send it -> Embed.input_type: ours, Cohere's (whose classification and clustering have no
+# prompt of their own in the models served here: no prefix)
+INPUT_TYPES: dict[str, str | None] = {"query": "query", "document": "document", "search_query": "query",
+                                      "search_document": "document", "classification": None, "clustering": None}
 
 
 @dataclass
@@ -39,6 +44,8 @@ class EmbeddingsRequest:
     encoding_format: str = "float"
     dimensions: int | None = None
     truncate: int | None = None  # Embed.truncate: None refuses an input over the window, 0 cuts to it, n > 0 to n
+    input_type: str | None = None
+    instruction: str | None = None
 
 
 def _is_int(x: Any) -> bool:
@@ -105,6 +112,15 @@ def parse_embeddings(body: Any) -> EmbeddingsRequest:
         req.truncate = 0 if tokens == -1 else tokens
     elif truncate:
         req.truncate = 0
+    input_type, instruction = body.get("input_type"), body.get("instruction")
+    if input_type is not None:
+        if input_type not in INPUT_TYPES:
+            raise errors.InvalidRequest(f"input_type must be one of {', '.join(INPUT_TYPES)}", param="input_type")
+        req.input_type = INPUT_TYPES[input_type]
+    if instruction is not None:
+        if not isinstance(instruction, str) or not instruction:
+            raise errors.InvalidRequest("instruction must be a non-empty string", param="instruction")
+        req.instruction = instruction
     return req
 
 
@@ -125,8 +141,10 @@ class EmbeddingsRoutes:
         if spec.kind != EMBEDDING:
             raise errors.InvalidRequest(f"'{spec.id}' is a {spec.kind} model: /v1/embeddings needs an embedding "
                                         "model", param="model")
-        reply = await ask_worker(self.router, spec.id, lambda rid: Embed(rid, req.inputs, req.truncate, req.dimensions),
-                                 EMBED_TIMEOUT_S, "embed the inputs", param="input")
+        reply = await ask_worker(self.router, spec.id,
+                                 lambda rid: Embed(rid, req.inputs, req.truncate, req.dimensions, req.input_type,
+                                                   req.instruction),
+                                 EMBED_TIMEOUT_S, "embed the inputs", param="input", request=request)
         assert isinstance(reply, Embedded)
         data = [{"object": "embedding", "index": i, "embedding": _encoded(v, req.encoding_format)}
                 for i, v in enumerate(reply.vectors)]

@@ -6,7 +6,8 @@ OpenAI's API takes is accepted: used where it means something here, else (IGNORE
 clients work unchanged; an unknown field is dropped with a warning, or refused with `strict`
 (unknown_fields.py). Wrong types and values of the fields used are refused. The Submit is API-neutral: tools as
 {"name", "description", "parameters"}, tool_choice and response_format as a decoding
-`constraint`; the response shapes live in openai_shape.py.
+`constraint`; the response shapes live in openai_shape.py. A user message's `image_url` parts become image parts
+(images.py), checked by the route once the model is known.
 
 What reaches the chat template as text it does not escape is held to the vendors' own rules, so a
 client cannot write template markup through it: function and message names match NAME
@@ -26,6 +27,8 @@ from typing import Any
 from protocol.messages import Submit
 from supervisor.errors import InvalidRequest
 from supervisor.gateway import unknown_fields
+from supervisor.gateway.images import content as content_of
+from supervisor.gateway.images import image_part, url_source
 from supervisor.gateway.tools import ToolDialect, parse_tool_choice, parse_tools
 from supervisor.units import is_number
 
@@ -203,18 +206,26 @@ def fan_out(first: Submit, n: int, prompts: int = 1) -> list[Submit]:
 # --- chat ----------------------------------------------------------------------------------
 
 
-def _text(content: Any, where: str, allow_none: bool) -> str:
+def _text(content: Any, where: str, allow_none: bool, images: bool = False) -> str | list[dict]:
+    """A message's content: its text, or (`images`: a user message) its text and image parts (images.content)."""
     if content is None and allow_none:
         return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
         parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise InvalidRequest(f"{where}: only text parts are supported", param=where)
-            parts.append(part["text"])
-        return "".join(parts)
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                parts.append({"type": "text", "text": part["text"]})
+            elif images and kind == "image_url":
+                url = part.get("image_url")
+                parts.append(image_part(url_source(url.get("url") if isinstance(url, dict) else url,
+                                                   f"{where}[{j}].image_url")))
+            else:
+                allowed = "text and image_url parts" if images else "text parts"
+                raise InvalidRequest(f"{where}: only {allowed} are supported", param=where)
+        return content_of(parts)
     raise InvalidRequest(f"{where} must be a string or a list of text parts", param=where)
 
 
@@ -244,7 +255,8 @@ def _message(m: Any, i: int) -> dict:
     role = m.get("role")
     if role not in ROLES:
         raise InvalidRequest(f"{where}.role must be one of {', '.join(ROLES)}", param=f"{where}.role")
-    out: dict = {"role": role, "content": _text(m.get("content"), f"{where}.content", role == "assistant")}
+    out: dict = {"role": role, "content": _text(m.get("content"), f"{where}.content", role == "assistant",
+                                                images=role == "user")}
     if role == "assistant":
         if m.get("tool_calls"):
             out["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")

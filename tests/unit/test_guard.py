@@ -73,7 +73,8 @@ def test_config_keys(tmp_path: Path, section: str, ok: bool) -> None:
 
 
 def _stub_router() -> SimpleNamespace:
-    return SimpleNamespace(registry=SimpleNamespace(ids=lambda: ["tiny"], refresh=lambda: None), shutting_down=False)
+    return SimpleNamespace(registry=SimpleNamespace(on_disk=lambda: [SimpleNamespace(id="tiny")], refresh=lambda: None),
+                           lifecycle=SimpleNamespace(workers={}), shutting_down=False)
 
 
 async def _get(app, method: str, path: str, headers: dict) -> httpx.Response:

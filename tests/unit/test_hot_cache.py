@@ -89,3 +89,26 @@ def test_best_child_is_the_held_block_under_a_parent_that_starts_the_longest_way
     assert b.key not in hot and hot.best_child(b"root", (1, 2, 3, 9)) == (a, 3)
     hot.clear()
     assert hot.best_child(b"root", system) == (None, 0)
+
+
+def test_a_pinned_chain_outlives_newer_ones_until_only_pins_are_left() -> None:
+    hot = HotCache(500)
+    a = chain("a", 3)
+    hot.pin([b.key for b in a], ttl_s=300)
+    hot.put(a)
+    for name in "bcd":
+        hot.put(chain(name, 3))
+    assert all(b.key in hot for b in a) and hot.nbytes <= 500  # the unpinned went, newest kept behind the pins
+    big = HotCache(200)
+    big.pin([b.key for b in a], ttl_s=300)
+    big.put(a)
+    assert big.nbytes <= 200 and a[0].key in big  # the budget holds even when every block is pinned
+
+
+def test_an_expired_pin_protects_nothing() -> None:
+    hot = HotCache(300)
+    a = chain("a", 3)
+    hot.pin([b.key for b in a], ttl_s=-1)
+    hot.put(a)
+    hot.put(chain("b", 3))
+    assert a[0].key not in hot

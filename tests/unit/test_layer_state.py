@@ -132,6 +132,11 @@ def test_a_hybrid_prefix_is_picked_up_only_at_its_deepest_snapshot(tmp_path: Pat
     assert n == 2 * B and cache is not None and float(cache[1][0][0, 0]) == 1.0
     assert pc.lookup(tokens[:2 * B]) == (0, None)  # a snapshot at 2B would leave no token to compute
     assert pc.lookup([5] + tokens[1:5 * B]) == (0, None)
+    # a sibling diverging in block 3 (no snapshot at its start): picked up at 2B, and its prefill stops at 3B
+    sibling = tokens[:3 * B + 5] + [999] * 2 * B
+    n, _ = pc.lookup(sibling)
+    assert (n, pc.matched) == (2 * B, 3 * B)
+    assert pc.snapshot_points(len(sibling), n, pc.matched) == [3 * B, 5 * B]
 
 
 def test_a_hybrid_prefix_comes_back_from_disk_with_its_snapshot(tmp_path: Path) -> None:

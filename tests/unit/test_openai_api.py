@@ -51,7 +51,7 @@ def test_completion_defaults() -> None:
     (chat(messages="hi"), "messages"),
     (chat(messages=[{"role": "wizard", "content": "x"}]), "messages[0].role"),
     (chat(messages=[{"role": "user", "content": 5}]), "messages[0].content"),
-    (chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "messages[0].content"),
+    (chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "messages[0].content[0].image_url"),
     (chat(max_tokens=0), "max_tokens"),
     (chat(max_tokens=-1), "max_tokens"),
     (chat(max_tokens=10**9), "max_tokens"),

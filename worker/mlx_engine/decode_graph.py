@@ -10,6 +10,10 @@ runs compiled, every attention layer's keys and values live in a buffer of fixed
 `mx.slice_update` at it, and attention reads the whole buffer under a mask of the filled
 positions. Recurrent layers (ArraysCache: fixed-shape state) pass through as they are.
 
+A verification of drafted tokens (speculative.py) runs through the same graph (`verify`: n tokens, a causal mask
+over the buffer), and rejected drafts are undone by moving the fill back (`rollback`): what they wrote lies past
+it, masked, until overwritten; so a solo that drafts keeps its cache in the graph (one trace per n and capacity).
+
 Models whose caches are all KVCache and ArraysCache (Llama, Qwen3 dense and MoE, the Qwen3.5
 hybrids) use it; the rest (sliding windows, quantized caches) decode uncompiled. The graph is
 traced once per capacity per worker (the first token past a capacity pays it; the first capacity is
@@ -71,8 +75,8 @@ class _Slots:
         self.keys, self.values, self.offset = keys, values, offset
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
-        # one query at position `offset` sees the positions filled so far and itself
-        return (mx.arange(self.keys.shape[2]) <= self.offset)[None]
+        # query i, at position offset + i, sees the positions filled so far, the queries before it and itself
+        return mx.arange(self.keys.shape[2])[None] <= (self.offset + mx.arange(n))[:, None]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self.keys = mx.slice_update(self.keys, keys, self.offset, axes=(2,))
@@ -137,14 +141,29 @@ class DecodeGraph:
 
     def feed(self, state: DecodeState, token: mx.array) -> mx.array:
         """Schedule one token into the state; the next token's logprobs (not evaluated), shape (1, vocab)."""
-        if state.n + 1 > state.keys[0].shape[2]:
-            capacity = capacity_for(state.n + 1)
+        return self.verify(state, token)
+
+    def verify(self, state: DecodeState, tokens: mx.array) -> mx.array:
+        """Schedule n tokens into the state (a token and its drafts); the logprobs after each, shape (n, vocab).
+        Traced once per n and capacity."""
+        n = tokens.size
+        if state.n + n > state.keys[0].shape[2]:
+            capacity = capacity_for(state.n + n)
             state.keys = [_grown(a, capacity) for a in state.keys]
             state.values = [_grown(a, capacity) for a in state.values]
         logprobs, state.off, state.keys, state.values, state.arrays = self._step(
-            token, state.off, state.keys, state.values, state.arrays)
-        state.n += 1
+            tokens, state.off, state.keys, state.values, state.arrays)
+        state.n += n
         return logprobs
+
+    @staticmethod
+    def rollback(state: DecodeState, n: int) -> None:
+        """Forget the last n tokens fed (rejected drafts): the fill goes back; what they wrote lies past it, masked,
+        and is overwritten by the next tokens. Only for attention layers (a recurrent state cannot go back)."""
+        if n > 0:
+            assert not state.arrays, "a recurrent layer's state cannot be rolled back"
+            state.n -= n
+            state.off = mx.array([state.n], mx.int32)
 
     def write_back(self, state: DecodeState, cache: list) -> None:
         """Leave `cache` as uncompiled decoding would have: every token fed is in it."""
@@ -168,8 +187,8 @@ class DecodeGraph:
                 c = ArraysCache(len(state))
                 c.cache = list(state)
                 cache.append(c)
-        logits = self.model(token.reshape(1, 1), cache=cache)[:, -1, :]
-        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        logits = self.model(token.reshape(1, -1), cache=cache)[0]
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         slots = [c for c in cache if isinstance(c, _Slots)]
-        return (logprobs, off + 1, [s.keys for s in slots], [s.values for s in slots],
+        return (logprobs, off + token.size, [s.keys for s in slots], [s.values for s in slots],
                 [c.cache for c in cache if isinstance(c, ArraysCache)])

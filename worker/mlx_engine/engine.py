@@ -14,7 +14,8 @@ BatchGenerator at once, so it costs no more compute.
 With prompt caches (worker/mlx_engine/prompt_cache.py), a request joins the batch with its cached
 prefix as its starting cache and only the rest of its prompt to compute; its prompt is inserted
 as segments ending at the caches' snapshot points, so that for a model with sliding-window or
-recurrent layers the prefill stops there and those layers' state is copied; a finished request
+recurrent layers the prefill stops there and those layers' state is copied, as it is at the last block boundary
+each reply's decoding crosses (a conversation's next turn diverges after the reply); a finished request
 leaves its KV state (and those snapshots) to the caches. A cache failure is logged and costs only
 the cache's benefit.
 A resumed request (Submit.resume_tokens) joins with its earlier tokens as its prompt's tail; every
@@ -53,6 +54,7 @@ from worker.mlx_engine.loading import load_with_progress, time_one_token
 from worker.mlx_engine.prompt import Prompts
 from worker.mlx_engine.prompt_cache import CacheOptions, PromptCaches
 from worker.mlx_engine.solo import Solo, SoloLane
+from worker.mlx_engine.speculative import DEFAULT_DRAFT_TOKENS, DraftCounts, Speculation, load_draft
 from worker.mlx_engine.warmup import Warmed, WarmUp, wants_warm_up
 from worker.request_output import RequestOutput
 from worker.step_cost import PrefillSeq, StepCostModel, StepPlan, StepWork
@@ -73,9 +75,13 @@ class Request:
     start: int = 0  # prompt tokens in its cache when it joined the generator (its progress counts from there)
     snapshot_at: frozenset[int] = frozenset()  # prompt positions where its prefill stops for a cache snapshot
     snapshots: dict = field(default_factory=dict)  # block index -> the snapshot taken at that block's end
+    reply_snapshot: int = -1  # the block of the one snapshot kept from its decoding (-1: none yet)
     unsent: list[int] = field(default_factory=list)  # generated ids whose text has not gone out yet
     grammar: GrammarProcessor | None = None
     clamped: bool = False  # its max_tokens reaches the context's end: stopping there is the context's doing
+    drafts: DraftCounts = field(default_factory=DraftCounts)  # its speculative decoding (speculative.py), in its usage
+    cache_written: int = 0  # prompt tokens past its cached ones, up to its last breakpoint, that the caches keep
+    keys: list[int] | None = None  # its tokens as the prompt caches know them, where not its tokens (vision.py)
 
 
 class Engine:
@@ -83,7 +89,8 @@ class Engine:
                  prefill_step_size: int = 2048, report: Callable[[str, float], None] = lambda *_: None,
                  cache: CacheOptions | None = None, model_id: str = "", step_target_s: float = 0.25,
                  warm: str = "auto", warm_budget_s: float = 10.0, solo: str = "auto", attention: str = "auto",
-                 strict_context: bool = False,
+                 strict_context: bool = False, speculative: str = "off", draft: Path | None = None,
+                 num_draft_tokens: int = DEFAULT_DRAFT_TOKENS,
                  loader: Callable[[Path, Callable[[str, float], None]], tuple] = load_with_progress) -> None:
         t0 = time.perf_counter()
         self.attention_routed = attention_route(attention)  # short prefills unfused on CUDA (mlx_engine/attention.py)
@@ -116,6 +123,9 @@ class Engine:
         self.solo_on, compiled = solo_modes(solo)  # a request alone runs the generate_step way (mlx_engine/solo.py)
         self.graph = DecodeGraph(self.model) if compiled else None  # a solo's decode steps compiled
         self.lane = SoloLane(self.model, self.gen, self._stop_eos, self._stop_none)
+        draft_model, draft_bytes = load_draft(draft, self.tokenizer) if draft is not None else (None, 0)
+        self.weights_bytes += draft_bytes  # admission counts the draft model's weights as the model's
+        self.speculation = Speculation(speculative, num_draft_tokens, draft_model, self.vocab_size)
         # the decode graph's first trace and the batch shapes are warmed after Ready, a step at a time while idle
         self.warmer = WarmUp(self.model, self.graph, max_batch_size, prefill_batch_size, prefill_step_size,
                              warm_budget_s, model_id) if wants_warm_up(warm) else None
@@ -129,6 +139,10 @@ class Engine:
         self.generated_tokens = 0
         self.peak_batch_size = 0
         self.caches = PromptCaches(self.model, model_path, cache, model_id) if cache else None
+        # (rid, tokens, cached, the prompt caches' prefix) -> (tokens in the starting cache, it, how many of them came
+        # from the prompt caches): a prefix computed outside the batch; None: the caches' own (vision.py)
+        self.prefill: Callable[[str, list[int], int, list | None], tuple[int, list, int] | None] | None = None
+        self.cache_keys: Callable[[list[int]], list[int]] | None = None  # tokens -> the caches' key ids (vision.py)
         self.load_s = time.perf_counter() - t0
 
     # --- admission ---------------------------------------------------------------------
@@ -162,12 +176,22 @@ class Engine:
             raise RequestRejected(INVALID_REQUEST, f"request id {msg.rid} is already in flight")
         tokens, prompt_tokens, max_tokens = self.prompts.admit(msg)
         d = self.decoding.setup(msg, tokens[:prompt_tokens])
-        cached, prefix = self._lookup(msg.rid, tokens)
-        points = self.caches.snapshot_points(len(tokens), cached) if self.caches is not None else []
+        keys = self.cache_keys(tokens) if self.cache_keys is not None else tokens
+        cached, prefix, hit = self._lookup(msg.rid, tokens, keys)
+        marked = 0  # the end of the last breakpoint's prefix: Anthropic's usage counts a cache write up to there only
+        if self.caches is not None:
+            for n, ttl_s in msg.cache_mark:  # Anthropic's cache_control breakpoints: those prefixes kept a while
+                end = self.prompts.marked(msg, tokens[:prompt_tokens], int(n))
+                self.caches.keep(keys[:end], float(ttl_s))
+                marked = max(marked, end)
+        # a hybrid's prefill also stops where the prompt leaves a cached one (caches.matched): siblings pick up there
+        points = [] if self.caches is None else self.caches.snapshot_points(len(tokens), cached, self.caches.matched)
         cuts = [0] + [p - cached for p in points] + [len(tokens) - cached]
+        drafting = None
         if self.solo_on and not self._by_rid and not d.processors and msg.logprobs < 0 and not points:
+            drafting = self.speculation.drafting(msg)
             uid = self.lane.start(tokens, cached, prefix, max_tokens, d.sampler, None if msg.ignore_eos else self._eos,
-                                  self.graph)
+                                  self.graph, drafting)
         else:
             self._solo_to_batch()
             (uid,) = self.gen.insert_segments(
@@ -180,22 +204,30 @@ class Engine:
                 stop_sequences=[self._stop_none if msg.ignore_eos else self._stop_eos],
             )
         req = Request(msg.rid, uid, prompt_tokens, d.out, completion_tokens=len(msg.resume_tokens),
-                      cached_tokens=min(cached, prompt_tokens), prefill_left=len(tokens) - cached - 1, position=cached,
+                      cached_tokens=min(hit, prompt_tokens), prefill_left=len(tokens) - cached - 1, position=cached,
                       start=cached, snapshot_at=frozenset(points), grammar=d.grammar,
-                      clamped=max_tokens < msg.max_tokens or not msg.max_tokens)
+                      clamped=max_tokens < msg.max_tokens or not msg.max_tokens,
+                      drafts=drafting.counts if drafting is not None else DraftCounts(),
+                      cache_written=max(0, min(self.caches.kept_end(prompt_tokens), marked) - hit)
+                      if self.caches is not None else 0,
+                      keys=keys if keys is not tokens else None)
         self._by_uid[uid] = req
         self._by_rid[msg.rid] = req
         if req.prefill_left > 0:
             self._prefilling[msg.rid] = req
 
-    def _lookup(self, rid: str, tokens: list[int]) -> tuple[int, list | None]:
-        if self.caches is None:
-            return 0, None
-        try:
-            return self.caches.lookup(tokens)
-        except Exception:
-            log.exception("[cache] rid=%s lookup failed; computing the whole prompt", rid)
-            return 0, None
+    def _lookup(self, rid: str, tokens: list[int], keys: list[int]) -> tuple[int, list | None, int]:
+        """(tokens in the request's starting cache, that cache, how many of them the prompt caches gave: its
+        usage's cached tokens; a prefix computed here for an image was prefilled, not cached)."""
+        cached, prefix = 0, None
+        if self.caches is not None:
+            try:
+                cached, prefix = self.caches.lookup(keys)
+            except Exception:
+                log.exception("[cache] rid=%s lookup failed; computing the whole prompt", rid)
+        if self.prefill is not None and (computed := self.prefill(rid, tokens, cached, prefix)) is not None:
+            return computed  # a prefix computed outside the batch (an image's, mlx_engine/vision.py)
+        return cached, prefix, cached
 
     def _take_snapshots(self, progress: list) -> None:
         """Copy the snapshot layers' state of the prompts whose prefill just stopped at a snapshot point."""
@@ -216,6 +248,35 @@ class Engine:
                 req.snapshots[position // self.caches.block - 1] = self.caches.snapshot(cache)
         except Exception:
             log.exception("[cache] taking a prefill snapshot failed; going on without it")
+
+    def _take_reply_snapshot(self) -> None:
+        """Keep each reply's snapshot layers' state at the last block boundary its decoding has crossed: a
+        conversation's next turn carries this prompt and this reply, so it picks its prefix up there, not at this
+        prompt's end, and prefills only its own new tokens (and under a block). One per reply: each replaces the
+        last. Checked after every step: a decoding sequence's cache grows by one token a step."""
+        caches = self.caches
+        if caches is None or not caches.layout.snapshots:
+            return
+        solo, batch = self.lane.solo, self.gen._generation_batch  # the tokens in each sequence's cache
+        fill = ({solo.uid: solo.fed} if solo is not None and solo.decoding
+                else dict(zip(batch.uids, map(len, batch.tokens))))
+        due = {uid: req for uid, n in fill.items() if n % caches.block == 0 and (req := self._by_uid.get(uid))
+               is not None and n // caches.block - 1 not in req.snapshots}
+        if not due:
+            return
+        try:
+            if solo is not None:
+                taken = {solo.uid: caches.snapshot(solo.cache_now())}
+            else:
+                taken = {uid: caches.snapshot(cache) for uid, (cache, _) in self.gen.extract_cache(list(due)).items()}
+        except Exception:
+            log.exception("[cache] taking a reply snapshot failed; going on without it")
+            return
+        for uid, snapshot in taken.items():
+            req = due[uid]
+            req.snapshots.pop(req.reply_snapshot, None)
+            req.reply_snapshot = fill[uid] // caches.block - 1
+            req.snapshots[req.reply_snapshot] = snapshot
 
     def _store(self, tokens: list[int] | None, cache: list | None, snapshots: dict) -> None:
         if self.caches is None or not tokens or not cache:
@@ -317,7 +378,8 @@ class Engine:
         for p in progress:
             self._on_prefill_progress(p.uid, *p.progress)
         self._take_snapshots(progress)
-        self.peak_batch_size = max(self.peak_batch_size, len(responses))
+        self._take_reply_snapshot()
+        self.peak_batch_size = max(self.peak_batch_size, len({r.uid for r in responses}))  # a solo's drafts: one
         chunks: list[list] = []
         finished: list[Finished | Failed] = self._grammar_failures()
         for r in responses:
@@ -341,7 +403,10 @@ class Engine:
             if reason == "length" and req.clamped:
                 reason = CONTEXT_WINDOW
             finished.append(Finished(req.rid, text, reason, req.prompt_tokens, req.completion_tokens,
-                                     req.cached_tokens, req.unsent, extra))
+                                     req.cached_tokens, req.unsent, extra, req.drafts.drafted, req.drafts.accepted,
+                                     req.cache_written))
+            log.info("[usage] rid=%s prompt=%d cached=%d prefilled=%d", req.rid, req.prompt_tokens, req.cached_tokens,
+                     req.position - req.start)  # the generator's own progress, not the lookup's arithmetic
             del self._by_uid[req.uid]
             del self._by_rid[req.rid]
             self._prefilling.pop(req.rid, None)
@@ -353,6 +418,8 @@ class Engine:
                 cache, tokens = self.gen.remove([req.uid], return_prompt_caches=True).get(req.uid, (None, None))
             else:
                 cache, tokens = r.prompt_cache, r.all_tokens
+            if req.keys is not None and tokens is not None:  # the caches know an image by its pixels, not its ids
+                tokens = [*req.keys, *list(tokens)[len(req.keys):]]
             self._store(tokens, cache, req.snapshots)
         if not self._by_rid:
             self._hand_off()  # idle next: no step would hand them off, and none is in flight to wait for

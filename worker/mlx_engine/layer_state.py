@@ -44,7 +44,7 @@ class CacheLayout:
 
     @classmethod
     def of(cls, probe: list, kv_bits: int | None = None) -> CacheLayout:
-        kinds = [type(c) is KVCache for c in probe]
+        kinds = [type(c) is KVCache or getattr(c, "kv_blocks", False) for c in probe]  # vision.py: RopeKVCache
         return cls(tuple(type(c).__name__ for c in probe), tuple(i for i, k in enumerate(kinds) if k),
                    tuple(i for i, k in enumerate(kinds) if not k), kv_bits)
 

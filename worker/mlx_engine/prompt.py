@@ -55,6 +55,28 @@ class Prompts:
         add_special = bos is None or not prompt.startswith(bos)
         return list(self.tokenizer.encode(prompt, add_special_tokens=add_special))
 
+    def marked(self, msg: Submit, tokens: list[int], n: int) -> int:
+        """How many of a chat prompt's `tokens` its first `n` messages cover (a `cache_mark`): those it shares with
+        the template rendering only them (no generation prompt), so a mark ends where those messages' text does,
+        whatever the template adds between turns."""
+        if msg.messages is None:
+            return 0
+        if n >= len(msg.messages):
+            return len(tokens)
+        try:
+            head = self.tokenizer.apply_chat_template(template_messages(msg.messages[:max(n, 1)]),
+                                                      tools=template_tools(msg.tools), add_generation_prompt=False,
+                                                      **{k: v for k, v in msg.template_kwargs.items()
+                                                         if k != "continue_final_message"})
+        except Exception:  # a template that refuses a partial conversation: keep the whole prompt marked
+            return len(tokens)
+        same = 0
+        for a, b in zip(head, tokens):
+            if a != b:
+                break
+            same += 1
+        return same
+
     def tokenize(self, msg: Submit) -> list[int]:
         """The prompt's token ids as `admit` would encode and check them."""
         self._check_ids(msg)

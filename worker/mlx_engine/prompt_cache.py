@@ -9,14 +9,18 @@
 - `store(tokens, cache, snapshots)` when a sequence finishes: its blocks go into the hot cache
   and are lent to the SSD writer; `hand_off()` at the next step gives them to it as numpy views,
   so that nothing in a step waits for them (worker/mlx_engine/disk_handoff.py).
+- `keep(tokens, ttl_s)`: pin a prompt's prefix (through a `cache_control` breakpoint) in the hot tier for its
+  ttl (hot_cache.py); `kept_end(n)`: how much of an n-token prompt a finished request leaves to the caches,
+  which usage reports as written (Anthropic's cache_creation_input_tokens).
 - `clear(which)`, `stats()`, `close()` for admin and the orderly exit.
 
 Every cache type is cached (worker/mlx_engine/layer_state.py). A model whose layers are all
 plain `KVCache` is cut into blocks, and any block-aligned prefix is reused; a prompt cached
 whole is served with its cache trimmed by one token. A model with other layers (sliding-window
 `RotatingKVCache`, recurrent `ArraysCache`, `CacheList`...) keeps its plain KV layers in blocks
-as well, and the other layers' whole state as snapshots taken during prefill at block
-boundaries (the prompt's last one, and every `snapshot_every` tokens): its reusable prefix is
+as well, and the other layers' whole state as snapshots taken at block boundaries: in prefill
+(the prompt's last one, every `snapshot_every` tokens, and where it leaves a cached prompt) and the
+last one its reply's decoding crosses (the engine's): its reusable prefix is
 the longest cached one that ends at a snapshot, and only blocks up to a snapshot are kept.
 
 `kv_bits` stores the blocks' K/V quantized (affine, as mlx-lm quantizes KV caches) and restores
@@ -74,6 +78,7 @@ class PromptCaches:
         self.close_s = options.close_s
         self.every_blocks = options.snapshot_every // self.block if options.snapshot_every >= self.block else 0
         self.hits_ssd = self.misses_ssd = self.hit_tokens_ssd = 0
+        self.matched = 0  # tokens of the last looked-up prompt in the hot tier's blocks, with a snapshot or not
         self.layout = CacheLayout.of(make_prompt_cache(model), options.kv_bits)
         self.hot = HotCache(options.hot_bytes)
         self.ssd: SsdCache | None = None
@@ -100,6 +105,7 @@ class PromptCaches:
     def lookup(self, tokens: list[int]) -> tuple[int, list | None]:
         """(n, cache): a prompt cache holding the first n tokens of `tokens`, n < len(tokens); (0, None)."""
         partial = not self.layout.snapshots and self.hot.enabled  # a snapshot cannot be cut inside a block
+        self.matched = 0
         if not self.enabled or len(tokens) < (MIN_PARTIAL_TOKENS + 1 if partial else self.block):
             return 0, None
         t0 = time.perf_counter()
@@ -107,6 +113,7 @@ class PromptCaches:
         if self.layout.snapshots:
             keys = keys[:(len(tokens) - 1) // self.block]  # a snapshot cannot be trimmed: one token must be left
         blocks = self.hot.prefix(keys)
+        self.matched = len(blocks) * self.block
         if self.layout.snapshots:
             blocks, n_hot = self._to_a_snapshot(tokens, keys, blocks)
         else:
@@ -172,14 +179,29 @@ class PromptCaches:
             found.append(Block(data.key, data.parent, data.depth, data.tokens, kv, snapshot))
         return found
 
-    def snapshot_points(self, n_tokens: int, cached: int) -> list[int]:
-        """The block boundaries in (cached, n_tokens - 1] where a prompt's prefill stops for a snapshot."""
+    def keep(self, tokens: list[int], ttl_s: float) -> None:
+        """Pin the whole blocks of `tokens` (a marked prefix) in the hot tier for `ttl_s` seconds."""
+        if self.hot.enabled and ttl_s > 0:
+            self.hot.pin(chain_keys(tokens, self.block), ttl_s)
+
+    def kept_end(self, n_tokens: int) -> int:
+        """How many of an n-token prompt's tokens `store` keeps when its request finishes (within the budgets):
+        for a model with snapshot layers, through its last snapshot point; else all of them (its whole blocks,
+        and its end in a block the completion fills or in the partial tail)."""
+        if not self.enabled:
+            return 0
+        return (n_tokens - 1) // self.block * self.block if self.layout.snapshots else n_tokens
+
+    def snapshot_points(self, n_tokens: int, cached: int, diverges: int = 0) -> list[int]:
+        """The block boundaries in (cached, n_tokens - 1] where a prompt's prefill stops for a snapshot: its last
+        one, every `snapshot_every`, and `diverges` (`matched`: where it leaves a cached prompt, so that the next
+        prompt to share that prefix, a sibling session's, picks it up there)."""
         if not self.layout.snapshots or not self.enabled:
             return []
         last = (n_tokens - 1) // self.block
         every = self.every_blocks
         return [i * self.block for i in range(cached // self.block + 1, last + 1)
-                if i == last or (every and i % every == 0)]
+                if i == last or (every and i % every == 0) or i * self.block == diverges]
 
     def snapshot(self, cache: list) -> Snapshot:
         """A copy of the snapshot layers' state in one sequence's whole cache (batch 1)."""

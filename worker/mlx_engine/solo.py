@@ -14,6 +14,14 @@ BatchGenerator as the request's starting cache, with the tokens not yet fed (the
 token, or the rest of the prompt) as its prompt: no token is lost or repeated, and what
 follows is the batch's.
 
+With a `Drafting` (speculative.py), a decode step may instead read the token in hand, draft up to k tokens after
+it, run the model once on all of them, and emit the token and the drafts kept, in order and stopping exactly
+where plain decoding would (an EOS, max_tokens); the target's next token is the one in hand for the next step,
+not yet fed, as a plain step leaves it, so a hand-over mid-drafting finds the cache holding exactly the tokens
+emitted. Where plain steps run compiled, so does the verification (`DecodeGraph.verify`: one trace per length and
+capacity), and rejected drafts are rolled back in the graph's state (its fill goes back): the cache stays in the
+graph whether a step drafts or not, written back only when the solo ends.
+
 `SoloLane` is the engine's side of it: the solo in flight (at most one), its start, the hand-over into the
 engine's BatchGenerator, and the token read at a hand-over, which the engine emits at its next step.
 
@@ -34,6 +42,7 @@ from mlx_lm.generate import BatchGenerator, StopSequences, generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
 from worker.mlx_engine.decode_graph import DecodeGraph, DecodeState
+from worker.mlx_engine.speculative import Drafting, room, trim
 from worker.step_cost import StepPlan
 
 
@@ -73,7 +82,7 @@ def _greedy(logprobs: mx.array) -> mx.array:
 class Solo:
     def __init__(self, model: nn.Module, uid: int, tokens: list[int], cached: int, cache: list | None,
                  max_tokens: int, sampler: Callable | None, eos: set[int] | None,
-                 graph: DecodeGraph | None = None) -> None:
+                 graph: DecodeGraph | None = None, drafting: Drafting | None = None) -> None:
         self.model = model
         self.uid = uid
         self.tokens = list(tokens)  # the prompt, then each generated token once it is fed
@@ -88,6 +97,7 @@ class Solo:
         self.graph = graph  # decode steps compiled (decode_graph.py), if the model's caches allow it
         self._state: DecodeState | None = None  # the cache while the graph holds it
         self.times = SoloTimes()
+        self.drafting = drafting  # None: no drafts (never asked for, or this request's caches cannot roll back)
 
     @property
     def prefill_left(self) -> int:
@@ -101,11 +111,8 @@ class Solo:
         """generate_step's `_step`: the next token (scheduled, not evaluated) and its logprobs. Single tokens go
         through the compiled graph where there is one."""
         with mx.stream(generation_stream):
-            if self._state is None and self.graph is not None and ids.size == 1:
-                if self.graph.fits(self.cache):
-                    self._state = self.graph.start(self.cache)
-                elif self.fed:  # filled and still not fit: this model's caches cannot run compiled; decided once
-                    self.graph = None
+            if ids.size == 1:
+                self._compiled()
             if self._state is not None:
                 assert self.graph is not None
                 logprobs = self.graph.feed(self._state, ids)
@@ -115,6 +122,23 @@ class Solo:
             token = (self.sampler or _greedy)(logprobs)
         self.fed += ids.size
         return token, logprobs.squeeze(0)
+
+    def _compiled(self) -> bool:
+        """Whether the graph holds the cache (taken into it here if it can)."""
+        if self._state is None and self.graph is not None:
+            if self.graph.fits(self.cache):
+                self._state = self.graph.start(self.cache)
+            elif self.fed:  # filled and still not fit: this model's caches cannot run compiled; decided once
+                self.graph = None
+        return self._state is not None
+
+    def _rollback(self, n: int) -> None:
+        if self._state is not None:
+            assert self.graph is not None
+            self.graph.rollback(self._state, n)
+        else:
+            trim(self.cache, n)
+        self.fed -= n
 
     def step(self, chunk: int) -> list[SoloResponse]:
         """One engine step: a prefill chunk of at most `chunk` tokens, or one token out."""
@@ -129,6 +153,8 @@ class Solo:
         if self._next is None:  # the prompt's last token: the first token out
             self._next = self._feed(mx.array(self.tokens[self.fed:self.prompt_len]))
             mx.async_eval(*self._next)
+        if self.drafting is not None and (drafted := self._draft_step()) is not None:
+            return drafted
         times, t0 = self.times, time.perf_counter()
         token, logprobs = self._next
         if self.generated + 1 < self.max_tokens:  # another token will be wanted: schedule it before reading this one
@@ -148,6 +174,55 @@ class Solo:
         times.read += t2 - t1
         times._last_end = t2
         return [self._out(value, logprobs)]
+
+    def _draft_step(self) -> list[SoloResponse] | None:
+        """The token in hand, and the drafts after it that verification keeps; None: a plain step instead (no draft
+        now). The cache is rolled back to the tokens emitted, the target's token after them is the next in hand."""
+        d = self.drafting
+        assert d is not None and self._next is not None
+        if not d.wants(self.generated):
+            return None
+        space = min(room(self.cache), d.drafter.room())  # the cache's kinds: the same in the graph
+        if space < 2:  # a sliding window full, recurrent layers: no rollback possible, for the rest of the request
+            self.drafting = None
+            return None
+        if not d.priced(self.model, self.graph, self.generated):  # it would not pay: plain decoding is faster here
+            return None
+        y_arr, y_logprobs = self._next
+        y = cast(int, y_arr.item())
+        k = min(d.k, self.max_tokens - self.generated - 1, space - 1)
+        if k < 1 or (self.eos is not None and y in self.eos):
+            return None
+        drafts, q = d.drafter.propose(self.tokens, y, k, d.sampling, d.next_key())
+        if drafts is None:
+            return None
+        k = drafts.size
+        ids = mx.concatenate([y_arr.astype(mx.uint32).reshape(1), drafts])
+        with mx.stream(generation_stream):
+            if self._compiled():
+                assert self.graph is not None and self._state is not None
+                logprobs = self.graph.verify(self._state, ids)
+            else:
+                logits = self.model(ids[None], cache=self.cache)[0]
+                logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        self.fed += k + 1
+        kept, after = d.verify(logprobs, drafts, q)
+        self._rollback(k - kept)
+        emitted = [y, *cast(list[int], drafts[:kept].tolist())]
+        d.drafter.keep(len(self.tokens) + len(emitted))
+        d.observe(k, kept, self.generated)
+        out = []
+        for i, token in enumerate(emitted):  # each is fed: `_out` appends it to the tokens
+            r = self._out(token, y_logprobs if i == 0 else logprobs[i - 1])
+            out.append(r)
+            if r.finish_reason is not None:  # the tokens after it were never emitted: out of the cache too
+                self._rollback(len(emitted) - i - 1)
+                self._next = None
+                r.prompt_cache, r.all_tokens = self._cache(), self.tokens[:self.fed]
+                return out
+        self._next = (mx.array([after], mx.uint32), logprobs[kept])
+        self.times._last_end = time.perf_counter()
+        return out
 
     def _out(self, token: int, logprobs: mx.array) -> SoloResponse:
         """The response for a token just read; a finishing one carries the cache and the tokens fed."""
@@ -181,6 +256,10 @@ class Solo:
             rest = self.tokens[self.fed:self.prompt_len]
         return pending, self._cache() if self.fed else None, self.tokens[:self.fed], rest
 
+    def cache_now(self) -> list:
+        """The cache with every token fed, the solo going on (the engine's snapshot of a reply's state)."""
+        return self._cache()
+
     def _cache(self) -> list:
         """The cache with every token fed, taken back from the graph if it holds it."""
         if self._state is not None:
@@ -203,10 +282,10 @@ class SoloLane:
         self._uids = 0
 
     def start(self, tokens: list[int], cached: int, cache: list | None, max_tokens: int, sampler: Callable | None,
-              eos: set[int] | None, graph: DecodeGraph | None) -> int:
+              eos: set[int] | None, graph: DecodeGraph | None, drafting: Drafting | None = None) -> int:
         """A request alone runs as the solo; its uid (negative: the generator's count up from 0)."""
         self._uids -= 1
-        self.solo = Solo(self.model, self._uids, tokens, cached, cache, max_tokens, sampler, eos, graph)
+        self.solo = Solo(self.model, self._uids, tokens, cached, cache, max_tokens, sampler, eos, graph, drafting)
         self.plan = None  # predicted afresh, from what the fits know now
         return self._uids
 

@@ -10,8 +10,10 @@ a chat template in the family's real format.
     python -m worker.mlx_engine.make_model DIR [--arch ARCH] [--preset tiny|small|1b] [--quantize 4|8] [--seed N]
 
 Layout: family.py (what a family is), one module per family (llama, qwen3 with qwen3_moe, qwen3_5,
-gemma3, gpt_oss), chatml.py / harmony.py (chat templates), tokenizer.py, weights.py (MLX, imported
-only when weights are written). Importing this package does not import MLX.
+gemma3, gpt_oss; vlm.py: qwen3_vl, gemma3_vl; qwen3_pool.py: qwen3-embedding, qwen3-reranker;
+the encoders encoders.py: bert, xlm_roberta.py, modernbert.py, which write their folders themselves),
+chatml.py / harmony.py (chat templates), tokenizer.py, weights.py (MLX, imported only when weights are written). Importing this package does
+not import MLX.
 """
 
 from __future__ import annotations
@@ -19,12 +21,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from worker.mlx_engine.make_model.encoders import BERT
 from worker.mlx_engine.make_model.family import Family
 from worker.mlx_engine.make_model.gemma3 import GEMMA3
 from worker.mlx_engine.make_model.gpt_oss import GPT_OSS
 from worker.mlx_engine.make_model.llama import FAMILY as LLAMA
+from worker.mlx_engine.make_model.modernbert import MODERNBERT
 from worker.mlx_engine.make_model.qwen3 import QWEN3, QWEN3_MOE
 from worker.mlx_engine.make_model.qwen3_5 import QWEN3_5
+from worker.mlx_engine.make_model.qwen3_pool import QWEN3_EMBEDDING, QWEN3_RERANKER
 from worker.mlx_engine.make_model.tokenizer import (
     build_tokenizer,
     synthetic_corpus,
@@ -32,8 +37,12 @@ from worker.mlx_engine.make_model.tokenizer import (
     train_tokenizer,
     write_tokenizer,
 )
+from worker.mlx_engine.make_model.vlm import GEMMA3_VL, QWEN3_VL
+from worker.mlx_engine.make_model.xlm_roberta import XLM_ROBERTA
 
-FAMILIES: dict[str, Family] = {f.arch: f for f in (LLAMA, QWEN3, QWEN3_MOE, GEMMA3, GPT_OSS, QWEN3_5)}
+FAMILIES: dict[str, Family] = {f.arch: f for f in (LLAMA, QWEN3, QWEN3_MOE, GEMMA3, GPT_OSS, QWEN3_5,
+                                                   QWEN3_EMBEDDING, QWEN3_RERANKER, BERT, QWEN3_VL, GEMMA3_VL,
+                                                   XLM_ROBERTA, MODERNBERT)}
 PRESET_NAMES = ("tiny", "small", "1b")
 QUANTIZE_BITS = (4, 8)
 PRESETS = LLAMA.presets  # the default family's, as before families existed
@@ -56,6 +65,8 @@ def make_model(out: Path, preset_name: str = "tiny", seed: int = 0, arch: str = 
     dims = family.presets[preset_name]
     if quantize is not None and quantize not in QUANTIZE_BITS:
         raise ValueError(f"--quantize takes {' or '.join(map(str, QUANTIZE_BITS))}, not {quantize}")
+    if family.make is not None:
+        return family.make(out, preset_name, seed, quantize)
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(family.tokens, dims["vocab"], seed)
     ids = token_ids(tok, family.tokens)

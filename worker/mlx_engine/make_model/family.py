@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 GROUP_SIZE = 64  # mlx-lm's default affine group size, and what `--quantize` uses
 
@@ -49,6 +50,7 @@ class TokenSpec:
 TokenIds = Mapping[str, int]
 ConfigFn = Callable[[Mapping, TokenIds, int], dict]
 GenerationConfigFn = Callable[[TokenIds], dict]
+MakeFn = Callable[[Path, str, int, "int | None"], dict]  # (out, preset, seed, quantize) -> what make_model returns
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,7 @@ class Family:
     generation_config: GenerationConfigFn | None = None
     template_file: bool = False  # chat_template.jinja (newer repos) rather than tokenizer_config.json
     tools: bool = True  # the chat template renders a tool list, tool calls and tool results
+    make: MakeFn | None = None  # writes the whole folder itself (encoders, pooling models' extra files)
 
 
 def shape_fields(dims: Mapping) -> dict:

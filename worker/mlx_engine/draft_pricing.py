@@ -1,0 +1,148 @@
+"""What drafting costs on this machine, and the acceptance at which it pays (issue 30).
+
+A verification of k drafts runs the model on k + 1 tokens. Where a token's forward pass is bound by reading the
+weights (a GPU at one stream) that costs little more than one token; where it is bound by compute (this CPU, or a
+big batch) it costs close to k + 1 plain steps, and drafting loses whatever it keeps. So a worker measures, once,
+on a scratch cache, the seconds of a plain decode step (compiled where the solo decodes compiled), of a
+verification of 2 and of k + 1 tokens (in between: linear), and of a draft model's step; `Costs.break_even` is
+the drafts kept per verification above which drafting is faster than plain decoding by MARGIN. A request drafts
+while its own acceptance stays above that (speculative.py's `Drafting`), and never where even a fully accepted
+draft would not pay.
+
+Timing: every shape is first run WARMUPS times untimed (a trace, kernels built, a first-shape cost), then the
+shapes are timed in turn, REPEATS rounds of one run each, and each keeps its fastest: a slow stretch (another
+process, clocks ramping up) then slows a round of every shape, not one shape's whole series (an H100 once priced
+a verification of 2 tokens at 11.7 ms and one of 3 at 5.9 ms, each shape timed in one stretch). A forward pass of fewer tokens never costs more
+than one of more, so a cost that reads higher than a longer one's is that longer one's (`Costs.measured`).
+
+Invariants: `Pricing` measures once per worker (the first request that would draft), then its costs are fixed, so
+which steps draft depends on the tokens alone and a seeded request stays reproducible; measuring touches no
+request's cache and draws no random numbers.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import generation_stream
+from mlx_lm.models.cache import make_prompt_cache
+
+from worker.mlx_engine.decode_graph import DecodeGraph
+
+log = logging.getLogger(__name__)
+
+MARGIN = 0.1  # drafting must be this much faster than plain decoding, expected, to be worth its variance
+CONTEXT = 128  # tokens in the scratch cache the costs are measured at
+WARMUPS = 2  # untimed runs of each shape before any is timed
+REPEATS = 5  # timed runs of each shape, interleaved; the fastest counts (the others met interference)
+
+
+@dataclass(frozen=True, slots=True)
+class Costs:
+    """Seconds of: a plain decode step; a verification of 2 and of k + 1 tokens; a draft model's step (0: none)."""
+
+    plain_s: float
+    verify2_s: float
+    verify_s: float
+    k: int
+    draft_s: float = 0.0
+
+    @classmethod
+    def measured(cls, seconds: dict[int, float], k: int, draft_s: float = 0.0) -> Costs:
+        """The costs from a forward pass's seconds per token count (1, 2 and k + 1), each no more than a longer
+        one's."""
+        plain_s, verify2_s, verify_s = (seconds[n] for n in (1, min(2, k + 1), k + 1))
+        verify2_s = min(verify2_s, verify_s)
+        return cls(min(plain_s, verify2_s), verify2_s, verify_s, k, draft_s)
+
+    def verify(self, n: int) -> float:
+        """A verification of n tokens (linear between the two measured; one token is a plain step)."""
+        if n <= 1 or self.k <= 1:
+            return self.plain_s if n <= 1 else self.verify_s
+        return self.verify2_s + (self.verify_s - self.verify2_s) * (n - 2) / (self.k - 1)
+
+    def break_even(self, k: int) -> float:
+        """The drafts kept per verification of k at which drafting beats plain decoding by MARGIN: a verification
+        emits the kept drafts and one token of its own, where plain decoding emits one per plain step."""
+        return (1 + MARGIN) * (self.verify(k + 1) + k * self.draft_s) / self.plain_s - 1
+
+
+def fastest(runs: dict[str, Callable[[], None]], clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+    """Each run's fastest time: all warmed first, then timed in turn, round after round (the module says why)."""
+    for run in runs.values():
+        for _ in range(WARMUPS):
+            run()
+    best = dict.fromkeys(runs, float("inf"))
+    for _ in range(REPEATS):
+        for name, run in runs.items():
+            t0 = clock()
+            run()
+            best[name] = min(best[name], clock() - t0)
+    return best
+
+
+def _one_by_one(model: nn.Module, n: int) -> Callable[[], None]:
+    """A forward pass of n tokens after CONTEXT others, uncompiled, taken back out of the cache each time."""
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.zeros((1, CONTEXT), mx.uint32), cache=cache))
+    ids = mx.zeros((1, n), mx.uint32)
+
+    def run() -> None:
+        mx.eval(model(ids, cache=cache))
+        for c in cache:
+            c.trim(n)
+    return run
+
+
+def _compiled(graph: DecodeGraph, n: int) -> Callable[[], None]:
+    """The same through the decode graph (a plain step at n = 1, `DecodeGraph.verify` past it)."""
+    cache = make_prompt_cache(graph.model)
+    mx.eval(graph.model(mx.zeros((1, CONTEXT), mx.uint32), cache=cache))
+    state = graph.start(cache)
+    ids = mx.zeros((n,), mx.uint32)
+
+    def run() -> None:
+        mx.eval(graph.feed(state, ids) if n == 1 else graph.verify(state, ids))
+        graph.rollback(state, n)
+    return run
+
+
+def measure(model: nn.Module, graph: DecodeGraph | None, k: int, draft: nn.Module | None) -> Costs:
+    """This machine's costs of drafting k tokens with `model` (through `graph` where the solo would)."""
+    with mx.stream(generation_stream):
+        compiled = graph is not None and graph.fits(_filled(model))
+        step = (lambda n: _compiled(graph, n)) if compiled and graph is not None else (lambda n: _one_by_one(model, n))
+        runs = {str(n): step(n) for n in sorted({1, 2, k + 1})}
+        if draft is not None:
+            runs["draft"] = _one_by_one(draft, 1)
+        seconds = fastest(runs)
+    mx.clear_cache()
+    return Costs.measured({int(n): s for n, s in seconds.items() if n != "draft"}, k, seconds.get("draft", 0.0))
+
+
+def _filled(model: nn.Module) -> list:
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.zeros((1, 1), mx.uint32), cache=cache))
+    return cache
+
+
+class Pricing:
+    """A worker's costs of drafting, measured on first use (or given: tests, a known machine)."""
+
+    def __init__(self, k: int, draft: nn.Module | None, costs: Costs | None = None) -> None:
+        self.k, self.draft = k, draft
+        self.costs = costs
+
+    def get(self, model: nn.Module, graph: DecodeGraph | None) -> Costs:
+        if self.costs is None:
+            t0 = time.perf_counter()
+            self.costs = c = measure(model, graph, self.k, self.draft)
+            log.info("[draft] phase=priced k=%d plain_ms=%.3f verify2_ms=%.3f verify_ms=%.3f draft_ms=%.3f "
+                     "break_even=%.2f ms=%d", c.k, c.plain_s * 1e3, c.verify2_s * 1e3, c.verify_s * 1e3,
+                     c.draft_s * 1e3, c.break_even(c.k), (time.perf_counter() - t0) * 1e3)
+        return self.costs

@@ -1,0 +1,464 @@
+"""A vision-language model served by the batch engine: mlx-vlm's model classes and processor, mlx-lm's batch.
+
+`vision_engine` builds the ordinary Engine (engine.py) on an mlx-vlm model and composes two collaborators into it:
+- `VisionPrompts` (the engine's `prompts`): a chat request with images is rendered by the chat template (an image
+  part as the family's placeholder), then the model's processor expands each placeholder to the image's tokens and
+  turns the image into pixels; requests without images encode exactly as a text model's do.
+- `ImagePrefill.prefill` (the engine's `prefill`): the prompt's head, through its last image token, is prefilled
+  here, outside the batch, from the merged embeddings (`get_input_embeddings`: text embeddings with the vision
+  tower's features scattered over the image tokens; Qwen3-VL's deepstack features and M-RoPE positions with it);
+  the request then joins the batch (or the solo lane) with that cache as its prefix, like a prompt-cache hit,
+  and the rest of its prompt and all of its decoding are plain tokens.
+
+`VisionDecoder` is what the batch calls: mlx-vlm's language model behind mlx-lm's model interface (tokens and a
+cache in, logits out; `make_cache` with mlx-lm's cache classes, which batch). Qwen3-VL places tokens by M-RoPE:
+after an image, a token's position is its index plus the prompt's `rope_delta` (negative: an image's tokens span
+fewer positions than their count). A request's delta rides in its cache: `RopeKVCache.rope_delta` alone, and in
+the batch the row's `offset` (mlx-lm's BatchKVCache reads `offset` for positions only; masks use its index and
+padding), so it survives the generator's merge, filter and extend without the generator knowing.
+
+Caches keyed by image: every image's placeholder ids are the same, so the prompt caches know a prompt by its
+`keys` (the engine's `cache_keys`): its ids with each image's run of placeholders replaced by ids drawn from a hash
+of the pixels the processor fed the model (`image_keys`; ids past any vocabulary, so no text collides). The same
+image in a later turn is a hit, a different one at the same place a miss. A hit that covers the images needs no
+vision work at all; Qwen's rope delta, a function of the images before it, is recomputed from the prompt
+(`get_rope_index`, no tower) rather than stored, so both tiers' blocks resume with the right positions. A hit that
+ends before (or inside) the images continues the image prefill from it. `CachedTower` keeps the vision tower's
+output per image (same hash) in a byte-bounded LRU, so an image seen before is not encoded again.
+
+Memory: a request holds at most `max_images` images of at most `max_batch_pixels` decoded pixels in all (checked
+from the headers, before decoding); its image prefill runs in `submit`, one request at a time, so that is also the
+most any burst holds at once: later requests wait in the loop's queue. At load, one image of the processor's
+largest size goes through the whole path (`probe_working_memory`): its peak stays in MLX's buffer cache, so the
+footprint the worker reports at Ready, which admission counts, already holds an image's working memory.
+
+Invariants: greedy output is mlx-vlm's own `generate`'s for the same model, image and prompt (the parity test),
+from a cache hit too; an image that does not decode, one over the limits, or a count of images that is not the
+prompt's, is a RequestRejected, never a failure inside the step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+from protocol.messages import INVALID_REQUEST, Submit
+from worker.engine_api import RequestRejected
+from worker.mlx_engine.engine import Engine
+from worker.mlx_engine.prompt import Prompts
+from worker.mlx_engine.prompt_cache import PromptCaches
+from worker.template_input import chat_template_args, template_messages, template_tools
+
+log = logging.getLogger(__name__)
+
+IMAGE_TYPES = ("image/png", "image/jpeg", "image/webp", "image/gif")
+MAX_IMAGES = 8  # per request, as the gateway's image_max_count default
+MAX_BATCH_PIXELS = 50_000_000  # decoded pixels per request (one image prefill at a time), the gateway's per image
+TOWER_CACHE_BYTES = 256 * 2**20  # the vision tower's outputs kept for images seen before
+KEY_BASE = 1 << 30  # image key ids start past any vocabulary; chain_keys packs ids in 4 bytes
+
+
+class RopeKVCache(KVCache):
+    """A KVCache whose positions run `rope_delta` from its index (Qwen's M-RoPE after an image)."""
+
+    rope_delta = 0
+    kv_blocks = True  # the prompt caches cut it into blocks as a KVCache (layer_state.py): its K carry the positions
+
+    @classmethod
+    def merge(cls, caches: list) -> BatchKVCache:
+        batch = BatchKVCache.merge(caches)
+        batch.offset = batch.offset + mx.array([getattr(c, "rope_delta", 0) for c in caches])
+        return batch
+
+
+class VisionDecoder(nn.Module):
+    """mlx-vlm's language model as mlx-lm's batch and solo lane call a model: `(tokens, cache) -> logits`."""
+
+    def __init__(self, vlm: nn.Module) -> None:
+        super().__init__()
+        self.vlm = vlm
+        self.mrope = hasattr(vlm.language_model, "get_rope_index")  # Qwen-VL: positions are passed explicitly
+
+    @property
+    def layers(self) -> list:
+        return self.vlm.language_model.layers
+
+    def make_cache(self) -> list:
+        """mlx-lm's cache classes (they batch): Gemma 3's sliding layers rotate, as mlx-vlm's own caches do."""
+        lm = self.vlm.language_model
+        config = getattr(lm, "config", None)
+        pattern = getattr(config, "sliding_window_pattern", 0)
+        if config is not None and pattern:
+            return [KVCache() if i % pattern == pattern - 1 else RotatingKVCache(max_size=config.sliding_window, keep=0)
+                    for i in range(len(self.layers))]
+        return [RopeKVCache() for _ in self.layers]
+
+    def adopt(self, cache: list, rope_delta: int = 0) -> list:
+        """A prefix from the prompt caches (plain KVCache layers) in this model's cache classes: Qwen's carry the
+        delta, and every row of a batch must be a RopeKVCache for its merge to keep theirs."""
+        if not self.mrope:
+            return cache
+        out = []
+        for c in cache:
+            r = RopeKVCache()
+            r.keys, r.values, r.offset, r.rope_delta = c.keys, c.values, c.offset, rope_delta
+            out.append(r)
+        return out
+
+    def positions(self, cache: list | None, batch: int, length: int) -> mx.array:
+        """M-RoPE position ids (3, B, L) for tokens after the cache's: the three axes agree on text."""
+        c0 = cache[0] if cache else None
+        if c0 is None:
+            base = mx.zeros((batch, 1), dtype=mx.int32)
+        elif isinstance(c0.offset, mx.array) and c0.offset.ndim:
+            base = c0.offset.reshape(-1, 1)  # a batch row's offset carries its delta (RopeKVCache.merge)
+        else:
+            base = mx.array([[c0.offset + getattr(c0, "rope_delta", 0)]])
+        ids = base + mx.arange(length)[None]
+        return mx.broadcast_to(ids[None], (3, batch, length))
+
+    def __call__(self, inputs: mx.array, cache: list | None = None, **_: Any) -> mx.array:
+        kwargs = {"position_ids": self.positions(cache, *inputs.shape)} if self.mrope else {}
+        return self.vlm.language_model(inputs, cache=cache, **kwargs).logits
+
+
+@dataclass(slots=True)
+class Processed:
+    """A prompt with images, as the processor made it: the ids (each image's tokens expanded) and the model's inputs."""
+
+    ids: list[int]
+    pixel_values: mx.array
+    extra: dict  # image_grid_thw (Qwen), the attention mask, ...
+    keys: list[int] = field(default_factory=list)  # the ids the prompt caches know it by (image_keys)
+
+
+def image_hashes(pixel_values: mx.array, grid: mx.array | None, count: int) -> list[bytes]:
+    """Each image's hash over the pixels fed to the model (and its grid): Qwen's rows are all images' patches,
+    split by each grid's t*h*w; other families hold one image per leading index."""
+    pixels = np.asarray(pixel_values)
+    if grid is not None:
+        rows = [int(np.prod(g)) for g in np.asarray(grid).tolist()]
+        bounds = np.cumsum([0, *rows])
+        parts = [(pixels[a:b], np.asarray(g)) for a, b, g in zip(bounds[:-1], bounds[1:], np.asarray(grid), strict=True)]
+    else:
+        parts = [(pixels[i], np.asarray(pixels.shape[1:])) for i in range(min(count, len(pixels)))]
+    out = []
+    for data, shape in parts:
+        h = hashlib.blake2b(np.ascontiguousarray(shape, dtype=np.int64).tobytes(), digest_size=32)
+        h.update(np.ascontiguousarray(data).tobytes())
+        out.append(h.digest())
+    return out
+
+
+def image_keys(ids: list[int], image_token: int, hashes: list[bytes]) -> list[int]:
+    """`ids` with the k-th run of image tokens replaced by ids drawn from the k-th image's hash (32-bit words, in
+    turn, each < 2**30 past KEY_BASE: a run of n tokens carries 30 * min(n, 8) bits of its image)."""
+    runs, start = [], None
+    for i, t in enumerate([*ids, -1]):
+        if t == image_token and start is None:
+            start = i
+        elif t != image_token and start is not None:
+            runs.append((start, i))
+            start = None
+    if len(runs) != len(hashes):  # a processor that splits an image: every run keyed by all of them together
+        hashes = [hashlib.blake2b(b"".join(hashes), digest_size=32).digest()] * len(runs)
+    keys = list(ids)
+    for (a, b), digest in zip(runs, hashes, strict=True):
+        words = [int.from_bytes(digest[i:i + 4], "little") % KEY_BASE for i in range(0, 32, 4)]
+        keys[a:b] = [KEY_BASE + words[j % 8] for j in range(b - a)]
+    return keys
+
+
+class CachedTower(nn.Module):
+    """The vision tower, with its output for an image seen before (same pixels) taken from an LRU bounded by bytes.
+
+    Called as the tower is, on all of a prompt's images at once; runs the tower on the images it lacks only, one at
+    a time (the tower encodes each image on its own: Qwen's attention is per image, SigLIP's per batch row)."""
+
+    def __init__(self, tower: nn.Module, budget_bytes: int = TOWER_CACHE_BYTES) -> None:
+        super().__init__()
+        self.tower = tower
+        self.kept = _Lru(budget_bytes)
+        self.runs = 0  # images the tower encoded (tests count them)
+
+    def __getattr__(self, key: str) -> Any:  # the tower's own attributes (Qwen reads patch_embed's dtype)
+        if key in self:
+            return self[key]
+        if "tower" not in self:  # while __init__ runs
+            raise AttributeError(key)
+        return getattr(self["tower"], key)
+
+    def __call__(self, pixels: mx.array, grid: mx.array | None = None, **kwargs: Any) -> tuple:
+        hashes = image_hashes(pixels, grid, len(pixels))
+        outs = []
+        for i, digest in enumerate(hashes):
+            out = self.kept.get(digest)
+            if out is None:
+                if grid is not None:
+                    a = int(sum(int(np.prod(g)) for g in np.asarray(grid[:i]).tolist()))
+                    b = a + int(np.prod(np.asarray(grid[i])))
+                    features, deep = self.tower(pixels[a:b], grid[i:i + 1], **kwargs)
+                    out = (features, list(deep))
+                else:
+                    out = (self.tower(pixels[i:i + 1], **kwargs)[0], None)  # SigLIP: (pooled, embeddings, states)
+                mx.eval(out[0], out[1] or [])
+                self.runs += 1
+                self.kept.put(digest, out, out[0].nbytes + sum(d.nbytes for d in out[1] or []))
+            outs.append(out)
+        features = mx.concatenate([o[0] for o in outs], axis=0)
+        if grid is None:
+            return features, None, None
+        return features, [mx.concatenate(list(layer), axis=0) for layer in zip(*(o[1] for o in outs), strict=True)]
+
+
+class _Lru:
+    def __init__(self, budget: int) -> None:
+        self.budget, self.nbytes = budget, 0
+        self.items: OrderedDict[bytes, tuple[Any, int]] = OrderedDict()
+
+    def get(self, key: bytes) -> Any:
+        if key not in self.items:
+            return None
+        self.items.move_to_end(key)
+        return self.items[key][0]
+
+    def clear(self) -> None:
+        self.items.clear()
+        self.nbytes = 0
+
+    def put(self, key: bytes, value: Any, nbytes: int) -> None:
+        if nbytes > self.budget:
+            return
+        self.items[key] = (value, nbytes)
+        self.nbytes += nbytes
+        while self.nbytes > self.budget:
+            self.nbytes -= self.items.popitem(last=False)[1][1]
+
+
+class ImagePrefill:
+    """The prompt's head through its last image token, prefilled from the merged embeddings into a fresh cache."""
+
+    def __init__(self, vlm: nn.Module, decoder: VisionDecoder, image_token: int) -> None:
+        self.vlm = vlm
+        self.decoder = decoder
+        self.image_token = image_token
+        self.pending: Processed | None = None  # the last prompt encoded with images, until its prefill takes it
+        self.caches: PromptCaches | None = None  # the engine's, where it has them: snapshots inside the image prefix
+
+    def keys(self, tokens: list[int]) -> list[int]:
+        """The engine's `cache_keys`: the tokens of the request just encoded, its images keyed by their pixels."""
+        processed = self.pending
+        if processed is None or processed.ids != tokens[:len(processed.ids)]:
+            return tokens
+        return [*processed.keys, *tokens[len(processed.ids):]]
+
+    def prefill(self, rid: str, tokens: list[int], cached: int, prefix: list | None) -> tuple[int, list, int] | None:
+        """The engine's `prefill`: (tokens in the starting cache, it, how many came from the prompt caches) for the
+        request just encoded; `cached` tokens of it were found in the prompt caches (`prefix`, plain layers)."""
+        processed, self.pending = self.pending, None
+        if processed is None or processed.ids != tokens[:len(processed.ids)]:
+            return None if prefix is None else (cached, self.decoder.adopt(prefix), cached)  # text: no delta
+        ids = mx.array(processed.ids)[None]
+        last = max(i for i, t in enumerate(processed.ids) if t == self.image_token)
+        n = min(last + 1, len(processed.ids) - 1)  # the prompt's last token is the batch's: its first decode input
+        if prefix is not None and cached >= n:  # the images' K/V were cached: nothing to encode or prefill
+            delta = 0
+            if self.decoder.mrope:
+                grid, mask = processed.extra.get("image_grid_thw"), processed.extra.get("mask")
+                delta = int(self.vlm.language_model.get_rope_index(ids, grid, None, mask)[1].reshape(-1)[0].item())
+            return cached, self.decoder.adopt(prefix, delta), cached
+        if prefix is None:
+            cached = 0
+        t0 = time.perf_counter()
+        features = self.vlm.get_input_embeddings(ids, processed.pixel_values, **processed.extra)
+        extra = {k: v for k, v in features.to_dict().items() if v is not None and k in (
+            "position_ids", "visual_pos_masks", "deepstack_visual_embeds")}
+        if "position_ids" in extra:
+            extra["position_ids"] = extra["position_ids"][..., :n]
+        if "visual_pos_masks" in extra:
+            extra["visual_pos_masks"] = extra["visual_pos_masks"][:, :n]
+        # from a cached head (it ends before the images or inside them): mlx-vlm aligns the whole prompt's
+        # positions, visual mask and deepstack rows to the cache's offset
+        cache = self.decoder.make_cache() if prefix is None else self.decoder.adopt(prefix)
+        # a model with snapshot layers (Gemma 3's sliding ones) stops at the snapshot points inside this prefix, the
+        # batch's only see the rest: the prefix through the point is stored now (Qwen's layout has none: one call)
+        points = [p for p in self.caches.snapshot_points(len(tokens), cached) if p <= n] if self.caches else []
+        start = cached
+        for end in sorted({*points, n}):
+            self.vlm.language_model(ids[:, start:end], inputs_embeds=features.inputs_embeds[:, start:end],
+                                    cache=cache, **extra)
+            if end in points:
+                self._store(processed.keys[:end], cache)
+            start = end
+        mx.eval([c.state for c in cache])
+        if features.rope_deltas is not None:
+            for c in cache:
+                c.rope_delta = int(features.rope_deltas.reshape(-1)[0].item())
+        log.debug("[vision] rid=%s prefix=%d cached=%d tokens=%d ms=%d", rid, n, cached, len(processed.ids),
+                  (time.perf_counter() - t0) * 1e3)
+        return n, cache, cached
+
+
+    def _store(self, keys: list[int], cache: list) -> None:
+        """Keep the image prefix's blocks through a snapshot point (the cache holds exactly `keys`), as the engine
+        keeps a prompt's at the end of its request; a cache failure costs only the hit."""
+        caches = cast(PromptCaches, self.caches)
+        try:
+            caches.store(keys, cache, {len(keys) // caches.block - 1: caches.snapshot(cache)})
+        except Exception:
+            log.exception("[cache] storing an image prefix failed; going on without it")
+
+
+class VisionPrompts(Prompts):
+    """The engine's prompts, with a chat request's images: rendered, then expanded and read by the processor."""
+
+    def __init__(self, base: Prompts, processor: Any, prefill: ImagePrefill, max_images: int = MAX_IMAGES,
+                 max_batch_pixels: int = MAX_BATCH_PIXELS) -> None:
+        super().__init__(base.tokenizer, base.vocab_size, base.context_length, base.strict_context)
+        self.processor = processor
+        self.images = prefill
+        self.max_images = max_images
+        self.max_batch_pixels = max_batch_pixels
+
+    def encode(self, msg: Submit) -> list[int]:
+        if not msg.images:
+            return super().encode(msg)
+        if msg.messages is None:
+            raise RequestRejected(INVALID_REQUEST, "images go with chat messages, not with a completion prompt")
+        if len(msg.images) > self.max_images:
+            raise RequestRejected(INVALID_REQUEST, f"{len(msg.images)} images sent; this worker takes at most "
+                                                   f"{self.max_images} per request")
+        pictures = decode_images(msg.images, self.max_batch_pixels)
+        try:
+            text = self.tokenizer.apply_chat_template(
+                template_messages(msg.messages), tools=template_tools(msg.tools), tokenize=False,
+                **chat_template_args(msg.messages, msg.template_kwargs))
+        except Exception as exc:  # a template can reject roles or shapes it does not know
+            raise RequestRejected(INVALID_REQUEST, f"chat template rejected the messages: {exc}") from None
+        try:
+            inputs = self.processor(text=[text], images=pictures, add_special_tokens=False)
+        except ValueError as exc:  # the processor's own check: placeholders and images disagree
+            raise RequestRejected(INVALID_REQUEST, f"the images do not fit the prompt: {exc}") from None
+        ids = [int(t) for t in inputs["input_ids"].reshape(-1).tolist()]
+        if self.images.image_token not in ids:
+            raise RequestRejected(INVALID_REQUEST, f"{len(pictures)} image(s) sent, but no message part places one")
+        extra = {k: inputs[k] for k in ("image_grid_thw", "attention_mask") if k in inputs}
+        if "attention_mask" in extra:
+            extra["mask"] = extra.pop("attention_mask")
+        hashes = image_hashes(inputs["pixel_values"], extra.get("image_grid_thw"), len(pictures))
+        self.images.pending = Processed(ids, inputs["pixel_values"], extra,
+                                        image_keys(ids, self.images.image_token, hashes))
+        return ids
+
+
+def decode_images(images: list, max_pixels: int = MAX_BATCH_PIXELS) -> list:
+    """Submit.images as PIL images (RGB, a GIF's first frame); a RequestRejected names the first that fails, or
+    says when their decoded pixels together pass `max_pixels` (from the headers: nothing decoded then)."""
+    from PIL import Image, UnidentifiedImageError
+
+    out, pixels = [], 0
+    for i, item in enumerate(images):
+        if not (isinstance(item, list | tuple) and len(item) == 2 and isinstance(item[1], bytes)):
+            raise RequestRejected(INVALID_REQUEST, f"image {i} is not [media_type, bytes]")
+        media_type, data = item
+        if media_type not in IMAGE_TYPES:
+            raise RequestRejected(INVALID_REQUEST, f"image {i}: media type {media_type!r} is not one of "
+                                                   f"{', '.join(IMAGE_TYPES)}")
+        try:
+            with Image.open(io.BytesIO(data)) as img:
+                pixels += img.width * img.height
+                if pixels > max_pixels:
+                    raise RequestRejected(INVALID_REQUEST, f"the images hold more than {max_pixels} pixels in all; "
+                                                           f"this worker decodes at most that many per request")
+                img.seek(0)
+                out.append(img.convert("RGB"))
+        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
+            raise RequestRejected(INVALID_REQUEST, f"image {i} could not be decoded: {exc}") from None
+    return out
+
+
+def load_vision(model_path: Path, report: Callable[[str, float], None]) -> tuple[nn.Module, Any, TokenizerWrapper]:
+    """mlx-vlm's model and processor, the weights in memory (reporting the fraction), and mlx-lm's tokenizer."""
+    from mlx_vlm import load
+
+    report("reading", 0.0)
+    vlm, processor = load(str(model_path), lazy=True)
+    leaves = [cast(mx.array, kv[1]) for kv in tree_flatten(vlm.parameters())]
+    total, done = sum(v.nbytes for v in leaves) or 1, 0
+    for leaf in leaves:
+        mx.eval(leaf)
+        done += leaf.nbytes
+    report("weights", done / total)
+    eos = getattr(vlm.config, "eos_token_id", None)
+    return vlm, processor, load_tokenizer(model_path, eos_token_ids=eos)
+
+
+def vision_engine(model_path: Path, report: Callable[[str, float], None] = lambda *_: None,
+                  max_images: int = MAX_IMAGES, max_batch_pixels: int = MAX_BATCH_PIXELS,
+                  tower_cache_bytes: int = TOWER_CACHE_BYTES, probe: bool = True, **kwargs: Any) -> Engine:
+    """The batch engine on a vision-language model (the module's docstring); kwargs are Engine's."""
+    loaded: dict[str, Any] = {}
+
+    def loader(path: Path, report: Callable[[str, float], None]) -> tuple:
+        vlm, loaded["processor"], tokenizer = load_vision(path, report)
+        loaded["decoder"] = decoder = VisionDecoder(vlm)
+        return decoder, tokenizer
+
+    kwargs.setdefault("solo", "plain")  # the compiled decode graph is built for mlx-lm's models
+    engine = Engine(model_path, report=report, loader=loader, **kwargs)
+    decoder: VisionDecoder = loaded["decoder"]
+    config = decoder.vlm.config
+    image_token = getattr(config, "image_token_index", None) or config.image_token_id
+    decoder.vlm.vision_tower = CachedTower(decoder.vlm.vision_tower, tower_cache_bytes)
+    images = ImagePrefill(decoder.vlm, decoder, int(image_token))
+    engine.prompts = VisionPrompts(engine.prompts, loaded["processor"], images, max_images, max_batch_pixels)
+    engine.prefill = images.prefill
+    engine.cache_keys = images.keys
+    if probe:
+        probe_working_memory(engine.prompts, images, model_path.name)
+    images.caches = engine.caches  # after the probe: its image is no client's, its prefix not worth keeping
+    return engine
+
+
+def probe_working_memory(prompts: VisionPrompts, images: ImagePrefill, model_id: str) -> int:
+    """One image of the processor's largest size through the whole path (decode, processor, tower, prefill), before
+    Ready: its peak stays in MLX's buffer cache, so the footprint the worker reports, which admission counts, holds
+    an image's working memory, and a later image reuses those buffers. Returns the peak it added (bytes)."""
+    from PIL import Image
+
+    ip = prompts.processor.image_processor
+    size = getattr(ip, "size", None)
+    side = int(math.isqrt(int(ip.max_pixels))) if getattr(ip, "max_pixels", None) else int(
+        max(getattr(size, "height", 0) or 0, getattr(size, "width", 0) or 0) or 896)
+    side = min(side, math.isqrt(prompts.max_batch_pixels))
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (side, side, 3), dtype=np.uint8)).save(buf, "PNG")
+    msg = Submit("probe", 1, messages=[{"role": "user", "content": [{"type": "image"}]}],
+                 images=[["image/png", buf.getvalue()]])
+    tower = cast(CachedTower, images.vlm.vision_tower)
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    t0 = time.perf_counter()
+    tokens = prompts.encode(msg)
+    images.prefill(msg.rid, tokens, 0, None)
+    tower.kept.clear()  # the probe's features are no image a client sent
+    peak = max(0, mx.get_peak_memory() - before)
+    log.info("[vision] model=%s probe side=%d tokens=%d working_bytes=%d ms=%d", model_id, side, len(tokens), peak,
+             (time.perf_counter() - t0) * 1e3)
+    return peak
