@@ -17,10 +17,10 @@ fewer positions than their count). A request's delta rides in its cache: `RopeKV
 the batch the row's `offset` (mlx-lm's BatchKVCache reads `offset` for positions only; masks use its index and
 padding), so it survives the generator's merge, filter and extend without the generator knowing.
 
-Caches keyed by image: every image's placeholder ids are the same, so the prompt caches know a prompt by its
-`keys` (the engine's `cache_keys`): its ids with each image's run of placeholders replaced by ids drawn from a hash
-of the pixels the processor fed the model (`image_keys`; ids past any vocabulary, so no text collides). The same
-image in a later turn is a hit, a different one at the same place a miss. A hit that covers the images needs no
+Caches keyed by image: every image's placeholder ids are the same, so the prompt caches know a prompt by its `keys`
+(the engine's `cache_keys`): its ids with each image's run of placeholders replaced by ids drawn from a hash of the
+pixels the processor fed the model (vision_cache.py's `image_keys`; ids past any vocabulary: no text collides). The
+same image in a later turn is a hit, a different one at the same place a miss. A hit that covers the images needs no
 vision work at all; Qwen's rope delta, a function of the images before it, is recomputed from the prompt
 (`get_rope_index`, no tower) rather than stored, so both tiers' blocks resume with the right positions. A hit that
 ends before (or inside) the images continues the image prefill from it. `CachedTower` keeps the vision tower's
@@ -39,12 +39,10 @@ prompt's, is a RequestRejected, never a failure inside the step.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import logging
 import math
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,6 +61,7 @@ from worker.engine_api import RequestRejected
 from worker.mlx_engine.engine import Engine
 from worker.mlx_engine.prompt import Prompts
 from worker.mlx_engine.prompt_cache import PromptCaches
+from worker.mlx_engine.vision_cache import TOWER_CACHE_BYTES, CachedTower, image_hashes, image_keys
 from worker.template_input import chat_template_args, template_messages, template_tools
 
 log = logging.getLogger(__name__)
@@ -70,8 +69,6 @@ log = logging.getLogger(__name__)
 IMAGE_TYPES = ("image/png", "image/jpeg", "image/webp", "image/gif")
 MAX_IMAGES = 8  # per request, as the gateway's image_max_count default
 MAX_BATCH_PIXELS = 50_000_000  # decoded pixels per request (one image prefill at a time), the gateway's per image
-TOWER_CACHE_BYTES = 256 * 2**20  # the vision tower's outputs kept for images seen before
-KEY_BASE = 1 << 30  # image key ids start past any vocabulary; chain_keys packs ids in 4 bytes
 
 
 class RopeKVCache(KVCache):
@@ -146,109 +143,6 @@ class Processed:
     pixel_values: mx.array
     extra: dict  # image_grid_thw (Qwen), the attention mask, ...
     keys: list[int] = field(default_factory=list)  # the ids the prompt caches know it by (image_keys)
-
-
-def image_hashes(pixel_values: mx.array, grid: mx.array | None, count: int) -> list[bytes]:
-    """Each image's hash over the pixels fed to the model (and its grid): Qwen's rows are all images' patches,
-    split by each grid's t*h*w; other families hold one image per leading index."""
-    pixels = np.asarray(pixel_values)
-    if grid is not None:
-        rows = [int(np.prod(g)) for g in np.asarray(grid).tolist()]
-        bounds = np.cumsum([0, *rows])
-        parts = [(pixels[a:b], np.asarray(g)) for a, b, g in zip(bounds[:-1], bounds[1:], np.asarray(grid), strict=True)]
-    else:
-        parts = [(pixels[i], np.asarray(pixels.shape[1:])) for i in range(min(count, len(pixels)))]
-    out = []
-    for data, shape in parts:
-        h = hashlib.blake2b(np.ascontiguousarray(shape, dtype=np.int64).tobytes(), digest_size=32)
-        h.update(np.ascontiguousarray(data).tobytes())
-        out.append(h.digest())
-    return out
-
-
-def image_keys(ids: list[int], image_token: int, hashes: list[bytes]) -> list[int]:
-    """`ids` with the k-th run of image tokens replaced by ids drawn from the k-th image's hash (32-bit words, in
-    turn, each < 2**30 past KEY_BASE: a run of n tokens carries 30 * min(n, 8) bits of its image)."""
-    runs, start = [], None
-    for i, t in enumerate([*ids, -1]):
-        if t == image_token and start is None:
-            start = i
-        elif t != image_token and start is not None:
-            runs.append((start, i))
-            start = None
-    if len(runs) != len(hashes):  # a processor that splits an image: every run keyed by all of them together
-        hashes = [hashlib.blake2b(b"".join(hashes), digest_size=32).digest()] * len(runs)
-    keys = list(ids)
-    for (a, b), digest in zip(runs, hashes, strict=True):
-        words = [int.from_bytes(digest[i:i + 4], "little") % KEY_BASE for i in range(0, 32, 4)]
-        keys[a:b] = [KEY_BASE + words[j % 8] for j in range(b - a)]
-    return keys
-
-
-class CachedTower(nn.Module):
-    """The vision tower, with its output for an image seen before (same pixels) taken from an LRU bounded by bytes.
-
-    Called as the tower is, on all of a prompt's images at once; runs the tower on the images it lacks only, one at
-    a time (the tower encodes each image on its own: Qwen's attention is per image, SigLIP's per batch row)."""
-
-    def __init__(self, tower: nn.Module, budget_bytes: int = TOWER_CACHE_BYTES) -> None:
-        super().__init__()
-        self.tower = tower
-        self.kept = _Lru(budget_bytes)
-        self.runs = 0  # images the tower encoded (tests count them)
-
-    def __getattr__(self, key: str) -> Any:  # the tower's own attributes (Qwen reads patch_embed's dtype)
-        if key in self:
-            return self[key]
-        if "tower" not in self:  # while __init__ runs
-            raise AttributeError(key)
-        return getattr(self["tower"], key)
-
-    def __call__(self, pixels: mx.array, grid: mx.array | None = None, **kwargs: Any) -> tuple:
-        hashes = image_hashes(pixels, grid, len(pixels))
-        outs = []
-        for i, digest in enumerate(hashes):
-            out = self.kept.get(digest)
-            if out is None:
-                if grid is not None:
-                    a = int(sum(int(np.prod(g)) for g in np.asarray(grid[:i]).tolist()))
-                    b = a + int(np.prod(np.asarray(grid[i])))
-                    features, deep = self.tower(pixels[a:b], grid[i:i + 1], **kwargs)
-                    out = (features, list(deep))
-                else:
-                    out = (self.tower(pixels[i:i + 1], **kwargs)[0], None)  # SigLIP: (pooled, embeddings, states)
-                mx.eval(out[0], out[1] or [])
-                self.runs += 1
-                self.kept.put(digest, out, out[0].nbytes + sum(d.nbytes for d in out[1] or []))
-            outs.append(out)
-        features = mx.concatenate([o[0] for o in outs], axis=0)
-        if grid is None:
-            return features, None, None
-        return features, [mx.concatenate(list(layer), axis=0) for layer in zip(*(o[1] for o in outs), strict=True)]
-
-
-class _Lru:
-    def __init__(self, budget: int) -> None:
-        self.budget, self.nbytes = budget, 0
-        self.items: OrderedDict[bytes, tuple[Any, int]] = OrderedDict()
-
-    def get(self, key: bytes) -> Any:
-        if key not in self.items:
-            return None
-        self.items.move_to_end(key)
-        return self.items[key][0]
-
-    def clear(self) -> None:
-        self.items.clear()
-        self.nbytes = 0
-
-    def put(self, key: bytes, value: Any, nbytes: int) -> None:
-        if nbytes > self.budget:
-            return
-        self.items[key] = (value, nbytes)
-        self.nbytes += nbytes
-        while self.nbytes > self.budget:
-            self.nbytes -= self.items.popitem(last=False)[1][1]
 
 
 class ImagePrefill:
