@@ -220,7 +220,7 @@ def test_anthropic_image_block_answers_as_mlx_vlm(daemon: Daemon, family: str, e
 
 
 TEXTS = ["Tell me about the sea.", "Count the stars for me."]
-TEXT_TOKENS = 96  # long enough that both are still decoding when the image request joins them
+TEXT_TOKENS = 384  # long enough that both are still decoding when the image request joins them, on a loaded box
 
 
 def test_an_image_request_batched_with_text_requests_answers_as_each_alone(daemon: Daemon, family: str,

@@ -149,10 +149,13 @@ def join_blocks(blocks: list[Block], n_tokens: int, layout: CacheLayout, block_t
     cache: list = [None] * len(layout.classes)
     if layout.block_layers:
         parts = [_block_kv(b, layout, block_tokens) for b in blocks]
+        # one concatenation over all layers, cut into per-layer views: a copy per block, not per block and layer
+        # (a 30k-token prompt of a 20-layer model is 470 blocks: 940 copies, not 18,800 kernels on a GPU)
+        keys = mx.concatenate([k for k, _ in parts], axis=2)
+        values = mx.concatenate([v for _, v in parts], axis=2)
         for j, layer in enumerate(layout.block_layers):
             c = KVCache()
-            c.keys = mx.concatenate([k[j] for k, _ in parts], axis=1)[None]
-            c.values = mx.concatenate([v[j] for _, v in parts], axis=1)[None]
+            c.keys, c.values = keys[j:j + 1], values[j:j + 1]
             c.offset = n_tokens  # <= the blocks' length: the rest is overwritten by the next tokens
             cache[layer] = c
     if layout.snapshots:

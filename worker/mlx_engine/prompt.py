@@ -12,6 +12,9 @@ touches the model or the batch.
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from protocol.messages import CONTEXT_LENGTH_EXCEEDED, INVALID_REQUEST, Submit
@@ -26,6 +29,8 @@ from worker.template_input import (
     tool_names,
 )
 
+HEADS_KEPT = 8  # marked heads remembered: a few sessions' system prompts and tools
+
 
 class Prompts:
     def __init__(self, tokenizer: TokenizerWrapper, vocab_size: int, context_length: int,
@@ -36,6 +41,7 @@ class Prompts:
         self.strict_context = strict_context  # max_tokens past the context is refused, not clamped
         self._special_texts = special_token_texts(tokenizer)
         self._renders_tools = renders_tools(tokenizer)
+        self._heads: dict[bytes, list[int]] = {}  # marked heads' token ids by what they render (`_head`)
 
     def encode(self, msg: Submit) -> list[int]:
         if msg.messages is not None:
@@ -64,10 +70,7 @@ class Prompts:
         if n >= len(msg.messages):
             return len(tokens)
         try:
-            head = self.tokenizer.apply_chat_template(template_messages(msg.messages[:max(n, 1)]),
-                                                      tools=template_tools(msg.tools), add_generation_prompt=False,
-                                                      **{k: v for k, v in msg.template_kwargs.items()
-                                                         if k != "continue_final_message"})
+            head = self._head(msg, max(n, 1))
         except Exception:  # a template that refuses a partial conversation: keep the whole prompt marked
             return len(tokens)
         same = 0
@@ -76,6 +79,22 @@ class Prompts:
                 break
             same += 1
         return same
+
+    def _head(self, msg: Submit, n: int) -> list[int]:
+        """The template's rendering of the first `n` messages alone, remembered: an agent marks the same head (its
+        system prompt and tools, most of a 30k-token prompt) on every turn, and often twice in one request."""
+        messages = (msg.messages or [])[:n]
+        kwargs = {k: v for k, v in msg.template_kwargs.items() if k != "continue_final_message"}
+        what = json.dumps([messages, msg.tools, kwargs], sort_keys=True, default=repr)
+        key = hashlib.blake2b(what.encode(), digest_size=16).digest()
+        head = self._heads.pop(key, None)
+        if head is None:
+            head = list(self.tokenizer.apply_chat_template(template_messages(messages), tools=template_tools(msg.tools),
+                                                           add_generation_prompt=False, **kwargs))
+        self._heads[key] = head  # most recent last
+        if len(self._heads) > HEADS_KEPT:
+            del self._heads[next(iter(self._heads))]
+        return head
 
     def tokenize(self, msg: Submit) -> list[int]:
         """The prompt's token ids as `admit` would encode and check them."""
