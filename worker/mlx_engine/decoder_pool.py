@@ -24,7 +24,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes, load_model
 from tokenizers import Tokenizer
 
-from worker.mlx_engine.pooling import unit_rows, window_of
+from worker.mlx_engine.pooling import encode, unit_rows, window_of
 
 # Qwen3-Reranker's documented prompt (its model card): a system turn, the pair, an assistant turn with the empty
 # think block, after which the next token is "yes" or "no".
@@ -90,13 +90,7 @@ class DecoderEmbedder(_Decoder):
     def encode(self, texts: list[str], limit: int | None = None) -> list[list[int]]:
         """Token ids, EOS appended by the tokenizer's post-processor as the model was trained (the pooled token);
         cut to `limit` where given, the text's end cut and the EOS kept."""
-        if limit is None:
-            return [e.ids for e in self.tokenizer.encode_batch(texts)]
-        self.tokenizer.enable_truncation(limit)
-        try:
-            return [e.ids for e in self.tokenizer.encode_batch(texts)]
-        finally:
-            self.tokenizer.no_truncation()
+        return encode(self.tokenizer, texts, limit)
 
     def forward(self, batch: list[list[int]], dimensions: int | None = None) -> list[list[float]]:
         """One unit vector per row, in order; `dimensions` keeps the leading components (Matryoshka), renormed."""

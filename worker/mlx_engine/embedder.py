@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 from protocol.modelkind import RERANK, is_decoder, model_kind
 from worker.embedding_engine import EmbeddingEngine, Reranker, TextEmbedder, run_alone
 from worker.mlx_engine.encoders import Encoder, load_encoder
-from worker.mlx_engine.pooling import pooling_of, unit_rows, window_of
+from worker.mlx_engine.pooling import encode, pooling_of, unit_rows, window_of
 
 log = logging.getLogger(__name__)
 
@@ -49,13 +49,7 @@ class Embedder:
 
     def encode(self, texts: list[str], limit: int | None = None) -> list[list[int]]:
         """Token ids with the model's special tokens; cut to `limit` (its specials kept) where given."""
-        if limit is None:
-            return [e.ids for e in self.tokenizer.encode_batch(texts)]
-        self.tokenizer.enable_truncation(limit)
-        try:
-            return [e.ids for e in self.tokenizer.encode_batch(texts)]
-        finally:
-            self.tokenizer.no_truncation()
+        return encode(self.tokenizer, texts, limit)
 
     def vectors(self, seqs: list[list[int]], dimensions: int | None = None,
                 between: Callable[[], None] = lambda: None) -> list[list[float]]:

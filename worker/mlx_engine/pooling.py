@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import mlx.core as mx
+from tokenizers import Tokenizer
 
 POOLINGS = ("mean", "cls")
 
@@ -37,6 +38,18 @@ def window_of(path: Path, config: dict) -> int:
     except FileNotFoundError:
         pass
     return window
+
+
+def encode(tokenizer: Tokenizer, texts: list[str], limit: int | None) -> list[list[int]]:
+    """Token ids with the model's special tokens (its post-processor's); cut to `limit`, its specials kept, where
+    given. The tokenizer is left without truncation, as it was."""
+    if limit is None:
+        return [e.ids for e in tokenizer.encode_batch(texts)]
+    tokenizer.enable_truncation(limit)
+    try:
+        return [e.ids for e in tokenizer.encode_batch(texts)]
+    finally:
+        tokenizer.no_truncation()
 
 
 def unit_rows(pooled: mx.array, dimensions: int | None) -> list[list[float]]:
