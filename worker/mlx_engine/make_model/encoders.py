@@ -53,7 +53,7 @@ def configure(dims: Mapping, ids: TokenIds, vocab_size: int) -> dict:
 
 def wordpiece(vocab: int, seed: int) -> Tokenizer:
     """A lowercasing WordPiece of about `vocab` tokens trained on the synthetic corpus, as BERT's tokenizer.json."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     tok = Tokenizer(models.WordPiece(unk_token="[UNK]", continuing_subword_prefix="##", max_input_chars_per_word=100))
     tok.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=None,
@@ -63,6 +63,13 @@ def wordpiece(vocab: int, seed: int) -> Tokenizer:
     trainer = trainers.WordPieceTrainer(vocab_size=vocab, special_tokens=list(SPECIALS), show_progress=False,
                                         continuing_subword_prefix="##")
     tok.train_from_iterator(synthetic_corpus(seed), trainer=trainer)
+    return with_cls_sep(tok)
+
+
+def with_cls_sep(tok: Tokenizer) -> Tokenizer:
+    """`[CLS] $A [SEP]` around each input (a pair: `$B [SEP]` after, type 1), as BERT's and ModernBERT's files say."""
+    from tokenizers import processors
+
     cls, sep = ("[CLS]", tok.token_to_id("[CLS]")), ("[SEP]", tok.token_to_id("[SEP]"))
     tok.post_processor = processors.TemplateProcessing(
         single="[CLS]:0 $A:0 [SEP]:0", pair="[CLS]:0 $A:0 [SEP]:0 $B:1 [SEP]:1", special_tokens=[cls, sep])

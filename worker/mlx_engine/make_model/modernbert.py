@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from worker.mlx_engine.make_model.encoders import make_encoder
+from worker.mlx_engine.make_model.encoders import make_encoder, with_cls_sep
 from worker.mlx_engine.make_model.family import Family, TokenIds, TokenSpec
 from worker.mlx_engine.make_model.tokenizer import train_tokenizer
 
@@ -61,14 +61,11 @@ def configure(dims: Mapping, ids: TokenIds, vocab_size: int) -> dict:
 
 def bpe(vocab: int, seed: int) -> Tokenizer:
     """The byte-level BPE with ModernBERT's special tokens added after its merges and its post-processor."""
-    from tokenizers import AddedToken, processors
+    from tokenizers import AddedToken
 
     tok = train_tokenizer(vocab - len(SPECIALS), seed)
     tok.add_special_tokens([AddedToken(t, lstrip=t == "[MASK]", special=True) for t in SPECIALS])
-    cls, sep = ("[CLS]", tok.token_to_id("[CLS]")), ("[SEP]", tok.token_to_id("[SEP]"))
-    tok.post_processor = processors.TemplateProcessing(
-        single="[CLS]:0 $A:0 [SEP]:0", pair="[CLS]:0 $A:0 [SEP]:0 $B:1 [SEP]:1", special_tokens=[cls, sep])
-    return tok
+    return with_cls_sep(tok)
 
 
 def _write_tokenizer(out: Path, tok: Tokenizer, window: int) -> None:
