@@ -22,9 +22,13 @@ Per request: prompt tokens (the worker's own encoding, offline: bench/agent_traf
 token prefix shared with any earlier request of the run since the caches were cleared, its reply included: what
 its worker ran), `cached` (usage),
 `prefilled` (prompt - cached), `excess` (prefilled - (prompt - shared): what the caches missed that they could
-have had; the goal is <= one block), TTFT (to the first generated content), and for the `--cold` turns the same
-request again with both tiers cleared. Writes results.json and results.md to --out. Every process started is
-stopped and proven gone.
+have had; the goal is <= one block), TTFT, and for the `--cold` turns the same request again with both tiers
+cleared. TTFT is the time to the first generated token on both sides alike: each turn is first sent with one token
+out (max_tokens 1, as the mlx_lm side is), timed to its end, and its usage is the turn's; then the same request
+whole, untimed, so the scripted reply is produced and cached as the real session's was (its prompt is then a hit).
+A reply's first content event would be no first token: one that opens with a tool call shows nothing until the
+whole call is decoded. Writes results.json and results.md to --out; `--logs DIR` keeps each family's daemon log
+and worker logs (the worker at debug level) there. Every process started is stopped and proven gone.
 """
 
 from __future__ import annotations
@@ -33,10 +37,12 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -46,7 +52,6 @@ import psutil
 from bench.agent_traffic import PROGRAMS, Recorded, load, submit_of
 from bench.cache_bench import Daemon, machine
 from worker.engine_api import RequestRejected
-from worker.template_input import TOOLS_UNSUPPORTED, renders_tools
 
 ROOT = Path(__file__).resolve().parent.parent
 FAMILIES = ("llama", "qwen3", "qwen3_5", "gemma3", "gpt_oss")
@@ -146,9 +151,9 @@ def shared_prefix(ids: list[int], earlier: list[list[int]]) -> int:
 
 
 def send(d: Daemon, r: Recorded, body: dict) -> tuple[float, dict]:
-    """TTFT (to the first generated content) and the usage of one streamed request."""
+    """Seconds to the end of one streamed request, and its usage."""
     headers = {"x-api-key": KEY, "Authorization": f"Bearer {KEY}", "anthropic-version": "2023-06-01"}
-    t0, first, usage = time.perf_counter(), None, {}
+    t0, usage = time.perf_counter(), {}
     with d.http.stream("POST", r.path, json={**body, "stream": True}, headers=headers) as resp:
         if resp.status_code == 400:  # the model cannot serve it (a template with no tools): nothing to measure
             raise Skipped(f"{r.path} -> 400: {resp.read()[:500].decode(errors='replace')}")
@@ -158,25 +163,28 @@ def send(d: Daemon, r: Recorded, body: dict) -> tuple[float, dict]:
             if not line.startswith("data:") or line.strip() == "data: [DONE]":
                 continue
             event = json.loads(line[5:])
-            kind = event.get("type", "")
-            if first is None and (kind in ("content_block_delta", "response.output_text.delta",
-                                           "response.reasoning_summary_text.delta", "response.reasoning_text.delta",
-                                           "response.function_call_arguments.delta")
-                                  or any(c.get("delta") for c in event.get("choices") or [])):
-                first = time.perf_counter() - t0
             for u in (event.get("usage"), (event.get("message") or {}).get("usage"),
                       (event.get("response") or {}).get("usage")):
                 if u:
                     usage.update(u)
-    return (first if first is not None else time.perf_counter() - t0), usage
+    return time.perf_counter() - t0, usage
+
+
+def capped(r: Recorded, body: dict, tokens: int) -> dict:
+    """`body` with its output cut to `tokens` (each API's own field)."""
+    return {**body, "max_output_tokens" if r.path.startswith("/v1/responses") else "max_tokens": tokens}
 
 
 def body_of(r: Recorded) -> dict:
     """The body to send: as recorded, but a request the script does not answer (a side request: opencode's title)
     generates freely, so its output is cut short rather than run to the context's end."""
-    if r.marker is not None:
-        return r.body
-    return {**r.body, "max_output_tokens" if r.path.startswith("/v1/responses") else "max_tokens": 16}
+    return r.body if r.marker is not None else capped(r, r.body, 16)
+
+
+def first_token(d: Daemon, r: Recorded) -> tuple[float, dict]:
+    """TTFT: the whole request with one token out, as mlx_lm.server's side is timed. A reply's first content event
+    is no first token: one that opens with a tool call shows nothing until the whole call is decoded."""
+    return send(d, r, capped(r, r.body, 1))
 
 
 def counts(usage: dict) -> tuple[int, int]:
@@ -216,7 +224,8 @@ def run_session(d: Daemon, enc: Encoder, mode: str, sessions: dict[str, list[Rec
         ids = enc.ids(r)
         shared = shared_prefix(ids, earlier)
         earlier.append(ids + enc.reply_ids(script[r.marker]) if r.marker in script else ids)  # what its worker ran
-        ttft, usage = send(d, r, body_of(r))
+        ttft, usage = first_token(d, r)  # what this turn prefills and reads, as the real request would
+        send(d, r, body_of(r))  # then the reply, produced and cached as the real session's (its prompt: a hit)
         prompt, cached = counts(usage)
         prefilled = prompt - cached
         turns.append(Turn(mode, name, k + 1, r.path.split("?")[0], prompt, shared, cached, prefilled,
@@ -229,7 +238,7 @@ def run_session(d: Daemon, enc: Encoder, mode: str, sessions: dict[str, list[Rec
     for t in turns:  # the same requests cold, both tiers empty, after the warm run (so they cannot feed it)
         if t.turn in cold or (-1 in cold and t.turn == len(sessions[t.session])) or "all" in cold:
             clear(d)
-            ttft, usage = send(d, sessions[t.session][t.turn - 1], body_of(sessions[t.session][t.turn - 1]))
+            ttft, usage = first_token(d, sessions[t.session][t.turn - 1])
             prompt, cached = counts(usage)
             t.cold_ttft_s, t.cold_prefilled = round(ttft, 3), prompt - cached
     return turns
@@ -285,12 +294,12 @@ def run_mlx_lm(model: Path, enc: Encoder, recorded: dict[str, list[Recorded]], w
     return turns
 
 
-def run_family(family: str, args: argparse.Namespace, work: Path) -> list[Turn]:
+def run_family(family: str, args: argparse.Namespace, work: Path, save: Callable[[list[Turn]], None]) -> None:
+    """The family's replay: its turns `save`d once the daemon's are done, again with mlx_lm.server's (a run cut short
+    meanwhile keeps the daemon's)."""
     model = prepare_model(family, args.preset, args.models, work)
     enc = Encoder(model)
     recorded = {p: load(p) for p in args.programs}
-    if not renders_tools(enc.tokenizer):  # every recorded request sends tools: the worker refuses them all
-        raise Skipped(f"this family's template writes no tools; the worker answers 400: {TOOLS_UNSUPPORTED}")
     script = {}
     for program, session in recorded.items():
         try:
@@ -299,11 +308,12 @@ def run_family(family: str, args: argparse.Namespace, work: Path) -> list[Turn]:
             raise Skipped(f"the worker refuses {program}'s requests: {exc.message}") from None
     (work / f"{family}-script.json").write_text(json.dumps([{"match": m, "reply": r} for m, r in script.items()]))
     config = work / f"{family}.toml"
+    worker_args = ["--script", str(work / f"{family}-script.json"), *(["--log-level", "DEBUG"] if args.logs else [])]
     # the names the programs asked for, as aliases: the chat API maps no unknown name (model_aliases is the agents')
     names = json.dumps(sorted({r.body["model"] for s in recorded.values() for r in s if r.body.get("model")}))
     config.write_text(f'[server]\napi_key = "{KEY}"\ndefault_model = "m"\n[server.model_aliases]\n"*" = "m"\n'
                       f'[models.m]\npath = "{model}"\naliases = {names}\n'
-                      f'worker_args = ["--script", "{work / f"{family}-script.json"}"]\n'
+                      f'worker_args = {json.dumps(worker_args)}\n'
                       f'[cache]\nhot_budget = "{args.hot}"\nssd_dir = "{work / f"{family}-ssd"}"\n')
     d = Daemon(work / f"{family}-state", config)
     d.http.headers["Authorization"] = f"Bearer {KEY}"  # the admin API asks for the key too
@@ -325,18 +335,29 @@ def run_family(family: str, args: argparse.Namespace, work: Path) -> list[Turn]:
         pids = [p.pid for p in psutil.Process(d.proc.pid).children(recursive=True)]
         d.stop()
         gone = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=30)[1]
+        if args.logs is not None:
+            keep_logs(d.state, args.logs / family)
         if gone:
             raise SystemExit(f"left running: {[p.pid for p in gone]}")
+    save(turns)
     if args.server == "mlx_lm":
-        turns += run_mlx_lm(model, enc, recorded, work)
-    return turns
+        save(turns + run_mlx_lm(model, enc, recorded, work))
+
+
+def keep_logs(state: Path, dest: Path) -> None:
+    """The daemon's log and its workers' (state/logs/) copied to `dest`."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for log in [state / "daemon.log", *sorted((state / "logs").glob("*"))]:
+        if log.is_file():
+            shutil.copyfile(log, dest / log.name)
 
 
 def markdown(results: dict) -> str:
     lines = [f"# Agent session replay (issue 34)\n\n`{results['command']}`  \nmlxsup {results['commit']}, "
              f"{results['machine']['cpu']} ({results['machine']['cores']} cores), preset `{results['preset']}`, "
              f"block {BLOCK} tokens. `excess` = prefilled - (prompt - shared): tokens the caches could have "
-             "served and did not (goal: <= one block on every turn after the first).\n"]
+             "served and did not (goal: <= one block on every turn after the first). TTFT: the turn sent with "
+             "max_tokens 1, to its end (the mlx_lm side alike).\n"]
     for family, why in results.get("skipped", {}).items():
         lines.append(f"\n## {family}: not replayed\n\n{why}\n")
     for family, turns in results["families"].items():
@@ -353,6 +374,11 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write(results: dict, out: Path) -> None:
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "results.md").write_text(markdown(results))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--families", default=",".join(FAMILIES))
@@ -364,6 +390,7 @@ def main() -> None:
     ap.add_argument("--server", choices=("mlx_lm",), help="also replay each program's session against this server")
     ap.add_argument("--models", type=Path, help="a folder of make-model folders named by family (else made here)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "cpu" / "agent_replay")
+    ap.add_argument("--logs", type=Path, help="keep each family's daemon and worker logs (worker at debug) here")
     args = ap.parse_args()
     args.programs, args.modes = args.programs.split(","), args.modes.split(",")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
@@ -373,17 +400,24 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="agent-replay-") as tmp:
         for family in args.families.split(","):
             t0 = time.perf_counter()
+
+            def save(turns: list[Turn], family: str = family) -> None:
+                results["families"][family] = [asdict(t) for t in turns]
+                write(results, args.out)
+
             try:
-                results["families"][family] = [asdict(t) for t in run_family(family, args, Path(tmp))]
+                run_family(family, args, Path(tmp), save)
             except Skipped as exc:
                 results.setdefault("skipped", {})[family] = str(exc)
                 print(f"{family}: skipped: {exc}")
+                write(results, args.out)
             print(f"{family}: {time.perf_counter() - t0:.0f} s")
-            (args.out / "results.json").write_text(json.dumps(results, indent=1))
-            (args.out / "results.md").write_text(markdown(results))
     print(f"-> {args.out / 'results.md'}")
 
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # a `timeout` around the replay (the GPU script) ends it by SIGTERM: unwind, so the daemon, its workers and
+    # mlx_lm.server are stopped and the logs kept by the `finally`s, not left running for the next family
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     main()

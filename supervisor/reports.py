@@ -97,6 +97,8 @@ class ModelStatus:
     retry_in_s: float | None = None  # only while failed with no worker: when it is tried again
     generated_tokens: int | None = None  # with context_length: only while it has a worker
     context_length: int | None = None
+    drafted_tokens: int = 0  # with generated_tokens: speculative decoding's tokens over the worker's life, drafted
+    accepted_tokens: int = 0  # and kept; in JSON with `acceptance_rate`, their ratio (null: nothing drafted)
     progress: LoadProgress | None = None  # only while loading
     ranks: tuple[dict[str, Any], ...] = ()  # a worker group's ranks (rank, host, pid, memory_bytes); only then
 
@@ -107,12 +109,18 @@ class ModelStatus:
         if self.retry_in_s is not None:
             out["retry_in_s"] = self.retry_in_s
         if self.generated_tokens is not None:
-            out.update(generated_tokens=self.generated_tokens, context_length=self.context_length)
+            out.update(generated_tokens=self.generated_tokens, context_length=self.context_length,
+                       drafted_tokens=self.drafted_tokens, accepted_tokens=self.accepted_tokens,
+                       acceptance_rate=self.acceptance_rate)
         if self.progress is not None:
             out["progress"] = {"stage": self.progress.stage, "fraction": self.progress.fraction}
         if self.ranks:
             out["ranks"] = [dict(r) for r in self.ranks]
         return out
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else None
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ModelStatus:

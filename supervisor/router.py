@@ -290,6 +290,8 @@ class Router(Generic[MetricsT]):
                            extra[0] if extra and isinstance(extra[0], dict) else None)
 
     def _on_finished(self, worker: Worker, msg: Finished) -> None:
+        worker.drafted += msg.drafted_tokens
+        worker.accepted += msg.accepted_tokens
         stream = worker.streams.pop(msg.rid, None)
         if stream is not None:
             if stream.paused_at is not None:
@@ -373,6 +375,7 @@ class Router(Generic[MetricsT]):
             queued=hb.waiting if hb else 0, worker_active=hb.active if hb else 0, batch_size=hb.batch_size if hb else 0,
             peak_batch_size=hb.max_batch_size if hb else 0, generated_tokens=hb.generated_tokens if hb else 0,
             context_length=worker.info.context_length if worker.info else None,
+            drafted_tokens=worker.drafted, accepted_tokens=worker.accepted,
             cache=cache_admin.stats_view(worker.cache),
             progress=LoadProgress(worker.progress.stage, worker.progress.fraction)
             if worker.state is State.LOADING else None,

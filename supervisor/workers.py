@@ -115,6 +115,8 @@ class Worker:
     step_predicted_s: float = 0.0  # ... and that step's predicted duration
     killing: asyncio.Task | None = None  # the hang kill: stacks dumped, then SIGKILL
     progress: Progress = field(default_factory=lambda: Progress("starting", 0.0))
+    drafted: int = 0  # speculative decoding over its life: tokens drafted, and kept (its Finished messages)
+    accepted: int = 0
     progressed: asyncio.Event = field(default_factory=asyncio.Event)  # replaced after each set
     gone: asyncio.Event = field(default_factory=asyncio.Event)
 

@@ -61,7 +61,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--strict-context", action="store_true",
                    help="refuse a request whose prompt + max_tokens passes the context (default: clamp max_tokens)")
     p.add_argument("--speculative", choices=("off", "prompt-lookup", "draft"), default=None,
-                   help="a request alone drafts tokens and verifies them in one pass (worker/mlx_engine/speculative.py):"
+                   help="requests draft tokens and verify them in one pass (worker/mlx_engine/speculative.py; greedy"
+                        " ones decoding together in lockstep):"
                         " from its own prompt and output (prompt-lookup), or with --draft's model; default: draft"
                         " with --draft, else off")
     p.add_argument("--draft", type=Path, default=None, help="the draft model's folder (the same tokenizer)")

@@ -8,7 +8,9 @@ family (`TokenizerWrapper.tool_call_start`, `tool_parser`). A forced call is wri
 call format, with its arguments constrained by the function's JSON schema: Qwen3's
 `<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`, harmony's
 `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>ARGS<|call|>`. A family whose
-call format no grammar here writes gets ConstraintError (a 400), never an unconstrained answer.
+call format no grammar here writes gets ConstraintError (a 400), never an unconstrained answer. A model whose chat
+template writes no tools gets the worker's own format (worker/tool_fallback.py: Qwen3's JSON calls, whatever its
+tokenizer says), since that is the format its prompt asks for.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from worker import tool_fallback
 from worker.output_parser import HARMONY_MARKERS, HarmonyParser, MarkupParser, OutputParser, PlainParser, ToolFormat
+from worker.template_input import renders_tools
 
 # JSON written compactly and in one way: a forced answer has no whitespace to wander in.
 _JSON_STYLE = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
@@ -50,6 +54,8 @@ def family_of(tokenizer: Any) -> Family:
         parse = tokenizer.tool_parser
         json_call = parse.__module__.endswith(".json_tools")
         tool = ToolFormat(tokenizer.tool_call_start, tokenizer.tool_call_end, lambda text: parse(text, None), json_call)
+    if not renders_tools(tokenizer):
+        tool = tool_fallback.FORMAT
     markers = [*(think or ()), *((tool.start, tool.end) if tool else ())]
     return Family(think=think, tool=tool, marker_ids={m: vocab[m] for m in markers if m in vocab})
 

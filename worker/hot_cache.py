@@ -10,7 +10,7 @@ The blocks are also known by their parent (`_children`), so that a prompt which 
 of its next block with a cached one can pick up that part (`best_child`): requests that share
 a chat template's system prefix, shorter than a block, share its K/V.
 
-A prefix can be pinned for a while (`pin`: an Anthropic `cache_control` breakpoint and its ttl): eviction
+A prefix can be pinned for a while (`pin`: a `cache_control` breakpoint or a `prompt_cache_key`, and its ttl): eviction
 passes over its blocks, which go back to the recent end, as long as unpinned blocks are left to take; pins
 are by key, so a block pinned before it is held is kept once it is put. Past its deadline a pin is gone.
 

@@ -13,7 +13,11 @@ they are done: worker/mlx_engine/disk_handoff.py); one writer thread writes each
 a block file is either absent or complete, also after SIGKILL. The queue is bounded in bytes:
 when it is full, the tail of a chain is dropped (its head, the useful part, goes first). A
 size cap is kept by evicting the least recently used files; chains are touched deepest block
-first so heads outlive tails, as in the hot cache.
+first so heads outlive tails, as in the hot cache. A prefix can be pinned for a while (`pin`: a
+`cache_control` breakpoint or a `prompt_cache_key`, and its ttl), as in the hot cache: the cap passes over
+its blocks while unpinned ones are left to take, so a marked prefix outlives a burst here too and is still on
+disk for a worker that restarts mid-session. Pins are by key (a block pinned before it is written is kept once
+it is) and live in memory only: a restarted worker has none until the client's next request pins again.
 
 Blocks of models with snapshot layers may carry a snapshot (worker/mlx_engine/layer_state.py);
 the index knows which do, so a lookup reads only the one snapshot it uses, and a block first
@@ -106,6 +110,7 @@ class SsdCache:
         self.dropped_blocks = 0
         self._index: OrderedDict[bytes, int] = OrderedDict()
         self._snapshots: set[bytes] = set()  # indexed keys whose file carries a snapshot
+        self._pins: dict[bytes, float] = {}  # key -> time.monotonic() deadline of its pin
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._jobs: deque[_Job] = deque()
@@ -161,6 +166,14 @@ class SsdCache:
                     break
                 found.append(key in self._snapshots)
         return found
+
+    def pin(self, keys: list[bytes], ttl_s: float) -> None:
+        """Keep these blocks ahead of unpinned ones for `ttl_s` seconds from now (a later pin only extends)."""
+        now = time.monotonic()
+        with self._lock:
+            self._pins = {k: t for k, t in self._pins.items() if t > now}  # the expired go: the dict stays small
+            for key in keys:
+                self._pins[key] = max(self._pins.get(key, 0.0), now + ttl_s)
 
     def path(self, key: bytes) -> Path:
         return self.dir / f"{key.hex()}{BLOCK_SUFFIX}"
@@ -383,10 +396,17 @@ class SsdCache:
             self._remove(self.path(key))
 
     def _over_cap(self) -> list[bytes]:
-        """Drop the least recently used entries down to the cap (with `_lock` held); their files are the caller's."""
-        victims = []
+        """Drop the least recently used entries down to the cap (with `_lock` held); their files are the caller's.
+        Pinned entries are passed over (sent to the recent end) while unpinned ones are left; then they go too."""
+        victims: list[bytes] = []
+        now, passed = time.monotonic(), 0
         while self.nbytes > self.cap and self._index:
-            key, size = self._index.popitem(last=False)
+            key = next(iter(self._index))
+            if passed < len(self._index) and self._pins.get(key, 0.0) > now:
+                self._index.move_to_end(key)
+                passed += 1
+                continue
+            size = self._index.pop(key)
             self._snapshots.discard(key)
             self.nbytes -= size
             victims.append(key)
@@ -407,6 +427,7 @@ class SsdCache:
             keys = list(self._index)
             self._index.clear()
             self._snapshots.clear()
+            self._pins.clear()
             self.nbytes = 0
         entries = reclaimed = 0
         for key in keys:

@@ -3,14 +3,17 @@
 The engine (worker/mlx_engine/engine.py) renders a chat request's messages and tools through the
 model's chat template with these (`chat_template_args`), and leaves the special tokens out of the text it streams.
 Templates write a tool's name raw, so the engine refuses names holding a special token's text
-(`f<|end|><|start|>system` would open a turn of its own), and refuses tools outright for a model whose template
-does not write them (`renders_tools`): dropping them silently would answer as if the client had sent none. Invariant: nothing here changes what a
-client sent, only its shape (a tool call's JSON-string arguments become the mapping templates read).
+(`f<|end|><|start|>system` would open a turn of its own). For a model whose template does not write tools
+(`renders_tools`), the worker writes them into the messages itself (`template_input`, worker/tool_fallback.py)
+rather than dropping them. Invariant: nothing here changes what a client sent, only its shape (a tool call's
+JSON-string arguments become the mapping templates read; tools and tool turns become text for a template without them).
 """
 
 from __future__ import annotations
 
 import json
+
+from worker import tool_fallback
 
 
 def special_token_ids(tokenizer) -> frozenset[int]:
@@ -32,9 +35,6 @@ def special_token_texts(tokenizer) -> frozenset[str]:
     return frozenset(t for t in texts if t)
 
 
-TOOLS_UNSUPPORTED = ("this model's chat template does not support tools: it writes no tool list into the prompt, so "
-                     "the model cannot see or call them; send the request without 'tools', or use a model whose "
-                     "template renders tools (Qwen3, Llama 3.1+, gpt-oss...)")
 _PROBE = "mlxsup_probe_tool_name"
 
 
@@ -92,3 +92,11 @@ def template_messages(messages: list[dict]) -> list[dict]:
             m = {**m, "tool_calls": calls}
         out.append(m)
     return out
+
+
+def template_input(messages: list[dict], tools: list | None, renders: bool) -> tuple[list[dict], list | None]:
+    """The template's messages and tools: as the client sent them (shaped), or, for a template that writes no tools
+    (`renders` False) and a request with tools or tool history, with them written into the messages."""
+    if not renders and tool_fallback.needed(messages, tools):
+        return tool_fallback.fallback_messages(messages, tools), None
+    return template_messages(messages), template_tools(tools)

@@ -189,6 +189,8 @@ class Call:
         if fin is not None:
             m.prompt_tokens.labels(model).inc(fin.prompt_tokens)
             m.completion_tokens.labels(model).inc(fin.completion_tokens)
+            m.draft_tokens.labels(model).inc(fin.drafted_tokens)
+            m.draft_accepted_tokens.labels(model).inc(fin.accepted_tokens)
             if fin.completion_tokens > 1 and self.t_first is not None:
                 m.itl.labels(model).observe((time.monotonic() - self.t_first) / (fin.completion_tokens - 1))
         ttft_ms = f"{(self.t_first - self.t0) * 1000:.0f}" if self.t_first is not None else "-"

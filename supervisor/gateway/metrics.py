@@ -52,6 +52,10 @@ class Metrics:
                                 ["model", "endpoint", "outcome"], registry=r)
         self.prompt_tokens = Counter("mlxsup_prompt_tokens", "Prompt tokens processed", ["model"], registry=r)
         self.completion_tokens = Counter("mlxsup_completion_tokens", "Tokens generated", ["model"], registry=r)
+        self.draft_tokens = Counter("mlxsup_draft_tokens", "Tokens drafted by speculative decoding and verified",
+                                    ["model"], registry=r)
+        self.draft_accepted_tokens = Counter("mlxsup_draft_accepted_tokens", "Drafted tokens the model kept",
+                                             ["model"], registry=r)
         self.ttft = Histogram("mlxsup_time_to_first_token_seconds", "Time to first token, load included",
                               ["model"], buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("mlxsup_inter_token_latency_seconds", "Mean time per token after the first, per request",

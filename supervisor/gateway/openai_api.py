@@ -4,7 +4,8 @@ parse_chat / parse_completion turn a JSON body into a `Parsed` (one protocol Sub
 plus the HTTP-side options) or raise InvalidRequest naming the offending parameter. Every field
 OpenAI's API takes is accepted: used where it means something here, else (IGNORED) dropped, so its
 clients work unchanged; an unknown field is dropped with a warning, or refused with `strict`
-(unknown_fields.py). Wrong types and values of the fields used are refused. The Submit is API-neutral: tools as
+(unknown_fields.py). Wrong types and values of the fields used are refused. A `prompt_cache_key` keeps its
+prompt cached with priority for a while, as an Anthropic `cache_control` breakpoint does (`prompt_cache_marks`). The Submit is API-neutral: tools as
 {"name", "description", "parameters"}, tool_choice and response_format as a decoding
 `constraint`; the response shapes live in openai_shape.py. A user message's `image_url` parts become image parts
 (images.py), checked by the route once the model is known.
@@ -48,16 +49,20 @@ _TOKEN_ID = re.compile(r"[0-9]{1,10}")  # ASCII digits only: str.isdigit() also 
 
 # Accepted and ignored: OpenAI fields with no meaning for a local server, which clients (the openai SDK's
 # defaults, LangChain, litellm, openai-agents) send anyway. Refusing them breaks those clients.
-IGNORED = {"user", "store", "metadata", "service_tier", "prompt_cache_key", "prompt_cache_retention",
-           "safety_identifier", "verbosity", "modalities", "prediction", "web_search_options", "audio"}
+IGNORED = {"user", "store", "metadata", "service_tier", "safety_identifier", "verbosity", "modalities", "prediction",
+           "web_search_options", "audio"}
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stream", "stream_options",
            "n", "seed", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty",
            "logit_bias", "logprobs"} | IGNORED
 CHAT_PARAMS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
                          "function_call", "response_format", "parallel_tool_calls", "chat_template_kwargs",
-                         "reasoning_effort"}
+                         "reasoning_effort", "prompt_cache_key", "prompt_cache_retention"}
 COMPLETION_PARAMS = _COMMON | {"prompt", "echo", "best_of", "suffix"}
 REASONING_EFFORTS = ("minimal", "low", "medium", "high")
+MAX_CACHE_KEY = 1024  # characters of a prompt_cache_key
+# how long a prompt_cache_key keeps its prefix, in seconds: OpenAI's in-memory retention (5-10 minutes) as
+# Anthropic's default ttl, and its "24h" capped at Anthropic's longest (a local cache's memory is the user's)
+CACHE_RETENTIONS = {"in_memory": 300.0, "in-memory": 300.0, "24h": 3600.0}  # "in-memory": older SDKs' spelling
 
 
 @dataclass
@@ -340,6 +345,20 @@ def _template_kwargs(body: dict) -> dict:
     return kwargs
 
 
+def prompt_cache_marks(body: dict, messages: int) -> list[list]:
+    """A `prompt_cache_key` as Submit.cache_mark, as an Anthropic breakpoint on the last message: the prompt through
+    its `messages` kept cached with priority for its retention (CACHE_RETENTIONS). One worker serves a model, so
+    the key itself routes nothing: any key marks its request's prompt."""
+    retention = body.get("prompt_cache_retention")
+    if retention is not None and retention not in CACHE_RETENTIONS:
+        raise InvalidRequest("'prompt_cache_retention' must be 'in_memory' or '24h'", param="prompt_cache_retention")
+    key = body.get("prompt_cache_key")
+    if key is not None and (not isinstance(key, str) or len(key) > MAX_CACHE_KEY):
+        raise InvalidRequest(f"'prompt_cache_key' must be a string of at most {MAX_CACHE_KEY} characters",
+                             param="prompt_cache_key")
+    return [[messages, CACHE_RETENTIONS[retention or "in_memory"]]] if key else []
+
+
 def _chat_logprobs(body: dict) -> int:
     top = _integer(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
     wanted = body.get("logprobs")
@@ -367,7 +386,7 @@ def parse_chat(body: Any, strict: bool = False) -> Parsed:
         max_tokens = _integer(body, "max_tokens", 0, 1, MAX_TOKENS_LIMIT) or 0  # 0: up to the context
     submit = Submit(rid=new_id("chatcmpl"), max_tokens=max_tokens, messages=clean, stop=stop, tools=tools,
                     template_kwargs=_template_kwargs(body), constraint=constraint, logprobs=_chat_logprobs(body),
-                    **_sampling(body))
+                    cache_mark=prompt_cache_marks(body, len(clean)), **_sampling(body))
     n = _n(body)
     return Parsed(model, submit, stream, include_usage, fan_out(submit, n), submit.logprobs >= 0, n)
 

@@ -6,7 +6,8 @@ template's messages: `message` items by role (`developer` as `system`), `functio
 assistant's `tool_calls`, `function_call_output` items `tool` messages, `reasoning` items the
 assistant's `reasoning_content`; consecutive assistant items make one assistant turn. Function tools
 become {"name", "description", "parameters"}; tool_choice and `text.format` a decoding constraint;
-`reasoning.effort` the template's reasoning_effort ("none": thinking off). A user message's `input_image`
+`reasoning.effort` the template's reasoning_effort ("none": thinking off); `prompt_cache_key` (Codex sends one every
+request) the chat API's cache mark (openai_api.prompt_cache_marks). A user message's `input_image`
 parts (by `image_url`) become image parts (images.py), kept in the stored turn so a follow-up sees them again.
 
 With `previous_response_id`, the stored conversation (response_store.py, looked up by the caller's
@@ -33,20 +34,19 @@ from supervisor.errors import InvalidRequest
 from supervisor.gateway import unknown_fields
 from supervisor.gateway.images import content as content_of
 from supervisor.gateway.images import image_part, url_source
-from supervisor.gateway.openai_api import MAX_TOKENS_LIMIT, Parsed, new_id, valid_name
+from supervisor.gateway.openai_api import MAX_TOKENS_LIMIT, Parsed, new_id, prompt_cache_marks, valid_name
 from supervisor.gateway.tools import ToolDialect, parse_tool_choice, parse_tools
 from supervisor.units import is_number
 
 log = logging.getLogger(__name__)
 
 # client_metadata is not OpenAI's: Codex sends it on every request
-IGNORED = {"user", "include", "truncation", "service_tier", "prompt_cache_key", "safety_identifier",
-           "prompt_cache_retention", "max_tool_calls", "top_logprobs", "stream_options", "context_management",
-           "client_metadata"}
+IGNORED = {"user", "include", "truncation", "service_tier", "safety_identifier", "max_tool_calls", "top_logprobs",
+           "stream_options", "context_management", "client_metadata"}
 UNSUPPORTED = ("background", "conversation", "prompt")  # accepted when unset (null or false)
 PARAMS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text", "reasoning",
           "max_output_tokens", "temperature", "top_p", "stream", "store", "previous_response_id",
-          "metadata", *UNSUPPORTED} | IGNORED
+          "metadata", "prompt_cache_key", "prompt_cache_retention", *UNSUPPORTED} | IGNORED
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal", "summary_text", "reasoning_text")
 MAX_METADATA_PAIRS = 16
@@ -256,6 +256,7 @@ def parse_responses(body: Any, history: Callable[[str], list[dict]], strict: boo
         raise _bad("'input' must not be empty", "input")
     submit = Submit(rid=new_id("resp"), max_tokens=max_tokens or 0, messages=messages, tools=tools,
                     constraint=constraint or json_format, template_kwargs=kwargs,
+                    cache_mark=prompt_cache_marks(body, len(messages)),
                     temperature=_number(body, "temperature", 1.0, 2.0), top_p=_number(body, "top_p", 1.0, 1.0))
     echo = {"instructions": instructions, "max_output_tokens": max_tokens, "previous_response_id": previous,
             "parallel_tool_calls": body.get("parallel_tool_calls", True), "tool_choice": body.get("tool_choice", "auto"),

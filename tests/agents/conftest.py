@@ -8,9 +8,10 @@ skipped, saying why, only when npm itself is missing or cannot reach its registr
 (`npm install` with the lock, not `npm ci`: a registry mirror that lacks other platforms' optional packages leaves
 them out of the lock, and `npm ci` then refuses the lock as out of date; the lock's versions and hashes still hold.)
 
-`scripted_daemon`: a daemon (API key, `claude-*` names mapped onto qwen3) whose qwen3 worker runs with
-`--script` (worker/scripted.py): SCRIPT's replies are forced token by token through the real model, tokenizer,
-template, output parser and streams, so an agent's tool loop runs the same way every time.
+`scripted_daemon`: a daemon with an API key and otherwise the default configuration (no `model_aliases`, no
+`default_model`: the vendors' model names go to the one chat model there is), whose qwen3 worker runs with
+`--script` (worker/mlx_engine/scripted.py): SCRIPT's replies are forced token by token through the real model,
+tokenizer, template, output parser and streams, so an agent's tool loop runs the same way every time.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ PROGRAMS = ("claude", "codex", "opencode")
 KEY = "sk-local-test"
 UNREACHABLE = re.compile(r"ENOTFOUND|EAI_AGAIN|ECONNREFUSED|ECONNRESET|ETIMEDOUT|ENETUNREACH|EHOSTUNREACH")
 DONE = "MLXSUP-DONE"  # in every final answer
+# a project's agent with one tool, so that its requests stay small (the built-in ones get every tool: ~23k tokens)
+CHECKER = "---\nname: checker\ndescription: Checks a file\ntools: Read\n---\nCheck what you are asked to, and report.\n"
 MADE = "echo made > made.txt && echo MLXSUP-STEP-2"  # the command each program's shell tool is asked to run
 
 
@@ -46,6 +49,11 @@ def tool_call(name: str, arguments: dict) -> str:
 SCRIPT = [
     {"match": "MLXSUP-STEP-2", "reply": f"The file is made. {DONE}"},
     {"match": "CLAUDE-STEP-1", "reply": tool_call("Bash", {"command": MADE, "description": "Create made.txt"})},
+    # a Claude Code subagent (CHECKER) on its small model: its report carries MLXSUP-STEP-2 back to the main loop
+    {"match": "CLAUDE-HELPER-1", "reply": tool_call("Agent", {
+        "description": "Check made.txt", "prompt": "Check made.txt. CLAUDE-SUB-1", "subagent_type": "checker",
+        "model": "haiku", "run_in_background": False})},
+    {"match": "CLAUDE-SUB-1", "reply": "made.txt holds made. MLXSUP-STEP-2"},
     {"match": "CODEX-STEP-1", "reply": tool_call("exec_command", {"cmd": MADE})},
     {"match": "OPENCODE-STEP-1", "reply": tool_call("bash", {"command": MADE, "description": "Create made.txt"})},
     {"match": "WEATHER-STEP-1", "reply": tool_call("get_weather", {"city": "Paris", "days": 2})},
@@ -94,8 +102,7 @@ def scripted_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon
     script = root / "script.json"
     script.write_text(json.dumps(SCRIPT))
     config = root / "mlxsup.toml"
-    config.write_text(f'[server]\napi_key = "{KEY}"\ndefault_model = "qwen3"\n'
-                      '[server.model_aliases]\n"claude-*" = "qwen3"\n'
+    config.write_text(f'[server]\napi_key = "{KEY}"\n'
                       f'[models.qwen3]\npath = "{model}"\nworker_args = ["--script", "{script}"]\n')
     d = start_daemon(root / "state", "--config", str(config))
     yield d

@@ -2,8 +2,9 @@
 
 Every request is forwarded as it came (method, path, headers, body) and its response streamed back byte for byte
 as it arrives (a stream stays a stream; the connection closes after each response). Each request is recorded as
-a `Seen` with its JSON body, when it has one. `drop`: top-level JSON fields removed before forwarding (to see what a
-program does past a field the daemon refuses today). Test-only; it listens on loopback.
+a `Seen` with its JSON body, when it has one, and the response's status and bytes as the program received them.
+`drop`: top-level JSON fields removed before forwarding (to see what a program does past a field the daemon refuses
+today). Test-only; it listens on loopback.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import http.client
 import json
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Self
 from urllib.parse import urlsplit
@@ -47,6 +48,7 @@ class Seen:
     path: str
     body: dict | None
     status: int = 0
+    response: bytearray = field(default_factory=bytearray)
 
 
 class RecordingProxy(LoopbackServer):
@@ -56,7 +58,6 @@ class RecordingProxy(LoopbackServer):
         self.host, self.port = up.hostname or "127.0.0.1", up.port or 80
         self.seen: list[Seen] = []
         self._serve(self._handler(), "recording-proxy")
-
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         proxy = self
@@ -91,6 +92,7 @@ class RecordingProxy(LoopbackServer):
                     self.send_header("Connection", "close")
                     self.end_headers()
                     while chunk := resp.read1(65536):
+                        seen.response += chunk
                         self.wfile.write(chunk)
                         self.wfile.flush()
                 except (BrokenPipeError, ConnectionResetError):  # the program went away mid-response (killed)
@@ -117,7 +119,10 @@ class OutsideRefused(LoopbackServer):
 
             def _refuse(self) -> None:
                 attempts.append(self.path)
-                self.send_error(403, "outside access refused by the test")
+                try:
+                    self.send_error(403, "outside access refused by the test")
+                except (BrokenPipeError, ConnectionResetError):  # it gave up first: refused all the same
+                    pass
 
             do_CONNECT = do_GET = do_POST = do_PUT = do_DELETE = do_HEAD = _refuse
 

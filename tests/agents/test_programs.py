@@ -7,7 +7,10 @@ refuses the outside world and records what was tried. Each run is bounded in tim
 session is proven gone afterwards.
 
 Each program runs as a new user would, with its default settings (issue 26): Claude Code's max_tokens and
-opencode's pass the context and are clamped to it, Codex's client_metadata is ignored. The daemon's log must show
+opencode's pass the context and are clamped to it, Codex's client_metadata is ignored. Claude Code gets nothing but
+ANTHROPIC_BASE_URL and ANTHROPIC_API_KEY (issue 34): its nonessential traffic (api.anthropic.com) is refused
+outside, and its two turns, the second with a subagent on its small model (claude-haiku-*), run on the one worker
+of the daemon's default configuration. The daemon's log must show
 every request of the run served 200, and the model nothing left running. docs/agents-traffic.md records what each
 sends; the README's "Using mlxsup with Claude Code, Codex and opencode" gives these very settings.
 """
@@ -27,11 +30,13 @@ import httpx
 import psutil
 import pytest
 
-from tests.agents.conftest import DONE, KEY
-from tests.agents.proxy import OutsideRefused, RecordingProxy
+from tests.agents.conftest import CHECKER, DONE, KEY
+from tests.agents.proxy import OutsideRefused, RecordingProxy, Seen
 from tests.conftest import Daemon, assert_gone, wait_for
 
 REQUEST_LINE = re.compile(r"\[request\] model=(\S+) endpoint=(\S+) status=(\d+)")
+CLAUDE_ARGS = ["--output-format", "json", "--allowedTools", "Bash"]
+LOADED = re.compile(r"\[load\] model=(\S+) pid=\d+ ready")  # once per worker started, spare or not
 
 
 @dataclass
@@ -60,19 +65,38 @@ def setup(tmp_path: Path, agent_bin: Path, scripted_daemon: Daemon) -> Iterator[
     served_all(s)
 
 
+def daemon_log(s: Setup, start: int | None = None) -> str:
+    """The daemon's log since this test began (from `start`, when given)."""
+    with open(s.daemon.state_dir / "daemon.log", "rb") as f:
+        f.seek(s.log_from if start is None else start)
+        return f.read().decode(errors="replace")
+
+
+def models_now(s: Setup) -> list[dict]:
+    """/api/status's models (the daemon wants its key there too)."""
+    status = httpx.get(s.daemon.url + "/api/status", headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
+    return status.json()["models"]
+
+
+def usage_of(seen: Seen) -> dict:
+    """The usage a Messages response reported: the whole message's, or the last a stream's events gave."""
+    text = seen.response.decode(errors="replace")
+    if text.lstrip().startswith("{"):
+        return json.loads(text).get("usage") or {}
+    events = [json.loads(line[5:]) for line in text.splitlines() if line.startswith("data:")]
+    return next((e["usage"] for e in reversed(events) if "usage" in e), {})
+
+
 def served_all(s: Setup) -> None:
     """The daemon served every request of the run 200 (a refusal would be logged with its 4xx), and nothing of it
     is left running on the model."""
-    with open(s.daemon.state_dir / "daemon.log", "rb") as f:
-        f.seek(s.log_from)
-        log = f.read().decode(errors="replace")
+    log = daemon_log(s)
     served = REQUEST_LINE.findall(log)
     assert served and all(status == "200" for _, _, status in served), served
     assert "context_length_exceeded" not in log and "unknown field" not in log
 
     def idle() -> bool:
-        status = httpx.get(s.daemon.url + "/api/status", headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
-        return all(m["in_flight"] == 0 and m["queued"] == 0 for m in status.json()["models"])
+        return all(m["in_flight"] == 0 and m["queued"] == 0 for m in models_now(s))
 
     wait_for(idle, 30, what="the model to have nothing in flight")
 
@@ -111,22 +135,42 @@ def made(s: Setup) -> bool:
     return (s.work / "made.txt").is_file() and (s.work / "made.txt").read_text() == "made\n"
 
 
-def test_claude_code_runs_its_bash_tool(setup: Setup) -> None:
-    env = {"ANTHROPIC_BASE_URL": "", "ANTHROPIC_API_KEY": KEY, "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-           "DISABLE_AUTOUPDATER": "1", "DISABLE_TELEMETRY": "1", "DISABLE_ERROR_REPORTING": "1"}
+def test_claude_code_with_its_defaults_runs_two_turns_on_one_worker(setup: Setup) -> None:
+    """Only where the API is and a key (nonessential traffic on, no model variables): a Bash turn, then a
+    `--continue` turn whose helper subagent runs on Claude Code's small model; every name is served by the one
+    worker, and the second turn reads the first's prompt from the cache."""
+    (setup.work / ".claude" / "agents").mkdir(parents=True)
+    (setup.work / ".claude" / "agents" / "checker.md").write_text(CHECKER)
     with RecordingProxy(setup.daemon.url) as proxy, OutsideRefused() as outside:
-        env["ANTHROPIC_BASE_URL"] = proxy.url
-        ran = run(["claude", "-p", "Create the file made.txt. CLAUDE-STEP-1", "--output-format", "json",
-                   "--allowedTools", "Bash"], setup, env, outside, timeout=300)
-    assert ran.rc is not None, f"claude did not finish: {ran.err[-2000:]}"
-    result = json.loads(ran.out)
-    assert result["is_error"] is False, result
-    assert DONE in result["result"] and made(setup)
-    assert {s.path.split("?")[0] for s in proxy.seen} == {"/v1/messages"}
-    assert "Bash" in [t["name"] for t in proxy.seen[0].body["tools"]]
+        env = {"ANTHROPIC_BASE_URL": proxy.url, "ANTHROPIC_API_KEY": KEY}
+        first = run(["claude", "-p", "Create the file made.txt. CLAUDE-STEP-1", *CLAUDE_ARGS], setup, env, outside,
+                    timeout=300)
+        turn_one = len(proxy.seen)
+        second = run(["claude", "-p", "--continue", "Have a helper check made.txt. CLAUDE-HELPER-1", *CLAUDE_ARGS],
+                     setup, env, outside, timeout=300)
+    for ran in (first, second):
+        assert ran.rc is not None, f"claude did not finish: {ran.err[-2000:]}"
+        result = json.loads(ran.out)
+        assert result["is_error"] is False and DONE in result["result"], result
+    assert made(setup)
+    models = [str((s.body or {}).get("model")) for s in proxy.seen]
+    opening = proxy.seen[0].body or {}
+    assert {s.path.split("?")[0] for s in proxy.seen} == {"/v1/messages"}, [s.path for s in proxy.seen]
+    assert all(s.status == 200 for s in proxy.seen), list(zip(models, [s.status for s in proxy.seen]))
+    assert "Bash" in [t["name"] for t in opening["tools"]]
     # its default output limit passes the context (a ~34k prompt in 40,960): clamped, not refused
-    assert proxy.seen[0].body["max_tokens"] + 30000 > 40960 and all(s.status == 200 for s in proxy.seen)
-    assert outside.attempts == [], outside.attempts
+    assert opening["max_tokens"] + 30000 > 40960
+    assert [m for m in models if "haiku" in m], f"no request named its small model: {models}"
+    # whatever it sent the daemon came through the proxy; what it tried outside (telemetry) was refused
+    assert len(REQUEST_LINE.findall(daemon_log(setup))) == len(proxy.seen), models
+    assert not [a for a in outside.attempts if "127.0.0.1" in a or "localhost" in a], outside.attempts
+    # one worker over the whole run, for every name asked for
+    assert LOADED.findall(daemon_log(setup, 0)) == ["qwen3"], f"workers loaded for {models}: {daemon_log(setup)}"
+    assert [(m["id"], m["restarts"]) for m in models_now(setup) if m["pid"]] == [("qwen3", 0)]
+    # the second turn's main requests read the first's prompt from the hot cache
+    cached = [usage_of(s).get("cache_read_input_tokens", 0)
+              for s, m in zip(proxy.seen[turn_one:], models[turn_one:]) if m == models[0]]
+    assert cached and all(c > 0 for c in cached), (cached, models)
 
 
 def test_codex_runs_its_exec_command_tool(setup: Setup) -> None:

@@ -1,11 +1,11 @@
 """Drafting in the solo gives plain decoding's tokens, exactly (issue 30, first slice).
 
 Real MLX on the CPU, the families' tiny models, the product's Engine driven by submit/step. Greedy ids with
-drafting on (prompt lookup, a draft model) must be those with it off, token for token: where drafts are kept
-(KV caches: llama, qwen3), where the caches allow drafting only for a while (gemma3: its sliding window fills)
-and where they never do (qwen3_5: recurrent layers); across a hand-over into the batch right after a step that
-kept drafts; ending exactly at max_tokens, an EOS and a stop string. A seeded sampled request is reproducible,
-and a draft that keeps nothing stops being asked.
+drafting on (prompt lookup, a draft model, the oracle) must be those with it off, token for token: where a trim
+undoes rejected drafts (KV caches: llama, qwen3) and where it cannot (qwen3_5's recurrent layers, gemma3's full
+sliding window: marked and re-fed, rollback.py), compiled and not; across a hand-over into the batch right after a
+step that rejected drafts; ending exactly at max_tokens, an EOS and a stop string. A seeded sampled request gives
+plain seeded decoding's ids, whole and resumed, and a draft that keeps nothing stops being asked.
 """
 
 from __future__ import annotations
@@ -57,6 +57,11 @@ def greedy(rid: str = "a", prompt: list[int] = PROMPT, n: int = 60, **kw: object
     return Submit(rid=rid, max_tokens=n, prompt_ids=prompt, temperature=0.0, **({"ignore_eos": True} | kw))
 
 
+def partly_wrong(record: list[int], start: int) -> list[int]:
+    """`record` with every fifth token past `start` changed: an oracle of it has drafts rejected at known places."""
+    return [t + 1 if i > start and i % 5 == 0 else t for i, t in enumerate(record)]
+
+
 @pytest.fixture(scope="module")
 def drafts(family_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """llama's tokenizer with other weights (`other`: a draft that keeps almost nothing), and a llama of another
@@ -77,7 +82,7 @@ def plain(family_models: Path) -> dict[str, Engine]:
     return {name: Engine(family_models / name) for name in ("llama", "qwen3", "gemma3", "qwen3_5")}
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "qwen3_5"])
 def test_prompt_lookup_keeps_drafts_and_gives_plain_decoding_s_ids(family_models: Path, plain: dict,
                                                                    name: str) -> None:
     expected, _ = run(plain[name], greedy())
@@ -104,42 +109,39 @@ def test_a_draft_model_with_another_tokenizer_is_refused(family_models: Path, dr
         Engine(family_models / "llama", speculative="draft", draft=drafts / "foreign")
 
 
-def test_a_sliding_window_drafts_until_it_is_full_then_decodes_plainly(family_models: Path, plain: dict) -> None:
-    """gemma3's tiny window is 32 tokens: a 12-token prompt drafts, and past the window a trim could not undo a
-    draft (the window overwrote what it would need), so drafting ends for the request."""
-    prompt = BLOCK[:6] * 2
-    expected, _ = run(plain["gemma3"], greedy(prompt=prompt, n=40))
-    engine = drafting(family_models / "gemma3", speculative="prompt-lookup")
-    got, fin = run(engine, greedy(prompt=prompt, n=12), until=8)
-    assert engine._solo is not None and engine._solo.drafting is not None
-    drive(engine, "a")
-    got, fin = run(engine, greedy(prompt=prompt, n=40), until=30)
-    assert engine._solo is not None and engine._solo.drafting is None  # the window is full: off
-    more, fin = drive(engine, "a")
-    assert got + more == expected and fin is not None and fin.drafted_tokens > 0
+@pytest.mark.parametrize("name, solo", [("qwen3_5", "auto"), ("qwen3_5", "plain"), ("gemma3", "plain")],
+                         ids=["recurrent-compiled", "recurrent", "full-window"])
+def test_layers_a_trim_cannot_undo_draft_and_give_plain_decoding_s_ids(family_models: Path, plain: dict, name: str,
+                                                                       solo: str) -> None:
+    """qwen3_5's Gated DeltaNet layers (ArraysCache) and gemma3's sliding window, full from the start (its tiny
+    window is 32 tokens, the prompt 90): their state is marked before a verification, given back after a rejection,
+    and the kept tokens fed again. The oracle keeps every draft; a partly wrong one has drafts rejected."""
+    expected, _ = run(plain[name], greedy())
+    engine = Engine(family_models / name, solo=solo)
+    assert (engine.graph is not None) == (solo == "auto")
+    for record, all_kept in [(PROMPT + expected, True), (partly_wrong(PROMPT + expected, len(PROMPT)), False)]:
+        engine.speculation = Speculation("oracle", 4, oracle=record)
+        got, fin = run(engine, greedy())
+        assert got == expected and fin is not None and fin.accepted_tokens > 0
+        assert (fin.drafted_tokens == fin.accepted_tokens) == all_kept
 
 
-def test_recurrent_layers_never_draft(family_models: Path, plain: dict) -> None:
-    expected, _ = run(plain["qwen3_5"], greedy())
-    engine = drafting(family_models / "qwen3_5", speculative="prompt-lookup")
-    got, fin = run(engine, greedy(), until=2)
-    assert engine._solo is not None and engine._solo.drafting is None  # no rollback for an ArraysCache
-    more, fin = drive(engine, "a")
-    assert got + more == expected and fin is not None and fin.drafted_tokens == 0
-
-
-def test_a_second_request_right_after_rejected_drafts_loses_and_repeats_nothing(family_models: Path,
-                                                                            plain: dict) -> None:
-    expected, _ = run(plain["llama"], greedy())
+@pytest.mark.parametrize("name", ["llama", "qwen3_5"])
+def test_a_second_request_right_after_rejected_drafts_loses_and_repeats_nothing(family_models: Path, plain: dict,
+                                                                            name: str) -> None:
+    """The cache the batch takes holds exactly the tokens emitted: trimmed back (llama), or given back its marked
+    recurrent state and fed the kept tokens again (qwen3_5)."""
+    expected, _ = run(plain[name], greedy())
     other = greedy("b", BLOCK[::-1], 10)
-    expected_b, _ = run(plain["llama"], other)
-    engine = drafting(family_models / "llama", speculative="prompt-lookup")
+    expected_b, _ = run(plain[name], other)
+    engine = Engine(family_models / name)
+    engine.speculation = Speculation("oracle", 4, oracle=partly_wrong(PROMPT + expected, len(PROMPT)))
     engine.submit(greedy())
     got: dict[str, list[int]] = {}
     solo = engine._solo
     assert solo is not None and solo.drafting is not None
     counts = solo.drafting.counts
-    while True:  # until a step just rejected drafts (its cache trimmed back), after some were kept
+    while engine._solo is solo:  # until a step just rejected drafts (its cache rolled back), after some were kept
         before = counts.drafted - counts.accepted
         chunks, _ = engine.step()
         for chunk in chunks:
@@ -162,15 +164,21 @@ def test_max_tokens_ends_exactly_where_plain_decoding_does(family_models: Path, 
     assert got == expected and len(got) == n and fin is not None and fin.finish_reason == "length"
 
 
-def test_an_eos_among_kept_drafts_ends_it_there(family_models: Path, plain: dict) -> None:
+@pytest.mark.parametrize("name", ["llama", "qwen3_5"])
+def test_an_eos_among_kept_drafts_ends_it_there(family_models: Path, plain: dict, name: str) -> None:
     """A token the model says often made the EOS (in both engines): a draft step that keeps it, and drafts after
-    it, must emit nothing past it."""
-    expected, _ = run(plain["llama"], greedy())
+    it, must emit nothing past it, and hand back a cache of the tokens up to it (qwen3_5: re-fed, its recurrent
+    state marked)."""
+    expected, _ = run(plain[name], greedy())
     eos = expected[20]
-    engine = drafting(family_models / "llama", speculative="draft", draft=family_models / "llama", num_draft_tokens=8)
-    plain["llama"]._eos = engine._eos = {eos}
+    if name == "llama":
+        engine = drafting(family_models / name, speculative="draft", draft=family_models / name, num_draft_tokens=8)
+    else:  # a draft model of recurrent layers cannot roll back its own cache: the oracle drafts instead
+        engine = Engine(family_models / name)
+        engine.speculation = Speculation("oracle", 8, oracle=PROMPT + expected)
+    plain[name]._eos = engine._eos = {eos}
     try:
-        want, _ = run(plain["llama"], greedy(ignore_eos=False))
+        want, _ = run(plain[name], greedy(ignore_eos=False))
         engine.submit(greedy(ignore_eos=False))
         solo = engine._solo
         assert solo is not None
@@ -178,12 +186,14 @@ def test_an_eos_among_kept_drafts_ends_it_there(family_models: Path, plain: dict
         solo.step = lambda chunk: said.append(step(chunk)) or said[-1]  # type: ignore[method-assign]
         got, fin = drive(engine, "a")
     finally:
-        plain["llama"]._eos = set(plain["llama"].tokenizer.eos_token_ids)
+        plain[name]._eos = set(plain[name].tokenizer.eos_token_ids)
     assert got == want == expected[:expected.index(eos)] and fin is not None and fin.finish_reason == "stop"
     assert fin.accepted_tokens > 0
     last = said[-1]  # the solo itself said nothing past the EOS, and handed back a cache of the tokens up to it
-    assert [r.finish_reason for r in last][-1] == "stop" and all(r.finish_reason is None for r in last[:-1])
-    assert last[-1].all_tokens == PROMPT + want + [eos] and last[-1].prompt_cache[0].offset == len(PROMPT + want) + 1
+    assert len(last) > 1 and [r.finish_reason for r in last][-1] == "stop"
+    assert all(r.finish_reason is None for r in last[:-1])
+    attention = next(c for c in last[-1].prompt_cache if hasattr(c, "offset"))
+    assert last[-1].all_tokens == PROMPT + want + [eos] and attention.offset == len(PROMPT + want) + 1
 
 
 def test_a_stop_string_inside_kept_drafts_ends_it_there(family_models: Path, plain: dict) -> None:
@@ -197,15 +207,32 @@ def test_a_stop_string_inside_kept_drafts_ends_it_there(family_models: Path, pla
     assert len(engine) == 0 and engine._solo is None
 
 
-def test_a_seeded_sampled_request_is_reproducible(family_models: Path) -> None:
-    engine = drafting(family_models / "llama", speculative="prompt-lookup")
-    msg = Submit(rid="s", max_tokens=40, prompt_ids=PROMPT, temperature=0.8, seed=7, ignore_eos=True)
-    first, fin = run(engine, msg)
-    again, fin2 = run(engine, msg)
-    assert first == again and len(first) == 40
-    assert fin is not None and fin2 is not None and fin.drafted_tokens == fin2.drafted_tokens > 0
-    other, _ = run(engine, Submit(rid="t", max_tokens=40, prompt_ids=PROMPT, temperature=0.8, seed=8, ignore_eos=True))
-    assert other != first  # the seed matters
+@pytest.mark.parametrize("name, mode, temperature", [("llama", "oracle", 0.8), ("qwen3_5", "prompt-lookup", 0.4)])
+def test_a_seeded_sampled_request_gives_plain_seeded_ids_whole_and_resumed(family_models: Path, plain: dict,
+                                                                           name: str, mode: str,
+                                                                           temperature: float) -> None:
+    """A seeded request's tokens are its seeded sampler's draws, each numbered by the tokens before it: drafting on
+    or off, and resumed after any token (the resume's stream skips the draws of the tokens it was given), the ids
+    are the same. The oracle proposes plain seeded decoding's own ids (all kept); prompt lookup keeps some."""
+    def seeded(seed: int = 7, cut: int = 0) -> Submit:
+        return Submit(rid="s", max_tokens=40 - cut, prompt_ids=PROMPT, temperature=temperature, seed=seed,
+                      ignore_eos=True, resume_tokens=expected[:cut])
+
+    expected: list[int] = []
+    expected, _ = run(plain[name], seeded())
+    if mode == "oracle":
+        engine = Engine(family_models / name)
+        engine.speculation = Speculation("oracle", 4, oracle=PROMPT + expected)
+    else:
+        engine = drafting(family_models / name, speculative=mode)
+    got, fin = run(engine, seeded())
+    assert got == expected and len(got) == 40 and fin is not None and fin.accepted_tokens > 0
+    assert (fin.drafted_tokens == fin.accepted_tokens) == (mode == "oracle")
+    for cut in (1, 13):
+        got, fin = run(engine, seeded(cut=cut))
+        assert got == expected[cut:] and fin is not None and fin.drafted_tokens > 0
+    other, _ = run(engine, seeded(seed=8))
+    assert other != expected  # the seed matters
 
 
 def test_a_draft_that_keeps_nothing_stops_being_asked(family_models: Path, plain: dict, drafts: Path) -> None:

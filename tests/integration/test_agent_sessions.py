@@ -1,8 +1,11 @@
 """Issue 34: an agent session's turns on one daemon, as the agents send them.
 
 - A hybrid model (qwen3_5: recurrent layers, whose state cannot be cut at any token) keeps a reusable state at
-  the end of each reply (worker/mlx_engine/engine.py: `_take_reply_snapshot`), so a tool loop's next turn, which
+  the end of each reply (worker/mlx_engine/snapshots.py: `Snapshots.of_replies`), so a tool loop's next turn, which
   carries the reply back, prefills only its own new tokens and under one block: not the reply again.
+- The first sibling session (an agent's subagent: the same system prompt and tools, then its own first message)
+  picks up the head its elder left, for a hybrid and a sliding-window model (gemma3): the elder's prefill stopped
+  for a snapshot at its head's end (`Prompts.head_end`), where the sibling branches.
 - Claude Code's side requests name a small model of Anthropic's (claude-haiku-*); with a default configuration
   (no aliases, no default model) they are served by the one model loaded, and no second worker starts.
 
@@ -18,8 +21,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from mlx_lm.utils import load_tokenizer
 
+from protocol.messages import Submit
 from tests.conftest import MLXSUP, Daemon, assert_gone, start_daemon
+from worker.mlx_engine.prompt import Prompts, shared_prefix
 
 BLOCK = 64
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "agent_traffic"
@@ -36,10 +42,12 @@ def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     model = root / "hybrid"
     subprocess.run([*MLXSUP, "make-model", str(model), "--arch", "qwen3_5", "--preset", "tiny"], check=True,
                    capture_output=True)
+    subprocess.run([*MLXSUP, "make-model", str(root / "sliding"), "--arch", "gemma3", "--preset", "tiny"], check=True,
+                   capture_output=True)
     (root / "script.json").write_text(json.dumps(SCRIPT))
     config = root / "c.toml"
     config.write_text(f'[models.hybrid]\npath = "{model}"\nworker_args = ["--script", "{root / "script.json"}"]\n\n'
-                      '[cache]\nssd = false\n')
+                      f'[models.sliding]\npath = "{root / "sliding"}"\n\n[cache]\nssd = false\n')
     d = start_daemon(root / "state", "--config", str(config))
     yield d
     pids = d.children()
@@ -73,6 +81,31 @@ def test_a_hybrid_s_next_turn_prefills_only_its_new_tokens(hybrid: Daemon) -> No
     assert prefilled <= usage["prompt_tokens"] - done + BLOCK, (usage, done)
     assert usage["completion_tokens"] == 2 * BLOCK
     assert "reply snapshot failed" not in (hybrid.state_dir / "daemon.log").read_text(errors="replace")
+
+
+@pytest.mark.parametrize("model", ["hybrid", "sliding"])
+def test_the_first_sibling_session_picks_up_the_head_its_elder_left(hybrid: Daemon, model: str) -> None:
+    system = f"{model} agent. " + " ".join(f"rule{i * 104729 % 9973} holds" for i in range(300))  # ~20 blocks
+    sessions = [[{"role": "system", "content": system}, {"role": "user", "content": f"{task} Which rule is first?"}]
+                for task in ("Alpha task: read the notes.", "Beta task: list the files.")]
+    tools = TOOLS if model == "hybrid" else []  # gemma3's template renders no tools
+    usages = []
+    for messages in sessions:
+        r = httpx.post(hybrid.v1 + "/chat/completions", timeout=300, json={
+            "model": model, "messages": messages, "max_tokens": 1, "temperature": 0, **({"tools": tools} if tools else {})})
+        assert r.status_code == 200, r.text
+        usages.append(r.json()["usage"])
+    # the tokens the two prompts share, by the model's own template and tokenizer (as the worker encodes them)
+    prompts = Prompts(load_tokenizer(hybrid.state_dir.parent / model), 0, 1 << 20, False)
+    encoded = [prompts.encode(Submit(rid="s", max_tokens=1, messages=m, tools=[t["function"] for t in tools] or None))
+               for m in sessions]
+    assert [u["prompt_tokens"] for u in usages] == [len(e) for e in encoded]
+    shared = shared_prefix(*encoded)
+    assert shared > 10 * BLOCK, shared
+    sibling = usages[1]
+    prefilled = sibling["prompt_tokens"] - sibling["prompt_tokens_details"]["cached_tokens"]
+    # without a snapshot at the elder's head: nothing to pick up before its prompt's last block, all prefilled again
+    assert prefilled <= sibling["prompt_tokens"] - shared + BLOCK, (sibling, shared)
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """Issue 34: an Anthropic `cache_control` breakpoint keeps its prefix in a small hot tier across a burst of
-unrelated prompts that evicts the same prefix unmarked, and usage says so (cache_read_input_tokens).
+unrelated prompts that evicts the same prefix unmarked, and usage says so (cache_read_input_tokens); so does
+OpenAI's `prompt_cache_key`, through the openai SDK (usage's cached_tokens), and a bad key is OpenAI's 400.
 
 One daemon, the tiny llama (2 layers, 2 KV heads of 16, float32: 32 KiB of K/V per 64-token block), its hot tier
 sized for about two of these prompts and no SSD tier, so what is not in memory is recomputed.
@@ -11,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 from tests.conftest import Daemon, start_daemon
@@ -70,3 +72,41 @@ def test_a_bad_cache_control_is_anthropic_s_400(daemon: Daemon) -> None:
         r = httpx.post(daemon.v1 + "/messages", json=body, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
         assert "cache_control" in r.json()["error"]["message"]
+
+
+def chat(client: openai.OpenAI, seed: int, question: str, key: str | None = None) -> int:
+    """The cached tokens of a chat request: a system prompt of `seed`, then `question`."""
+    r = client.chat.completions.create(model="tiny", max_tokens=4, temperature=0, messages=[
+        {"role": "system", "content": system(seed)}, {"role": "user", "content": question}],
+        extra_body={"prompt_cache_key": key} if key else None)
+    assert r.usage is not None and r.usage.prompt_tokens > 9 * BLOCK, r.usage
+    details = r.usage.prompt_tokens_details
+    return (details.cached_tokens or 0) if details is not None else 0
+
+
+def test_a_prompt_cache_key_keeps_its_prefix_through_a_burst_that_evicts_it_without(daemon: Daemon) -> None:
+    client = openai.OpenAI(base_url=daemon.v1, api_key="unused", max_retries=0, timeout=120)
+    for seed, key in ((3, None), (4, "session-4")):
+        assert chat(client, seed, "Which rule comes first?", key) < BLOCK
+        for other in range(5):
+            chat(client, 1000 + 10 * seed + other, "Which rule comes last?")
+        cached = chat(client, seed, "Which rule comes second?", key)
+        if key is None:
+            assert cached < BLOCK, cached  # evicted: only the template's head is shared
+        else:
+            assert cached > 8 * BLOCK, cached  # kept: the system prompt's whole blocks
+
+
+def test_a_bad_prompt_cache_key_is_openai_s_400(daemon: Daemon) -> None:
+    client = openai.OpenAI(base_url=daemon.v1, api_key="unused", max_retries=0, timeout=60)
+    bad = ({"prompt_cache_key": 7}, {"prompt_cache_key": "k" * 1025},
+           {"prompt_cache_key": "k", "prompt_cache_retention": "forever"})
+    for extra in bad:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": "hi"}],
+                                           extra_body=extra)
+        assert err.value.status_code == 400 and isinstance(err.value.body, dict), err.value
+        assert err.value.body["type"] == "invalid_request_error" and err.value.body["param"] in extra, err.value.body
+        with pytest.raises(openai.BadRequestError) as err:
+            client.responses.create(model="tiny", max_output_tokens=4, input="hi", extra_body=extra)
+        assert err.value.status_code == 400 and "prompt_cache" in err.value.message

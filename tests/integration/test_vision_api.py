@@ -3,7 +3,7 @@
 and a tiny text model. Greedy output equals mlx-vlm's own generate for the same model, image and prompt
 (test_vision.py's reference, in this process), for both families, alone and in one batch with text-only
 requests; an image request streams, decodes under a JSON schema and makes a forced tool call as a text request
-does; every bad image is a 400 in the API's own error body, said by the gateway before any worker is asked, and
+does (Gemma 3's through the worker's tool fallback), and a Gemma sibling session picks up its elder's head; every bad image is a 400 in the API's own error body, said by the gateway before any worker is asked, and
 the vision worker neither restarts nor grows.
 """
 
@@ -287,20 +287,53 @@ DESCRIBE = {"type": "function", "function": {"name": "describe", "description": 
 
 
 def test_an_image_request_makes_a_forced_tool_call(daemon: Daemon, family: str) -> None:
-    """`tool_choice` naming a function: Qwen3-VL's template renders tools, and the call comes back valid (the name,
-    arguments by the schema). Gemma 3's template has no tools (as Google's): a 400 that says so."""
+    """`tool_choice` naming a function: the call comes back valid (the name, arguments by the schema), from Qwen3-VL's
+    template, which renders tools, and from Gemma 3's, which writes none (as Google's): the worker writes them into
+    the system message itself (worker/tool_fallback.py), as for a text request. The grammar alone would make a valid
+    call of a tool the model never saw: the prompt's length shows the definition is in it."""
     client = openai.OpenAI(base_url=daemon.v1, api_key="unused", max_retries=0, timeout=120)
-    body = {**chat_body(data_url(PICTURE), model=family), "max_tokens": 64, "tools": [DESCRIBE],
+    # 256: a ceiling (the call is 60-80 tokens of these tokenizers), not a limit the test means to reach
+    body = {**chat_body(data_url(PICTURE), model=family), "max_tokens": 256, "tools": [DESCRIBE],
             "tool_choice": {"type": "function", "function": {"name": "describe"}}}
-    if family == "gemma":
-        with pytest.raises(openai.BadRequestError, match="does not support tools"):
-            client.chat.completions.create(**body)
-        return
     resp = client.chat.completions.create(**body)
+    bare = client.chat.completions.create(**{**chat_body(data_url(PICTURE), model=family), "max_tokens": 1})
+    assert resp.usage is not None and bare.usage is not None
+    # the tool's JSON (at a token per 4 characters at least) is in the prompt: a dropped definition fails this
+    assert resp.usage.prompt_tokens - bare.usage.prompt_tokens > len(json.dumps(DESCRIBE)) // 4, (resp.usage, bare.usage)
     calls = resp.choices[0].message.tool_calls
     assert resp.choices[0].finish_reason == "tool_calls" and calls and len(calls) == 1, resp
     assert calls[0].type == "function" and calls[0].function.name == "describe"
     jsonschema.validate(json.loads(calls[0].function.arguments), SEEN)
+
+
+def test_a_gemma_sibling_session_with_other_images_picks_up_the_head_its_elder_left(daemon: Daemon) -> None:
+    """Sibling sessions (an agent's subagents) share a head of system prompt and tools and branch at the first user
+    turn. Gemma 3 keeps its sliding layers only at snapshots, and an image prompt's prefix, head included, is
+    prefilled by the worker itself: it stops at the head's last block boundary too, so a sibling with other images
+    and other words is a hit through the head (its tools written by the worker: Gemma's template has none),
+    answering as it does computed whole. Without that stop, nothing of the elder is reusable."""
+    client = openai.OpenAI(base_url=daemon.v1, api_key="unused", max_retries=0, timeout=120)
+    system = {"role": "system", "content": "You are the lead agent of a survey of pictures; your subagents each "
+                                          "describe one picture in a few words, then report back to you."}
+
+    def ask(seed: int, text: str) -> Any:
+        user = {"role": "user", "content": [{"type": "text", "text": text},
+                                            {"type": "image_url", "image_url": {"url": data_url(png(picture(seed)))}}]}
+        return client.chat.completions.create(model="gemma", messages=[system, user], tools=[DESCRIBE],
+                                              max_tokens=MAX_TOKENS, temperature=0, logprobs=True)
+
+    elder = ask(8, "Describe this picture.")
+    sibling = ask(9, "What colour is this one?")
+    for tier in ("hot", "ssd"):
+        httpx.post(f"{daemon.url}/api/{tier}-cache/clear", json={"model": "gemma"}, timeout=60).raise_for_status()
+    whole = ask(9, "What colour is this one?")
+    assert elder.usage is not None and cached_tokens(whole) == 0
+    hit = cached_tokens(sibling)
+    assert hit >= BLOCK and hit % BLOCK == 0 and hit < elder.usage.prompt_tokens, (hit, elder.usage)
+    assert sibling.choices[0].message == whole.choices[0].message
+    got, want = (r.choices[0].logprobs.content for r in (sibling, whole))
+    assert got is not None and want is not None
+    assert np.allclose([t.logprob for t in got], [t.logprob for t in want], atol=1e-4)
 
 
 def huge_png(side: int = 20_000) -> bytes:

@@ -8,6 +8,7 @@ Responses, whole and streamed, alone and inside a batch of mixed requests, must 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import re
 import subprocess
 import sys
@@ -123,23 +124,23 @@ def test_a_batch_of_mixed_requests_answers_each_as_transformers_does(smollm: Dae
     assert smollm.model(MODEL)["peak_batch_size"] > 1  # they ran together (the tests before it run one at a time)
 
 
-def test_tools_for_a_template_without_a_tool_format_are_refused_never_dropped(smollm: Daemon) -> None:
+def test_tools_for_a_template_without_a_tool_format_are_written_by_the_worker(smollm: Daemon) -> None:
+    """SmolLM2's template writes no tools: the worker writes them into the prompt itself (worker/tool_fallback.py),
+    so a required call comes back as a call in its format, on every API, never with the tools silently dropped."""
     c = openai_client(smollm)
+    params = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}
     tool = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
-                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+                                             "parameters": params}}
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
-    with pytest.raises(openai.BadRequestError) as plain:
-        c.chat.completions.create(model=MODEL, messages=ask, tools=[tool], max_tokens=8)  # type: ignore[list-item]
-    assert "chat template does not support tools" in plain.value.message
-    with pytest.raises(openai.BadRequestError) as required:
-        c.chat.completions.create(model=MODEL, messages=ask, tools=[tool], tool_choice="required",  # type: ignore[list-item]
-                                  max_tokens=8)
-    assert "chat template does not support tools" in required.value.message
-    assert "cannot be forced" not in required.value.message  # it has no format at all, not one that resists
-    with pytest.raises(openai.BadRequestError) as resp:
-        c.responses.create(model=MODEL, input="Weather in Paris?", max_output_tokens=8,
-                           tools=[{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}])
-    assert "chat template does not support tools" in resp.value.message
+    required = c.chat.completions.create(model=MODEL, messages=ask, tools=[tool], tool_choice="required",  # type: ignore[list-item]
+                                         parallel_tool_calls=False, max_tokens=64, temperature=0)
+    calls = required.choices[0].message.tool_calls
+    assert required.choices[0].finish_reason == "tool_calls" and calls and len(calls) == 1, required
+    assert calls[0].function.name == "get_weather"  # type: ignore[union-attr]
+    assert json.loads(calls[0].function.arguments)["city"] in ("Paris", "Rome")  # type: ignore[union-attr]
+    resp = c.responses.create(model=MODEL, input="Weather in Paris?", max_output_tokens=64, tool_choice="required",
+                              parallel_tool_calls=False, tools=[{"type": "function", "name": "get_weather", "parameters": params}])
+    assert [item.type for item in resp.output] == ["function_call"], resp.output
     ok = c.chat.completions.create(model=MODEL, messages=ask, max_tokens=8)  # the worker serves on
     assert ok.choices[0].message.content
 

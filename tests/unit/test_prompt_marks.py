@@ -12,7 +12,7 @@ from mlx_lm.utils import load_tokenizer
 
 from protocol.messages import Submit
 from worker.mlx_engine.make_model import make_model
-from worker.mlx_engine.prompt import Prompts
+from worker.mlx_engine.prompt import Prompts, shared_prefix
 
 TOOLS = [{"name": "Read", "description": "Read a file",  # Submit's neutral shape
           "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}]
@@ -56,3 +56,29 @@ def test_a_head_marked_again_is_not_rendered_again(prompts: Prompts, monkeypatch
     other = turn("You are a different agent.", 1)
     assert prompts.marked(other, prompts.encode(other), 1) > 0
     assert renders.count(1) == 2  # a changed head is rendered, not taken from the one remembered
+
+
+def test_the_head_ends_where_sibling_sessions_branch_and_is_rendered_once(prompts: Prompts,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompts.head_end: sessions sharing a system prompt and tools (an agent's subagents) branch at their first
+    user message's text; that end is found by rendering the head once, then remembered."""
+    render = prompts.tokenizer.apply_chat_template
+    renders: list[int] = []
+
+    def counting(messages: list, **kwargs: object) -> list[int]:
+        renders.append(len(messages))
+        return render(messages, **kwargs)
+
+    monkeypatch.setattr(prompts.tokenizer, "apply_chat_template", counting)
+    sessions = [Submit(rid=task, max_tokens=8, tools=TOOLS, messages=[
+        {"role": "system", "content": "You are a careful agent."}, {"role": "user", "content": f"{task}: go"}])
+        for task in ("Alpha", "Beta")]
+    encoded = [prompts.encode(m) for m in sessions]
+    renders.clear()
+    ends = [prompts.head_end(m, t) for m, t in zip(sessions, encoded)]
+    assert ends[0] == ends[1] == shared_prefix(*encoded) > 0
+    assert renders == [2]  # the head and an empty user turn, once for both sessions
+    later = turn("You are a careful agent.", 2)
+    assert prompts.head_end(later, prompts.encode(later)) == ends[0]
+    no_head = Submit(rid="u", max_tokens=8, messages=[{"role": "user", "content": "hi"}])
+    assert prompts.head_end(no_head, prompts.encode(no_head)) == 0

@@ -14,6 +14,7 @@ from protocol.messages import Submit
 from supervisor.draft_config import speculative_args
 from worker.__main__ import parse_args
 from worker.mlx_engine.draft_pricing import Costs, Pricing, fastest
+from worker.mlx_engine.guided import seeded_sampler
 from worker.mlx_engine.speculative import (
     FIRST_PAUSE,
     MIN_VERIFIES,
@@ -135,6 +136,8 @@ def test_break_even_is_where_a_verification_s_tokens_pay_for_it() -> None:
     assert compute_bound.break_even(4) == pytest.approx(1.1 * 5 - 1) and compute_bound.break_even(4) > 4  # even all 4 kept: no
     with_a_draft_model = Costs(1.0, 1.1, 1.3, k=4, draft_s=0.25)  # its 4 steps count too
     assert with_a_draft_model.break_even(4) == pytest.approx(1.1 * 2.3 - 1)
+    # a rejection undone by feeding the 2 kept tokens again (recurrent layers): that forward pass counts
+    assert weights_bound.break_even(4, refeed=2) == pytest.approx(1.1 * (1.3 + 1.1) - 1)
 
 
 class FakeForward:
@@ -201,6 +204,16 @@ def test_drafting_pauses_below_break_even_and_doubles_the_pause() -> None:
     assert costly.resume_at > 0 and costly.counts.drafted < 4 * 20  # paused
 
 
+def test_a_re_feed_after_each_rejection_makes_drafting_pause_where_a_trim_would_pay() -> None:
+    """One kept of 4 pays where a trim undoes the rest (break-even 0.43), not where the kept token (and the one in
+    hand) are fed again in a forward pass of their own (break-even 1.64): there drafting pauses."""
+    trimmed, refed = priced(Costs(1.0, 1.1, 1.3, k=4)), priced(Costs(1.0, 1.1, 1.3, k=4))
+    for i in range(2 * MIN_VERIFIES):
+        trimmed.observe(4, 1, generated=i)
+        refed.observe(4, 1, generated=i, refed=2)
+    assert trimmed.wants(2 * MIN_VERIFIES) and not refed.wants(2 * MIN_VERIFIES)
+
+
 def test_the_oracle_proposes_the_record_while_the_history_follows_it() -> None:
     oracle = Oracle([5, 6, 7, 8, 9, 10])
 
@@ -223,15 +236,24 @@ def test_the_oracle_proposes_the_record_while_the_history_follows_it() -> None:
         Speculation("oracle", 3)
 
 
-def test_a_seeded_request_draws_from_its_own_key() -> None:
+def test_a_seeded_request_s_draws_are_its_seeded_sampler_s() -> None:
+    """The solo samples a seeded request that drafts with its `Draws`, and verification draws from it by position:
+    token for token what the request's seeded sampler (guided.py, the batch's) draws, a resume's skip included, so
+    a hand-over or a resume continues the same stream."""
     spec = Speculation("prompt-lookup", 4, vocab=1024)
-    msg = Submit(rid="a", max_tokens=4, prompt_ids=[1], temperature=0.7, seed=11)
-    a, b = spec.drafting(msg), spec.drafting(msg)
-    assert a is not None and b is not None and a.sampling is not None and a.sampling.temperature == 0.7
-    ka, kb = a.next_key(), b.next_key()
-    assert ka is not None and kb is not None and ka.tolist() == kb.tolist()
+    msg = Submit(rid="a", max_tokens=4, prompt_ids=[1], temperature=0.7, seed=11, top_k=50, resume_tokens=[3, 4, 5])
+    d = spec.drafting(msg)
+    assert d is not None and d.draws is not None and d.sampling == Sampling(0.7, top_k=50)
+    sampler = seeded_sampler(0.7, 1.0, 0.0, 50, 11, skip=3)
+    logprobs = [mx.log(mx.softmax(mx.random.normal((1, 1024), key=mx.random.key(i)))) for i in range(12)]
+    ahead = d.draws.keys(4)  # the next 4 draws' keys, not used up
+    by_key = [d.draws.sample(lp, key).item() for lp, key in zip(logprobs[:4], ahead)]
+    d.draws.advance(4)
+    drawn = by_key + [d.draws(lp).item() for lp in logprobs[4:]]
+    assert drawn == [sampler(lp).item() for lp in logprobs]
+    assert len(set(drawn)) > 1  # not one token over and over: the draws differ
     greedy = spec.drafting(Submit(rid="g", max_tokens=4, prompt_ids=[1], temperature=0.0, seed=11))
-    assert greedy is not None and greedy.sampling is None and greedy.key is None
+    assert greedy is not None and greedy.sampling is None and greedy.draws is None
     assert Speculation().drafting(msg) is None  # off
     with pytest.raises(ValueError, match="needs a draft model"):
         Speculation("draft")

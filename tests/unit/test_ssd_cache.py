@@ -180,6 +180,45 @@ def test_cap_evicts_least_recent_tails_first(tmp_path: Path) -> None:
     assert kept == {f"{x.key.hex()}.kvb" for x in [a[0], *b]}
 
 
+def test_a_pinned_chain_outlives_newer_ones_and_a_restart_until_only_pins_are_left(tmp_path: Path) -> None:
+    """A `cache_control` breakpoint's prefix (pinned before it is written) is passed over by the cap while unpinned
+    blocks are left, so a worker that restarts after a burst still finds it on disk; the cap holds regardless."""
+    a, burst = chain(3, seed=1), [chain(3, seed=s) for s in (2, 3, 4)]
+    size = len(write(tmp_path, a[0]).read_bytes())
+    (tmp_path / f"{a[0].key.hex()}.kvb").unlink()
+    ssd = SsdCache(tmp_path, FP, cap_bytes=int(4.5 * size))  # room for 4 blocks
+    ssd.pin([b.key for b in a], ttl_s=300)
+    ssd.enqueue(a)
+    wait_for(lambda: len(ssd) == 3, 10)
+    for other in burst:
+        ssd.enqueue(other)
+    ssd.close(10)
+    assert ssd.nbytes <= 4.5 * size
+    kept = {p.name for p in tmp_path.glob("*.kvb")}
+    assert {f"{x.key.hex()}.kvb" for x in a} <= kept, kept  # unpinned, the oldest chain went first
+    again = SsdCache(tmp_path, FP, 1 << 30)  # the worker restarted: its pins are gone, the blocks are not
+    assert [b.key for b in again.load_chain([b.key for b in a], [b.tokens for b in a])] == [b.key for b in a]
+    again.close(1)
+
+    small = SsdCache(tmp_path / "small", FP, cap_bytes=int(2.5 * size))
+    small.pin([b.key for b in a], ttl_s=300)
+    small.enqueue(a)
+    small.close(10)
+    assert small.nbytes <= 2.5 * size and len(small) == 2  # every block pinned: the cap still holds
+
+
+def test_an_expired_ssd_pin_protects_nothing(tmp_path: Path) -> None:
+    a, b = chain(3, seed=1), chain(3, seed=2)
+    ssd = SsdCache(tmp_path, FP, cap_bytes=1 << 30)
+    ssd.pin([x.key for x in a], ttl_s=-1)
+    ssd.enqueue(a)
+    wait_for(lambda: len(ssd) == 3, 10)
+    ssd.cap = ssd.nbytes + 64  # room for 3 blocks (their headers differ by a byte or two)
+    ssd.enqueue(b)
+    ssd.close(10)
+    assert not ssd.present([a[0].key]) and ssd.present([x.key for x in b]) == [False] * 3
+
+
 def test_bounded_queue_drops_the_tail_of_a_chain(tmp_path: Path) -> None:
     blocks = chain(6)
     ssd = SsdCache(tmp_path, FP, 1 << 30, queue_bytes=3 * blocks[0].nbytes, faults=("ssd-slow",))

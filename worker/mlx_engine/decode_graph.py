@@ -157,13 +157,15 @@ class DecodeGraph:
         return logprobs
 
     @staticmethod
-    def rollback(state: DecodeState, n: int) -> None:
+    def rollback(state: DecodeState, n: int, arrays: list[list[mx.array]] | None = None) -> None:
         """Forget the last n tokens fed (rejected drafts): the fill goes back; what they wrote lies past it, masked,
-        and is overwritten by the next tokens. Only for attention layers (a recurrent state cannot go back)."""
+        and is overwritten by the next tokens. A recurrent state cannot go back: `arrays` is the one from before
+        them (`state.arrays` then: the step replaces it, never writes into it)."""
         if n > 0:
-            assert not state.arrays, "a recurrent layer's state cannot be rolled back"
+            assert arrays is not None or not state.arrays, "a recurrent layer's state cannot be rolled back"
             state.n -= n
             state.off = mx.array([state.n], mx.int32)
+            state.arrays = state.arrays if arrays is None else arrays
 
     def write_back(self, state: DecodeState, cache: list) -> None:
         """Leave `cache` as uncompiled decoding would have: every token fed is in it."""

@@ -5,9 +5,11 @@ weights (a GPU at one stream) that costs little more than one token; where it is
 big batch) it costs close to k + 1 plain steps, and drafting loses whatever it keeps. So a worker measures, once,
 on a scratch cache, the seconds of a plain decode step (compiled where the solo decodes compiled), of a
 verification of 2 and of k + 1 tokens (in between: linear), and of a draft model's step; `Costs.break_even` is
-the drafts kept per verification above which drafting is faster than plain decoding by MARGIN. A request drafts
-while its own acceptance stays above that (speculative.py's `Drafting`), and never where even a fully accepted
-draft would not pay.
+the drafts kept per verification above which drafting is faster than plain decoding by MARGIN. Where a rejection
+is undone by feeding the kept tokens again (recurrent layers, a full sliding window: rollback.py), that forward
+pass counts too: a verification that re-feeds n tokens costs one of n more. A request drafts while its own
+acceptance stays above that (speculative.py's `Drafting`), and never where even a fully accepted draft would not
+pay.
 
 Timing: every shape is first run WARMUPS times untimed (a trace, kernels built, a first-shape cost), then the
 shapes are timed in turn, REPEATS rounds of one run each, and each keeps its fastest: a slow stretch (another
@@ -33,6 +35,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
 from worker.mlx_engine.decode_graph import DecodeGraph
+from worker.mlx_engine.rollback import mark, restore, trim
 
 log = logging.getLogger(__name__)
 
@@ -66,10 +69,12 @@ class Costs:
             return self.plain_s if n <= 1 else self.verify_s
         return self.verify2_s + (self.verify_s - self.verify2_s) * (n - 2) / (self.k - 1)
 
-    def break_even(self, k: int) -> float:
+    def break_even(self, k: int, refeed: int = 0) -> float:
         """The drafts kept per verification of k at which drafting beats plain decoding by MARGIN: a verification
-        emits the kept drafts and one token of its own, where plain decoding emits one per plain step."""
-        return (1 + MARGIN) * (self.verify(k + 1) + k * self.draft_s) / self.plain_s - 1
+        emits the kept drafts and one token of its own, where plain decoding emits one per plain step. `refeed`:
+        the tokens fed again after it (a rejection undone by a mark), a forward pass of its own."""
+        again = self.verify(refeed) if refeed > 0 else 0.0
+        return (1 + MARGIN) * (self.verify(k + 1) + k * self.draft_s + again) / self.plain_s - 1
 
 
 def fastest(runs: dict[str, Callable[[], None]], clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
@@ -86,16 +91,20 @@ def fastest(runs: dict[str, Callable[[], None]], clock: Callable[[], float] = ti
     return best
 
 
-def _one_by_one(model: nn.Module, n: int) -> Callable[[], None]:
-    """A forward pass of n tokens after CONTEXT others, uncompiled, taken back out of the cache each time."""
+def _one_by_one(model: nn.Module, n: int, rows: int = 1) -> Callable[[], None]:
+    """A forward pass of n tokens after CONTEXT others in each of `rows` rows, uncompiled, taken back out of the cache
+    each time (as the solo, and the batch, undo rejected drafts)."""
     cache = make_prompt_cache(model)
-    mx.eval(model(mx.zeros((1, CONTEXT), mx.uint32), cache=cache))
-    ids = mx.zeros((1, n), mx.uint32)
+    mx.eval(model(mx.zeros((rows, CONTEXT), mx.uint32), cache=cache))
+    ids = mx.zeros((rows, n), mx.uint32)
 
     def run() -> None:
+        marked = mark(cache, n)  # at n = 1 a full window writes into the marked arrays: a scratch cache, timed only
         mx.eval(model(ids, cache=cache))
-        for c in cache:
-            c.trim(n)
+        if marked is None:
+            trim(cache, n)
+        else:
+            restore(cache, marked, n)
     return run
 
 
@@ -107,22 +116,26 @@ def _compiled(graph: DecodeGraph, n: int) -> Callable[[], None]:
     ids = mx.zeros((n,), mx.uint32)
 
     def run() -> None:
+        arrays = state.arrays or None  # recurrent layers' state: the step replaces it, so this is its mark
         mx.eval(graph.feed(state, ids) if n == 1 else graph.verify(state, ids))
-        graph.rollback(state, n)
+        graph.rollback(state, n, arrays)
     return run
 
 
-def measure(model: nn.Module, graph: DecodeGraph | None, k: int, draft: nn.Module | None) -> Costs:
-    """This machine's costs of drafting k tokens with `model` (through `graph` where the solo would)."""
+def measure(model: nn.Module, graph: DecodeGraph | None, k: int, draft: nn.Module | None, rows: int = 1) -> Costs:
+    """This machine's costs of drafting k tokens with `model` (through `graph` where the solo would), in a batch of
+    `rows` (batch_drafting.py; uncompiled: `graph` None), whose rows each draft with the draft model alone."""
     with mx.stream(generation_stream):
         compiled = graph is not None and graph.fits(_filled(model))
-        step = (lambda n: _compiled(graph, n)) if compiled and graph is not None else (lambda n: _one_by_one(model, n))
+        step = ((lambda n: _compiled(graph, n)) if compiled and graph is not None
+                else (lambda n: _one_by_one(model, n, rows)))
         runs = {str(n): step(n) for n in sorted({1, 2, k + 1})}
         if draft is not None:
             runs["draft"] = _one_by_one(draft, 1)
         seconds = fastest(runs)
     mx.clear_cache()
-    return Costs.measured({int(n): s for n, s in seconds.items() if n != "draft"}, k, seconds.get("draft", 0.0))
+    return Costs.measured({int(n): s for n, s in seconds.items() if n != "draft"}, k,
+                          rows * seconds.get("draft", 0.0))
 
 
 def _filled(model: nn.Module) -> list:
@@ -134,15 +147,15 @@ def _filled(model: nn.Module) -> list:
 class Pricing:
     """A worker's costs of drafting, measured on first use (or given: tests, a known machine)."""
 
-    def __init__(self, k: int, draft: nn.Module | None, costs: Costs | None = None) -> None:
-        self.k, self.draft = k, draft
+    def __init__(self, k: int, draft: nn.Module | None, costs: Costs | None = None, rows: int = 1) -> None:
+        self.k, self.draft, self.rows = k, draft, rows  # rows: a batch's, verified together (batch_drafting.py)
         self.costs = costs
 
     def get(self, model: nn.Module, graph: DecodeGraph | None) -> Costs:
         if self.costs is None:
             t0 = time.perf_counter()
-            self.costs = c = measure(model, graph, self.k, self.draft)
-            log.info("[draft] phase=priced k=%d plain_ms=%.3f verify2_ms=%.3f verify_ms=%.3f draft_ms=%.3f "
-                     "break_even=%.2f ms=%d", c.k, c.plain_s * 1e3, c.verify2_s * 1e3, c.verify_s * 1e3,
+            self.costs = c = measure(model, graph, self.k, self.draft, self.rows)
+            log.info("[draft] phase=priced rows=%d k=%d plain_ms=%.3f verify2_ms=%.3f verify_ms=%.3f draft_ms=%.3f "
+                     "break_even=%.2f ms=%d", self.rows, c.k, c.plain_s * 1e3, c.verify2_s * 1e3, c.verify_s * 1e3,
                      c.draft_s * 1e3, c.break_even(c.k), (time.perf_counter() - t0) * 1e3)
         return self.costs

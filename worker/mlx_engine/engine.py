@@ -5,8 +5,9 @@ The only code that touches MLX at generation time. It runs on the worker's main 
 loop in worker/loop.py feeds it Submit/Abort messages and ships what step() returns. It
 implements worker/engine_api.py's EngineApi, all the loop knows of it. What is not the batch is
 composed in: a prompt's encoding and checks (prompt.py: `submit`, `tokenize`), a request's sampler,
-logits processors and output (decoding.py), a request alone (solo.py's SoloLane), the model's
-loading (loading.py) and the idle warm-up after Ready (warmup.py's WarmUp: `warm_step`).
+logits processors and output (decoding.py), a request alone (solo.py's SoloLane), a few greedy requests
+drafting together (batch_drafting.py: a step of theirs may replace `gen.next()`), the model's loading (loading.py)
+and the idle warm-up after Ready (warmup.py's WarmUp: `warm_step`).
 
 Invariants: every admitted request ends in exactly one Finished or Failed (a grammar failing
 mid-request: a Failed for it alone); a request that is aborted or finished is removed from the
@@ -14,8 +15,8 @@ BatchGenerator at once, so it costs no more compute.
 With prompt caches (worker/mlx_engine/prompt_cache.py), a request joins the batch with its cached
 prefix as its starting cache and only the rest of its prompt to compute; its prompt is inserted
 as segments ending at the caches' snapshot points, so that for a model with sliding-window or
-recurrent layers the prefill stops there and those layers' state is copied, as it is at the last block boundary
-each reply's decoding crosses (a conversation's next turn diverges after the reply); a finished request
+recurrent layers the prefill stops there and those layers' state is copied (snapshots.py), as it is at the last
+block boundary each reply's decoding crosses (a conversation's next turn diverges after the reply); a finished request
 leaves its KV state (and those snapshots) to the caches. A cache failure is logged and costs only
 the cache's benefit.
 A resumed request (Submit.resume_tokens) joins with its earlier tokens as its prompt's tail; every
@@ -36,7 +37,6 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
@@ -47,41 +47,21 @@ from worker.chat_format import family_of
 from worker.engine_api import RequestRejected
 from worker.memory import process_memory_bytes
 from worker.mlx_engine.attention import install as attention_route
+from worker.mlx_engine.batch_drafting import BatchDrafting
 from worker.mlx_engine.decode_graph import DecodeGraph, solo_modes
 from worker.mlx_engine.decoding import Decoding
-from worker.mlx_engine.guided import GrammarProcessor, Grammars
+from worker.mlx_engine.guided import Grammars
 from worker.mlx_engine.loading import load_with_progress, time_one_token
 from worker.mlx_engine.prompt import Prompts
 from worker.mlx_engine.prompt_cache import CacheOptions, PromptCaches
+from worker.mlx_engine.request_state import Request
+from worker.mlx_engine.snapshots import Snapshots
 from worker.mlx_engine.solo import Solo, SoloLane
 from worker.mlx_engine.speculative import DEFAULT_DRAFT_TOKENS, DraftCounts, Speculation, load_draft
 from worker.mlx_engine.warmup import Warmed, WarmUp, wants_warm_up
-from worker.request_output import RequestOutput
 from worker.step_cost import PrefillSeq, StepCostModel, StepPlan, StepWork
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class Request:
-    rid: str
-    uid: int
-    prompt_tokens: int
-    out: RequestOutput
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    prefill_left: int = 0  # prompt tokens still to prefill (the last one is decoded, not prefilled)
-    position: int = 0  # prompt tokens in its cache so far
-    start: int = 0  # prompt tokens in its cache when it joined the generator (its progress counts from there)
-    snapshot_at: frozenset[int] = frozenset()  # prompt positions where its prefill stops for a cache snapshot
-    snapshots: dict = field(default_factory=dict)  # block index -> the snapshot taken at that block's end
-    reply_snapshot: int = -1  # the block of the one snapshot kept from its decoding (-1: none yet)
-    unsent: list[int] = field(default_factory=list)  # generated ids whose text has not gone out yet
-    grammar: GrammarProcessor | None = None
-    clamped: bool = False  # its max_tokens reaches the context's end: stopping there is the context's doing
-    drafts: DraftCounts = field(default_factory=DraftCounts)  # its speculative decoding (speculative.py), in its usage
-    cache_written: int = 0  # prompt tokens past its cached ones, up to its last breakpoint, that the caches keep
-    keys: list[int] | None = None  # its tokens as the prompt caches know them, where not its tokens (vision.py)
 
 
 class Engine:
@@ -139,6 +119,10 @@ class Engine:
         self.generated_tokens = 0
         self.peak_batch_size = 0
         self.caches = PromptCaches(self.model, model_path, cache, model_id) if cache else None
+        self.snapshots = Snapshots(self.caches, self.gen, self.lane, self._by_uid) if self.caches is not None else None
+        # greedy batches of a few rows draft in lockstep (batch_drafting.py), meeting each reply-snapshot boundary
+        self.batch_drafts = BatchDrafting(self.model, self.gen, self.caches.block if self.caches is not None
+                                          and self.caches.layout.snapshots else 0)
         # (rid, tokens, cached, the prompt caches' prefix) -> (tokens in the starting cache, it, how many of them came
         # from the prompt caches): a prefix computed outside the batch; None: the caches' own (vision.py)
         self.prefill: Callable[[str, list[int], int, list | None], tuple[int, list, int] | None] | None = None
@@ -180,12 +164,15 @@ class Engine:
         cached, prefix, hit = self._lookup(msg.rid, tokens, keys)
         marked = 0  # the end of the last breakpoint's prefix: Anthropic's usage counts a cache write up to there only
         if self.caches is not None:
-            for n, ttl_s in msg.cache_mark:  # Anthropic's cache_control breakpoints: those prefixes kept a while
+            for n, ttl_s in msg.cache_mark:  # cache_control breakpoints, a prompt_cache_key: prefixes kept a while
                 end = self.prompts.marked(msg, tokens[:prompt_tokens], int(n))
                 self.caches.keep(keys[:end], float(ttl_s))
                 marked = max(marked, end)
-        # a hybrid's prefill also stops where the prompt leaves a cached one (caches.matched): siblings pick up there
-        points = [] if self.caches is None else self.caches.snapshot_points(len(tokens), cached, self.caches.matched)
+        # a hybrid's prefill also stops where the prompt leaves a cached one (caches.matched) and where its head of
+        # system prompt and tools ends: sibling sessions pick up there
+        points = [] if self.caches is None else self.caches.snapshot_points(
+            len(tokens), cached, self.caches.matched,
+            self.prompts.head_end(msg, tokens[:prompt_tokens]) if self.caches.layout.snapshots and self.caches.enabled else 0)
         cuts = [0] + [p - cached for p in points] + [len(tokens) - cached]
         drafting = None
         if self.solo_on and not self._by_rid and not d.processors and msg.logprobs < 0 and not points:
@@ -203,6 +190,8 @@ class Engine:
                 logits_processors=[d.processors],
                 stop_sequences=[self._stop_none if msg.ignore_eos else self._stop_eos],
             )
+            drafting = self.speculation.drafting(msg) if not d.processors and msg.temperature == 0 else None
+            self.batch_drafts.add(uid, drafting)
         req = Request(msg.rid, uid, prompt_tokens, d.out, completion_tokens=len(msg.resume_tokens),
                       cached_tokens=min(hit, prompt_tokens), prefill_left=len(tokens) - cached - 1, position=cached,
                       start=cached, snapshot_at=frozenset(points), grammar=d.grammar,
@@ -229,55 +218,6 @@ class Engine:
             return computed  # a prefix computed outside the batch (an image's, mlx_engine/vision.py)
         return cached, prefix, cached
 
-    def _take_snapshots(self, progress: list) -> None:
-        """Copy the snapshot layers' state of the prompts whose prefill just stopped at a snapshot point."""
-        if self.caches is None:
-            return
-        due = {}
-        for p in progress:
-            req = self._by_uid.get(p.uid)
-            if req is not None and p.end_of_segment and not p.end_of_prompt:
-                position = req.start + p.progress[0]
-                if position in req.snapshot_at:
-                    due[p.uid] = (req, position)
-        if not due:
-            return
-        try:
-            for uid, (cache, _) in self.gen.extract_cache(list(due)).items():
-                req, position = due[uid]
-                req.snapshots[position // self.caches.block - 1] = self.caches.snapshot(cache)
-        except Exception:
-            log.exception("[cache] taking a prefill snapshot failed; going on without it")
-
-    def _take_reply_snapshot(self) -> None:
-        """Keep each reply's snapshot layers' state at the last block boundary its decoding has crossed: a
-        conversation's next turn carries this prompt and this reply, so it picks its prefix up there, not at this
-        prompt's end, and prefills only its own new tokens (and under a block). One per reply: each replaces the
-        last. Checked after every step: a decoding sequence's cache grows by one token a step."""
-        caches = self.caches
-        if caches is None or not caches.layout.snapshots:
-            return
-        solo, batch = self.lane.solo, self.gen._generation_batch  # the tokens in each sequence's cache
-        fill = ({solo.uid: solo.fed} if solo is not None and solo.decoding
-                else dict(zip(batch.uids, map(len, batch.tokens))))
-        due = {uid: req for uid, n in fill.items() if n % caches.block == 0 and (req := self._by_uid.get(uid))
-               is not None and n // caches.block - 1 not in req.snapshots}
-        if not due:
-            return
-        try:
-            if solo is not None:
-                taken = {solo.uid: caches.snapshot(solo.cache_now())}
-            else:
-                taken = {uid: caches.snapshot(cache) for uid, (cache, _) in self.gen.extract_cache(list(due)).items()}
-        except Exception:
-            log.exception("[cache] taking a reply snapshot failed; going on without it")
-            return
-        for uid, snapshot in taken.items():
-            req = due[uid]
-            req.snapshots.pop(req.reply_snapshot, None)
-            req.reply_snapshot = fill[uid] // caches.block - 1
-            req.snapshots[req.reply_snapshot] = snapshot
-
     def _store(self, tokens: list[int] | None, cache: list | None, snapshots: dict) -> None:
         if self.caches is None or not tokens or not cache:
             return
@@ -303,16 +243,19 @@ class Engine:
         self._prefilling.pop(rid, None)
         if not self.lane.drop(req.uid) and req.uid >= 0:
             self.gen.remove([req.uid])
+            self.batch_drafts.drop(req.uid)
         return True
 
     def _solo_to_batch(self) -> None:
         """A second request came: the solo, if any, goes into the batch under the generator's uid for it."""
+        solo = self.lane.solo
         moved = self.lane.to_batch()
-        if moved is not None:
+        if moved is not None and solo is not None:
             solo_uid, uid, start = moved
             req = self._by_uid.pop(solo_uid)
             req.uid, req.start = uid, start
             self._by_uid[uid] = req
+            self.batch_drafts.add(uid, solo.drafting)
 
     def _solo_step(self) -> tuple[list, list]:
         """The solo's step: a prefill chunk, or one token (generate_step's pipelining)."""
@@ -368,8 +311,10 @@ class Engine:
         self._plan = None
         t0 = time.perf_counter()
         lane = self.lane
-        progress, responses = self._solo_step() if lane.solo is not None else self.gen.next()
-        if plan is not lane.plan:
+        drafted = self.batch_drafts.step() if lane.solo is None else None  # None: no drafting this step
+        progress, responses = (self._solo_step() if lane.solo is not None else ([], drafted) if drafted is not None
+                               else self.gen.next())
+        if plan is not lane.plan and drafted is None:  # a drafting step is no plain step the fits could learn from
             self.cost.observe(plan, time.perf_counter() - t0)
         if lane.pending:
             responses, lane.pending = [*lane.pending, *responses], []
@@ -377,8 +322,9 @@ class Engine:
         self._hand_off()
         for p in progress:
             self._on_prefill_progress(p.uid, *p.progress)
-        self._take_snapshots(progress)
-        self._take_reply_snapshot()
+        if self.snapshots is not None:
+            self.snapshots.at_prefill_stops(progress)
+            self.snapshots.of_replies()
         self.peak_batch_size = max(self.peak_batch_size, len({r.uid for r in responses}))  # a solo's drafts: one
         chunks: list[list] = []
         finished: list[Finished | Failed] = self._grammar_failures()
@@ -410,6 +356,7 @@ class Engine:
             del self._by_uid[req.uid]
             del self._by_rid[req.rid]
             self._prefilling.pop(req.rid, None)
+            self.batch_drafts.drop(req.uid)
             if (solo := lane.solo) is not None and solo.uid == req.uid:
                 log.debug("[perf] solo rid=%s tokens=%d per_token_ms=%s", req.rid, solo.times.tokens,
                           solo.times.per_token_ms())

@@ -20,16 +20,22 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from protocol.messages import CONTEXT_LENGTH_EXCEEDED, INVALID_REQUEST, Submit
 from worker.engine_api import RequestRejected
 from worker.template_input import (
-    TOOLS_UNSUPPORTED,
     chat_template_args,
     renders_tools,
     special_token_texts,
-    template_messages,
-    template_tools,
+    template_input,
     tool_names,
 )
 
-HEADS_KEPT = 8  # marked heads remembered: a few sessions' system prompts and tools
+HEADS_KEPT = 8  # rendered heads remembered: a few sessions' system prompts and tools
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """How many tokens `a` and `b` start with alike."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the usual case, compared in C: a head is most of an agent's prompt
+        return n
+    return next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
 
 
 class Prompts:
@@ -46,9 +52,9 @@ class Prompts:
     def encode(self, msg: Submit) -> list[int]:
         if msg.messages is not None:
             try:
+                shown, tools = template_input(msg.messages, msg.tools, self._renders_tools)
                 return list(self.tokenizer.apply_chat_template(
-                    template_messages(msg.messages), tools=template_tools(msg.tools),
-                    **chat_template_args(msg.messages, msg.template_kwargs)))
+                    shown, tools=tools, **chat_template_args(msg.messages, msg.template_kwargs)))
             except Exception as exc:  # a template can reject roles or shapes it does not know
                 raise RequestRejected(INVALID_REQUEST, f"chat template rejected the messages: {exc}") from None
         if msg.prompt_ids is not None:
@@ -73,24 +79,35 @@ class Prompts:
             head = self._head(msg, max(n, 1))
         except Exception:  # a template that refuses a partial conversation: keep the whole prompt marked
             return len(tokens)
-        same = 0
-        for a, b in zip(head, tokens):
-            if a != b:
-                break
-            same += 1
-        return same
+        return shared_prefix(head, tokens)
 
-    def _head(self, msg: Submit, n: int) -> list[int]:
-        """The template's rendering of the first `n` messages alone, remembered: an agent marks the same head (its
-        system prompt and tools, most of a 30k-token prompt) on every turn, and often twice in one request."""
-        messages = (msg.messages or [])[:n]
+    def head_end(self, msg: Submit, tokens: list[int]) -> int:
+        """Where a chat prompt's head (its leading system messages and the tools) ends: at the first user message's
+        text, which is where sibling sessions (an agent's subagents) that share the head branch off; 0: no head.
+        Rendered with an empty user message after it, so a template that folds the system prompt into the first
+        user turn (gemma3's) ends its head there too; remembered as `marked`'s heads are."""
+        messages = msg.messages or []
+        n = next((i for i, m in enumerate(messages) if m.get("role") not in ("system", "developer")), 0)
+        if n == 0:
+            return 0
+        try:
+            head = self._head(msg, n, [{"role": "user", "content": ""}])
+        except Exception:  # a template that refuses an empty turn: no head to stop at
+            return 0
+        return shared_prefix(head, tokens)
+
+    def _head(self, msg: Submit, n: int, then: list[dict] | None = None) -> list[int]:
+        """The template's rendering of the first `n` messages alone (and `then`), remembered: an agent sends the
+        same head (its system prompt and tools, most of a 30k-token prompt) on every turn, and often marks it twice
+        in one request."""
+        messages = (msg.messages or [])[:n] + (then or [])
         kwargs = {k: v for k, v in msg.template_kwargs.items() if k != "continue_final_message"}
         what = json.dumps([messages, msg.tools, kwargs], sort_keys=True, default=repr)
         key = hashlib.blake2b(what.encode(), digest_size=16).digest()
         head = self._heads.pop(key, None)
         if head is None:
-            head = list(self.tokenizer.apply_chat_template(template_messages(messages), tools=template_tools(msg.tools),
-                                                           add_generation_prompt=False, **kwargs))
+            shown, tools = template_input(messages, msg.tools, self._renders_tools)
+            head = list(self.tokenizer.apply_chat_template(shown, tools=tools, add_generation_prompt=False, **kwargs))
         self._heads[key] = head  # most recent last
         if len(self._heads) > HEADS_KEPT:
             del self._heads[next(iter(self._heads))]
@@ -134,8 +151,6 @@ class Prompts:
         for name in tool_names(msg.tools, msg.messages):
             if any(text in name for text in self._special_texts):
                 raise RequestRejected(INVALID_REQUEST, f"the tool name {name[:80]!r} holds a special token's text")
-        if msg.tools and not self._renders_tools:
-            raise RequestRejected(INVALID_REQUEST, TOOLS_UNSUPPORTED)
 
     def _resume_tokens(self, msg: Submit) -> list[int]:
         """A resumed request's earlier tokens, checked: ids this vocabulary has."""

@@ -4,13 +4,13 @@
   that can be picked up, from the hot cache and then, for what that lacked, from SSD (promoted
   into the hot cache). At least the last prompt token is always left to compute, because the
   generator needs one token to start from.
-- `snapshot_points(n, cached)`: where a prompt's prefill must stop so that `snapshot(cache)` can
+- `snapshot_points(n, cached, diverges, head)`: where a prompt's prefill must stop so that `snapshot(cache)` can
   copy the state of the layers that cannot be cut into blocks (see below).
 - `store(tokens, cache, snapshots)` when a sequence finishes: its blocks go into the hot cache
   and are lent to the SSD writer; `hand_off()` at the next step gives them to it as numpy views,
   so that nothing in a step waits for them (worker/mlx_engine/disk_handoff.py).
-- `keep(tokens, ttl_s)`: pin a prompt's prefix (through a `cache_control` breakpoint) in the hot tier for its
-  ttl (hot_cache.py); `kept_end(n)`: how much of an n-token prompt a finished request leaves to the caches,
+- `keep(tokens, ttl_s)`: pin a prompt's prefix (a `cache_control` breakpoint, a `prompt_cache_key`) in the hot
+  and SSD tiers for its ttl (hot_cache.py, ssd_cache.py); `kept_end(n)`: how much of an n-token prompt a finished request leaves to the caches,
   which usage reports as written (Anthropic's cache_creation_input_tokens).
 - `clear(which)`, `stats()`, `close()` for admin and the orderly exit.
 
@@ -19,7 +19,8 @@ plain `KVCache` is cut into blocks, and any block-aligned prefix is reused; a pr
 whole is served with its cache trimmed by one token. A model with other layers (sliding-window
 `RotatingKVCache`, recurrent `ArraysCache`, `CacheList`...) keeps its plain KV layers in blocks
 as well, and the other layers' whole state as snapshots taken at block boundaries: in prefill
-(the prompt's last one, every `snapshot_every` tokens, and where it leaves a cached prompt) and the
+(the prompt's last one, every `snapshot_every` tokens, where it leaves a cached prompt, and the end of its head of
+system prompt and tools, where sibling sessions branch) and the
 last one its reply's decoding crosses (the engine's): its reusable prefix is
 the longest cached one that ends at a snapshot, and only blocks up to a snapshot are kept.
 
@@ -180,9 +181,14 @@ class PromptCaches:
         return found
 
     def keep(self, tokens: list[int], ttl_s: float) -> None:
-        """Pin the whole blocks of `tokens` (a marked prefix) in the hot tier for `ttl_s` seconds."""
-        if self.hot.enabled and ttl_s > 0:
-            self.hot.pin(chain_keys(tokens, self.block), ttl_s)
+        """Pin the whole blocks of `tokens` (a marked prefix) in the hot and SSD tiers for `ttl_s` seconds."""
+        if not self.enabled or ttl_s <= 0:
+            return
+        keys = chain_keys(tokens, self.block)
+        if self.hot.enabled:
+            self.hot.pin(keys, ttl_s)
+        if self.ssd is not None and self.ssd.enabled:
+            self.ssd.pin(keys, ttl_s)
 
     def kept_end(self, n_tokens: int) -> int:
         """How many of an n-token prompt's tokens `store` keeps when its request finishes (within the budgets):
@@ -192,16 +198,18 @@ class PromptCaches:
             return 0
         return (n_tokens - 1) // self.block * self.block if self.layout.snapshots else n_tokens
 
-    def snapshot_points(self, n_tokens: int, cached: int, diverges: int = 0) -> list[int]:
+    def snapshot_points(self, n_tokens: int, cached: int, diverges: int = 0, head: int = 0) -> list[int]:
         """The block boundaries in (cached, n_tokens - 1] where a prompt's prefill stops for a snapshot: its last
-        one, every `snapshot_every`, and `diverges` (`matched`: where it leaves a cached prompt, so that the next
-        prompt to share that prefix, a sibling session's, picks it up there)."""
+        one, every `snapshot_every`, and where the next prompt to share a prefix with it, a sibling session's, will
+        pick it up: `diverges` (`matched`: where it leaves a cached prompt) and the last boundary in its `head`
+        (`Prompts.head_end`: an agent's subagents share its system prompt and tools and branch right after them)."""
         if not self.layout.snapshots or not self.enabled:
             return []
         last = (n_tokens - 1) // self.block
         every = self.every_blocks
+        branches = {diverges // self.block, head // self.block} - {0}
         return [i * self.block for i in range(cached // self.block + 1, last + 1)
-                if i == last or (every and i % every == 0) or i * self.block == diverges]
+                if i == last or (every and i % every == 0) or i in branches]
 
     def snapshot(self, cache: list) -> Snapshot:
         """A copy of the snapshot layers' state in one sequence's whole cache (batch 1)."""

@@ -20,7 +20,11 @@ where plain decoding would (an EOS, max_tokens); the target's next token is the 
 not yet fed, as a plain step leaves it, so a hand-over mid-drafting finds the cache holding exactly the tokens
 emitted. Where plain steps run compiled, so does the verification (`DecodeGraph.verify`: one trace per length and
 capacity), and rejected drafts are rolled back in the graph's state (its fill goes back): the cache stays in the
-graph whether a step drafts or not, written back only when the solo ends.
+graph whether a step drafts or not, written back only when the solo ends. Layers a trim cannot undo (recurrent
+state, a full sliding window) are marked before the verification and given back after a rejection, and the kept
+tokens are fed again in one forward pass (rollback.py); its logits are not needed: the token after them is the
+one the verification chose. A seeded request samples with its drafting's `Draws`, which the verification draws
+from too, so its stream stays where plain decoding's would be (and goes on so in the batch after a hand-over).
 
 `SoloLane` is the engine's side of it: the solo in flight (at most one), its start, the hand-over into the
 engine's BatchGenerator, and the token read at a hand-over, which the engine emits at its next step.
@@ -34,7 +38,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -42,7 +46,8 @@ from mlx_lm.generate import BatchGenerator, StopSequences, generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
 from worker.mlx_engine.decode_graph import DecodeGraph, DecodeState
-from worker.mlx_engine.speculative import Drafting, room, trim
+from worker.mlx_engine.rollback import mark, restore, trim, undoable
+from worker.mlx_engine.speculative import Drafting
 from worker.step_cost import StepPlan
 
 
@@ -90,7 +95,8 @@ class Solo:
         self.fed = cached  # tokens whose K/V is in the cache
         self.cache = cache if cache is not None else make_prompt_cache(model)
         self.max_tokens = max_tokens
-        self.sampler = sampler  # None: greedy
+        # None: greedy; a seeded request that drafts samples with its draws, which verification uses too
+        self.sampler = drafting.draws if drafting is not None and drafting.draws is not None else sampler
         self.eos = eos  # None: EOS does not stop it (ignore_eos)
         self.generated = 0
         self._next: tuple[mx.array, mx.array] | None = None  # the token in flight and its logprobs
@@ -132,13 +138,36 @@ class Solo:
                 self.graph = None
         return self._state is not None
 
-    def _rollback(self, n: int) -> None:
+    def _mark(self, n: int) -> Any:
+        """What undoing some of the next n tokens fed needs beyond a trim (None: nothing): the graph's recurrent state
+        (the step replaces it, never writes into it), or the marked layers' (rollback.py)."""
         if self._state is not None:
-            assert self.graph is not None
-            self.graph.rollback(self._state, n)
-        else:
-            trim(self.cache, n)
-        self.fed -= n
+            return self._state.arrays or None
+        return mark(self.cache, n)
+
+    def _undo(self, fed: int, kept: list[int], marked: Any) -> int:
+        """Keep only `kept`, the first of the last `fed` tokens fed: trimmed back where a trim does it, else the marked
+        state given back, the other layers trimmed by all `fed`, and `kept` fed again. The tokens fed again."""
+        if fed == len(kept):
+            return 0
+        self.fed -= fed - len(kept)
+        if marked is None:
+            if self._state is not None:
+                assert self.graph is not None
+                self.graph.rollback(self._state, fed - len(kept))
+            else:
+                trim(self.cache, fed - len(kept))
+            return 0
+        ids = mx.array(kept, mx.uint32)
+        with mx.stream(generation_stream):
+            if self._state is not None:
+                assert self.graph is not None
+                self.graph.rollback(self._state, fed, marked)
+                self.graph.verify(self._state, ids)
+            else:
+                restore(self.cache, marked, fed)
+                self.model(ids[None], cache=self.cache)
+        return len(kept)
 
     def step(self, chunk: int) -> list[SoloResponse]:
         """One engine step: a prefill chunk of at most `chunk` tokens, or one token out."""
@@ -182,8 +211,8 @@ class Solo:
         assert d is not None and self._next is not None
         if not d.wants(self.generated):
             return None
-        space = min(room(self.cache), d.drafter.room())  # the cache's kinds: the same in the graph
-        if space < 2:  # a sliding window full, recurrent layers: no rollback possible, for the rest of the request
+        space = d.drafter.room() if undoable(self.cache) else 0  # the cache's kinds: the same in the graph
+        if space < 2:  # no rollback possible (a draft model's window full...), for the rest of the request
             self.drafting = None
             return None
         if not d.priced(self.model, self.graph, self.generated):  # it would not pay: plain decoding is faster here
@@ -193,13 +222,15 @@ class Solo:
         k = min(d.k, self.max_tokens - self.generated - 1, space - 1)
         if k < 1 or (self.eos is not None and y in self.eos):
             return None
-        drafts, q = d.drafter.propose(self.tokens, y, k, d.sampling, d.next_key())
+        drafts, q = d.drafter.propose(self.tokens, y, k, d.sampling, d.draft_keys(k))
         if drafts is None:
             return None
         k = drafts.size
         ids = mx.concatenate([y_arr.astype(mx.uint32).reshape(1), drafts])
         with mx.stream(generation_stream):
-            if self._compiled():
+            compiled = self._compiled()
+            marked = self._mark(k + 1)
+            if compiled:
                 assert self.graph is not None and self._state is not None
                 logprobs = self.graph.verify(self._state, ids)
             else:
@@ -207,19 +238,16 @@ class Solo:
                 logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         self.fed += k + 1
         kept, after = d.verify(logprobs, drafts, q)
-        self._rollback(k - kept)
         emitted = [y, *cast(list[int], drafts[:kept].tolist())]
+        if self.eos is not None:  # plain decoding stops at an EOS among the kept drafts: nothing after it is emitted
+            emitted = emitted[:next((i + 1 for i, t in enumerate(emitted) if t in self.eos), len(emitted))]
+        refed = self._undo(k + 1, emitted, marked)  # the cache holds the tokens emitted, as `_out` expects
         d.drafter.keep(len(self.tokens) + len(emitted))
-        d.observe(k, kept, self.generated)
-        out = []
-        for i, token in enumerate(emitted):  # each is fed: `_out` appends it to the tokens
-            r = self._out(token, y_logprobs if i == 0 else logprobs[i - 1])
-            out.append(r)
-            if r.finish_reason is not None:  # the tokens after it were never emitted: out of the cache too
-                self._rollback(len(emitted) - i - 1)
-                self._next = None
-                r.prompt_cache, r.all_tokens = self._cache(), self.tokens[:self.fed]
-                return out
+        d.observe(k, kept, self.generated, refed)
+        out = [self._out(token, y_logprobs if i == 0 else logprobs[i - 1]) for i, token in enumerate(emitted)]
+        if out[-1].finish_reason is not None:
+            self._next = None
+            return out
         self._next = (mx.array([after], mx.uint32), logprobs[kept])
         self.times._last_end = time.perf_counter()
         return out

@@ -1,4 +1,5 @@
-"""Speculative decoding for the solo (issue 30, first slice): draft a few tokens, verify them in one forward pass.
+"""Speculative decoding (issue 30): draft a few tokens, verify them in one forward pass (the solo here; batches in
+batch_drafting.py).
 
 A stream alone is bound by reading the weights once per token; verifying k drafted tokens reads them once for up
 to k + 1 tokens. The solo (solo.py) asks its `Drafting` for a step: the drafter proposes up to k tokens after the
@@ -14,18 +15,24 @@ Exact: a greedy request keeps a draft token only where it is the target's argmax
 A sampled request uses the standard rule on the request's own distribution (its temperature, top-p, min-p,
 top-k: `Sampling.probs`): keep draft token d with probability min(1, p(d) / q(d)), else sample from
 max(p - q, 0) renormalised; prompt lookup's q is one-hot (keep d with probability p(d), else sample from p
-with d removed). A seeded request draws from its own key, split per verification, so it is reproducible: which
-steps draft depends on the tokens only (never on time).
+with d removed). A seeded request (`Draws`) is verified by its own draws instead: the token at each position is
+the one its seeded sampler draws there (the draw numbered by the tokens generated before it, a resumed request's
+included), and a draft is kept while it equals that token. For prompt lookup that is the standard rule in
+distribution (d kept with probability p(d), else a draw from p without d); a draft model drafts with the same
+draws (shared Gumbel noise), so it is kept where its draw and the target's agree. Either way the ids are those of
+plain seeded decoding, whichever steps drafted: reproducible, and the same whole or resumed after any token.
 
-Rollback: the target's cache gets [token, drafts] and is trimmed back to the tokens kept. A cache that cannot be
-trimmed gets no drafts (`room`): recurrent layers (ArraysCache: the Qwen3.5 hybrids) never, a sliding window
-(RotatingKVCache) only while the window is not full (a full one overwrites what a trim would need); there the
-request decodes plainly, which is parity trivially. Snapshot-based rollback is a later slice.
+Rollback (rollback.py): the target's cache gets [token, drafts] and is trimmed back to the tokens kept; where a
+layer cannot be trimmed (recurrent layers: ArraysCache, the Qwen3.5 hybrids; a full sliding window:
+RotatingKVCache) its state is marked before the verification, given back after a rejection, and the kept tokens
+are fed again in one forward pass (the solo does it).
 
 Paying: a verification of k drafts costs a forward pass of k + 1 tokens; the worker measures what that costs here
 against a plain step, once (draft_pricing.py), which gives the drafts kept per verification at which drafting
-pays (`Costs.break_even`). A request where even a fully kept draft would not pay never drafts; otherwise it
-measures its own acceptance (a moving average of drafts kept per verification), and below break-even it stops
+pays (`Costs.break_even`, the re-feed after a rejection counted where there is one). A request where a draft would
+have to be kept nearly whole to pay (break-even above NEAR_WHOLE of k: only an oracle keeps that much, and a CPU, where
+a verification of k + 1 tokens costs about k + 1 plain steps, lands there) never drafts; otherwise it measures its own surplus (a moving average of the drafts kept
+per verification above that verification's break-even), and below zero it stops
 drafting for a pause that doubles each time (FIRST_PAUSE..MAX_PAUSE tokens), so a draft that is gibberish costs
 a few verifications per pause, and a copying stretch later is still found. The costs are fixed per worker, so
 which steps draft depends on the tokens only.
@@ -41,6 +48,7 @@ them; nothing here emits a token: the solo does, in order, stopping where plain 
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, cast
@@ -49,19 +57,21 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.generate import generation_stream
-from mlx_lm.models.cache import CacheList, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from protocol.messages import Submit
 from worker.mlx_engine.decode_graph import DecodeGraph
-from worker.mlx_engine.draft_pricing import Pricing
+from worker.mlx_engine.draft_pricing import Costs, Pricing
+from worker.mlx_engine.rollback import room, trim
 
 MODES = ("off", "prompt-lookup", "draft")  # the config's and the worker's; "oracle" is a hook for tests and the bench
 DEFAULT_DRAFT_TOKENS = 4
 MAX_NGRAM = 3  # the longest suffix prompt lookup matches; then shorter ones, down to one token
 EMA_WEIGHT = 0.25  # each verification's weight in that average
-MIN_VERIFIES = 4  # verifications before the average may pause drafting (after a start or a pause)
-FIRST_PAUSE, MAX_PAUSE = 32, 1024  # tokens decoded plainly after the first pause, doubled per pause up to the max
+MIN_VERIFIES = 2  # verifications before the average may pause drafting (after a start or a pause)
+NEAR_WHOLE = 0.75  # a break-even above this part of k: drafting is not tried at all
+FIRST_PAUSE, MAX_PAUSE = 64, 1024  # tokens decoded plainly after the first pause, doubled per pause up to the max
 DRAFT_PREFILL = 512  # the draft model's catch-up (its prompt) in chunks of this many tokens
 
 
@@ -81,25 +91,6 @@ def lookup(history: np.ndarray, k: int, max_n: int = MAX_NGRAM) -> list[int]:
             follows = history[int(found[-1]) + n:]
             return np.resize(follows, k).tolist()
     return []
-
-
-def room(cache: list | tuple) -> int:
-    """How many tokens can be fed to `cache` and trimmed back exactly (0: none)."""
-    left = sys.maxsize
-    for c in cache:
-        if isinstance(c, CacheList):
-            left = min(left, room(c.caches))
-        elif isinstance(c, RotatingKVCache):
-            left = min(left, max(0, c.max_size - c.offset))
-        elif not c.is_trimmable():
-            return 0
-    return left
-
-
-def trim(cache: list, n: int) -> None:
-    if n > 0:
-        for c in cache:
-            c.trim(n)
 
 
 def leading(flags: list[bool]) -> int:
@@ -132,6 +123,36 @@ class Sampling:
         return mx.softmax(self.logits(logprobs), axis=-1)
 
 
+class Draws:
+    """A seeded request's random stream, as guided.seeded_sampler draws it: the i-th token sampled (a resumed
+    request's earlier tokens counted) uses the i-th key split off the seed's. Called, it is the request's sampler."""
+
+    def __init__(self, seed: int, skip: int, sampling: Sampling) -> None:
+        self.sampling = sampling
+        self.key = mx.random.key(seed)
+        self.advance(skip)
+
+    def keys(self, n: int) -> list[mx.array]:
+        """The next n draws' keys, not used up."""
+        key, out = self.key, []
+        for _ in range(n):
+            key, draw = mx.random.split(key)
+            out.append(draw)
+        return out
+
+    def advance(self, n: int) -> None:
+        for _ in range(n):
+            self.key = mx.random.split(self.key)[0]
+
+    def sample(self, logprobs: mx.array, key: mx.array) -> mx.array:
+        """The token drawn with `key` from logprobs of shape (1, vocab), the sampler's shape: the same noise."""
+        return mx.random.categorical(self.sampling.logits(logprobs), key=key)
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        self.key, draw = mx.random.split(self.key)
+        return self.sample(logprobs, draw)
+
+
 def accept_sampled(p: mx.array, drafts: mx.array, q: mx.array | None, key: mx.array | None) -> tuple[mx.array, mx.array]:
     """The standard rule, lazily: (whether each draft is kept, shape (k,); the token after each possible prefix,
     shape (k + 1,): at i < k a draw from max(p_i - q_i, 0), at k one from p_k). p: the target's probabilities
@@ -153,8 +174,9 @@ def accept_sampled(p: mx.array, drafts: mx.array, q: mx.array | None, key: mx.ar
 
 class Drafter(Protocol):
     def propose(self, tokens: list[int], y: int, k: int, sampling: Sampling | None,
-                key: mx.array | None) -> tuple[mx.array | None, mx.array | None]:
-        """Up to k drafts after tokens + [y] (None: none), and the draft's probabilities (None: deterministic)."""
+                keys: Sequence[mx.array] | None) -> tuple[mx.array | None, mx.array | None]:
+        """Up to k drafts after tokens + [y] (None: none), and the draft's probabilities (None: deterministic). `keys`:
+        a seeded request's draws at the k positions (the draft draws with them; None: unseeded)."""
         ...
 
     def keep(self, valid: int) -> None:
@@ -172,7 +194,7 @@ class PromptLookup:
         self._n = 0  # the history's tokens mirrored
 
     def propose(self, tokens: list[int], y: int, k: int, sampling: Sampling | None,
-                key: mx.array | None) -> tuple[mx.array | None, mx.array | None]:
+                keys: Sequence[mx.array] | None) -> tuple[mx.array | None, mx.array | None]:
         n = len(tokens)
         if n + 1 > len(self._h):
             self._h = np.concatenate([self._h, np.zeros(max(n + 1, len(self._h)), np.int64)])
@@ -196,7 +218,7 @@ class Oracle:
         self.sequence = sequence
 
     def propose(self, tokens: list[int], y: int, k: int, sampling: Sampling | None,
-                key: mx.array | None) -> tuple[mx.array | None, mx.array | None]:
+                keys: Sequence[mx.array] | None) -> tuple[mx.array | None, mx.array | None]:
         n = len(tokens)  # y is at position n; checking it alone is enough while the history follows the record
         drafts = self.sequence[n + 1:n + 1 + k] if n < len(self.sequence) and self.sequence[n] == y else []
         return (mx.array(drafts, mx.uint32) if drafts else None), None
@@ -227,7 +249,7 @@ class ModelDrafter:
         return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
     def propose(self, tokens: list[int], y: int, k: int, sampling: Sampling | None,
-                key: mx.array | None) -> tuple[mx.array | None, mx.array | None]:
+                keys: Sequence[mx.array] | None) -> tuple[mx.array | None, mx.array | None]:
         behind = tokens[self.fed:] + [y]
         k = min(k, room(self.cache) - len(behind))
         if k < 1:
@@ -240,7 +262,6 @@ class ModelDrafter:
                 behind, self.fed = behind[n:], self.fed + n
             ids = mx.array(behind, mx.uint32)
             drafts, qs = [], []
-            keys = mx.random.split(key, k) if key is not None else [None] * k
             for i in range(k):
                 logprobs = self._logprobs(ids)
                 if sampling is None:
@@ -248,7 +269,7 @@ class ModelDrafter:
                 else:
                     logits = sampling.logits(logprobs)
                     qs.append(mx.softmax(logits, axis=-1))
-                    ids = mx.random.categorical(logits, key=keys[i]).astype(mx.uint32)
+                    ids = mx.random.categorical(logits, key=None if keys is None else keys[i]).astype(mx.uint32)
                 drafts.append(ids)
         self.fed = len(tokens) + k  # y and the drafts but the last are in its cache now
         return mx.concatenate(drafts), (mx.concatenate(qs) if qs else None)
@@ -272,16 +293,17 @@ class DraftCounts:
 
 @dataclass(slots=True)
 class Drafting:
-    """One request's drafting: its drafter, its distribution, its key, and whether drafting pays for it now."""
+    """One request's drafting: its drafter, its distribution, its draws, and whether drafting pays for it now."""
 
     drafter: Drafter
     k: int
     sampling: Sampling | None  # None: greedy
-    key: mx.array | None  # a seeded request's own stream of draws
+    draws: Draws | None  # a seeded request's own stream of draws (its sampler in the solo)
     pricing: Pricing | None  # the worker's costs of drafting (None: draft always: the oracle)
     counts: DraftCounts = field(default_factory=DraftCounts)
-    break_even: float | None = None  # drafts kept per verification below which drafting pauses; None: not priced yet
-    average: float = 0.0  # drafts kept per verification, a moving average
+    break_even: float | None = None  # drafts kept per verification of k at which drafting pays; None: not priced yet
+    costs: Costs | None = None  # the worker's, once priced (None: the oracle's, free)
+    surplus: float = 0.0  # drafts kept per verification above its break-even, a moving average
     verifies: int = 0  # since drafting (re)started
     resume_at: int = 0  # the generated count at which a pause ends
     pause: int = FIRST_PAUSE
@@ -293,43 +315,50 @@ class Drafting:
         """Whether to draft now, the worker's costs known (measured here the first time): never, where even a draft
         kept whole would not pay."""
         if self.break_even is None:
-            self.break_even = -1.0 if self.pricing is None else self.pricing.get(model, graph).break_even(self.k)
-            self.average = min(float(self.k), self.break_even + 1)
-            if self.break_even >= self.k:
+            self.costs = None if self.pricing is None else self.pricing.get(model, graph)
+            self.break_even = -1.0 if self.costs is None else self.costs.break_even(self.k)
+            self.surplus = 0.0  # neutral: MIN_VERIFIES verifications keeping nothing pause it
+            if self.break_even > NEAR_WHOLE * self.k:
                 self.resume_at = sys.maxsize
         return self.wants(generated)
 
-    def next_key(self) -> mx.array | None:
-        if self.key is None:
-            return None
-        self.key, draw = mx.random.split(self.key)
-        return draw
+    def draft_keys(self, k: int) -> list[mx.array] | None:
+        """A seeded request's draws at the k drafted positions (the drafter's to draw with); None: unseeded."""
+        return None if self.draws is None else self.draws.keys(k)
 
     def verify(self, logprobs: mx.array, drafts: mx.array, q: mx.array | None) -> tuple[int, int]:
         """(drafts kept, the target's token after them) for the target's logprobs at the k + 1 positions."""
-        if self.sampling is None:
-            target = mx.argmax(logprobs, axis=-1)
+        if self.sampling is None or self.draws is not None:
+            if self.draws is None:
+                target = mx.argmax(logprobs, axis=-1)
+            else:  # each position's token as the seeded sampler draws it there (the module says why)
+                draws = self.draws
+                target = mx.concatenate([draws.sample(logprobs[i:i + 1], key)
+                                         for i, key in enumerate(draws.keys(drafts.size + 1))])
             mx.eval(target, drafts)
             said, proposed = cast(list[int], target.tolist()), cast(list[int], drafts.tolist())
             kept = leading([a == b for a, b in zip(said, proposed)])
+            if self.draws is not None:
+                self.draws.advance(kept + 1)
             return kept, said[kept]
-        flags, after = accept_sampled(self.sampling.probs(logprobs), drafts, q, self.next_key())
+        flags, after = accept_sampled(self.sampling.probs(logprobs), drafts, q, None)
         mx.eval(flags, after)
         kept = leading(cast(list[bool], flags.tolist()))
         return kept, cast(list[int], after.tolist())[kept]
 
-    def observe(self, drafted: int, kept: int, generated: int) -> None:
-        """Count a verification; pause drafting when its average says it does not pay."""
+    def observe(self, drafted: int, kept: int, generated: int, refed: int = 0) -> None:
+        """Count a verification of `drafted` (after which `refed` tokens were fed again); pause drafting when the
+        average surplus says it does not pay."""
         self.counts.drafted += drafted
         self.counts.accepted += kept
-        if self.break_even is None or self.break_even < 0:
+        if self.costs is None or self.break_even is None:
             return
-        self.average += EMA_WEIGHT * (kept - self.average)
+        self.surplus += EMA_WEIGHT * (kept - self.costs.break_even(drafted, refed) - self.surplus)
         self.verifies += 1
-        if self.verifies >= MIN_VERIFIES and self.average < self.break_even:
+        if self.verifies >= MIN_VERIFIES and self.surplus < 0:
             self.resume_at = generated + self.pause
             self.pause = min(2 * self.pause, MAX_PAUSE)
-            self.average, self.verifies = min(float(self.k), self.break_even + 1), 0
+            self.surplus, self.verifies = 0.0, 0
 
 
 class Speculation:
@@ -350,15 +379,16 @@ class Speculation:
         self.pricing = Pricing(k, draft)
 
     def drafting(self, msg: Submit) -> Drafting | None:
-        """A request's drafting (None: the mode is off). Only the solo drafts; it takes no logits processors."""
+        """A request's drafting (None: the mode is off): the solo's, or a greedy one's in the batch (batch_drafting.py);
+        neither takes logits processors."""
         if self.mode == "off":
             return None
         drafter: Drafter = (Oracle(self.oracle) if self.oracle is not None else PromptLookup() if self.draft is None
                             else ModelDrafter(self.draft, self.vocab))
         sampling = None if msg.temperature == 0 else Sampling(
             msg.temperature, msg.top_p, msg.min_p, msg.top_k if self.vocab <= 0 or msg.top_k < self.vocab else 0)
-        key = mx.random.key(msg.seed) if msg.seed is not None and sampling is not None else None
-        return Drafting(drafter, self.k, sampling, key, self.pricing if self.oracle is None else None)
+        draws = None if msg.seed is None or sampling is None else Draws(msg.seed, len(msg.resume_tokens), sampling)
+        return Drafting(drafter, self.k, sampling, draws, self.pricing if self.oracle is None else None)
 
 
 def load_draft(path: Path, tokenizer: Any) -> tuple[nn.Module, int]:

@@ -2,8 +2,9 @@
 
 `vision_engine` builds the ordinary Engine (engine.py) on an mlx-vlm model and composes two collaborators into it:
 - `VisionPrompts` (the engine's `prompts`): a chat request with images is rendered by the chat template (an image
-  part as the family's placeholder), then the model's processor expands each placeholder to the image's tokens and
-  turns the image into pixels; requests without images encode exactly as a text model's do.
+  part as the family's placeholder; messages and tools shaped as a text request's, `template_input`), then the
+  model's processor expands each placeholder to the image's tokens and turns the image into pixels; requests
+  without images encode exactly as a text model's do.
 - `ImagePrefill.prefill` (the engine's `prefill`): the prompt's head, through its last image token, is prefilled
   here, outside the batch, from the merged embeddings (`get_input_embeddings`: text embeddings with the vision
   tower's features scattered over the image tokens; Qwen3-VL's deepstack features and M-RoPE positions with it);
@@ -62,7 +63,7 @@ from worker.mlx_engine.engine import Engine
 from worker.mlx_engine.prompt import Prompts
 from worker.mlx_engine.prompt_cache import PromptCaches
 from worker.mlx_engine.vision_cache import TOWER_CACHE_BYTES, CachedTower, image_hashes, image_keys
-from worker.template_input import chat_template_args, template_messages, template_tools
+from worker.template_input import chat_template_args, template_input
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +144,7 @@ class Processed:
     pixel_values: mx.array
     extra: dict  # image_grid_thw (Qwen), the attention mask, ...
     keys: list[int] = field(default_factory=list)  # the ids the prompt caches know it by (image_keys)
+    head: int = 0  # where its head of system prompt and tools ends (Prompts.head_end): a snapshot point
 
 
 class ImagePrefill:
@@ -191,8 +193,10 @@ class ImagePrefill:
         # positions, visual mask and deepstack rows to the cache's offset
         cache = self.decoder.make_cache() if prefix is None else self.decoder.adopt(prefix)
         # a model with snapshot layers (Gemma 3's sliding ones) stops at the snapshot points inside this prefix, the
-        # batch's only see the rest: the prefix through the point is stored now (Qwen's layout has none: one call)
-        points = [p for p in self.caches.snapshot_points(len(tokens), cached) if p <= n] if self.caches else []
+        # batch's only see the rest: the prefix through the point is stored now (Qwen's layout has none: one call).
+        # The head (before the first user turn's text, so before its images) is one: sibling sessions branch there
+        points = [p for p in self.caches.snapshot_points(len(tokens), cached, self.caches.matched, processed.head)
+                  if p <= n] if self.caches else []
         start = cached
         for end in sorted({*points, n}):
             self.vlm.language_model(ids[:, start:end], inputs_embeds=features.inputs_embeds[:, start:end],
@@ -240,9 +244,9 @@ class VisionPrompts(Prompts):
                                                    f"{self.max_images} per request")
         pictures = decode_images(msg.images, self.max_batch_pixels)
         try:
+            shown, tools = template_input(msg.messages, msg.tools, self._renders_tools)
             text = self.tokenizer.apply_chat_template(
-                template_messages(msg.messages), tools=template_tools(msg.tools), tokenize=False,
-                **chat_template_args(msg.messages, msg.template_kwargs))
+                shown, tools=tools, tokenize=False, **chat_template_args(msg.messages, msg.template_kwargs))
         except Exception as exc:  # a template can reject roles or shapes it does not know
             raise RequestRejected(INVALID_REQUEST, f"chat template rejected the messages: {exc}") from None
         try:
@@ -256,8 +260,10 @@ class VisionPrompts(Prompts):
         if "attention_mask" in extra:
             extra["mask"] = extra.pop("attention_mask")
         hashes = image_hashes(inputs["pixel_values"], extra.get("image_grid_thw"), len(pictures))
+        caches = self.images.caches
+        head = self.head_end(msg, ids) if caches is not None and caches.layout.snapshots else 0
         self.images.pending = Processed(ids, inputs["pixel_values"], extra,
-                                        image_keys(ids, self.images.image_token, hashes))
+                                        image_keys(ids, self.images.image_token, hashes), head)
         return ids
 
 

@@ -1,0 +1,279 @@
+"""Drafting inside the continuous batch gives plain decoding's tokens, exactly (issue 30; batch_drafting.py).
+
+Real MLX on the CPU, the families' tiny models, the product's Engine driven by submit/step. Several greedy requests
+decode together, drafting in lockstep: a request starts alone (the solo, drafting), a second joins (the solo's
+drafting goes into the batch with it), a third joins mid-way; one ends on max_tokens and one on a stop token inside
+a draft while the others go on. Their ids must be those of drafting off, token for token, where a trim undoes
+rejected drafts (llama), where the sliding window is full (gemma3: marked and re-fed) and where recurrent layers
+cannot go back (qwen3_5), with every draft kept (the oracle) and with rejections (a partly wrong oracle, prompt
+lookup); every finishing row hands the prompt caches exactly the tokens it emitted. A grammar request in the batch
+makes its steps plain; a batch where drafting does not pay never drafts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mlx_lm.generate import StopSequences
+
+from protocol.messages import Finished, Submit
+from worker.mlx_engine.draft_pricing import Costs
+from worker.mlx_engine.engine import Engine
+from worker.mlx_engine.prompt_cache import CacheOptions
+from worker.mlx_engine.speculative import Oracle, Speculation
+
+BLOCK = [(i * 37) % 300 + 20 for i in range(30)]
+PROMPTS = {"a": BLOCK * 3, "b": BLOCK[::-1] * 2, "c": BLOCK[5:] * 3, "g": BLOCK[:20]}  # repetitive: lookup finds drafts
+LENGTHS = {"a": 60, "b": 13, "c": 30, "g": 12}
+FREE = Costs(1.0, 1.0, 1.0, k=8)  # a verification as cheap as a plain step: whether drafting pays is not the point
+JSON = {"type": "json", "schema": None}
+FAMILIES = ["llama", "gemma3", "qwen3_5"]  # KV (trimmed), a full sliding window, recurrent layers (marked, re-fed)
+Records = dict[str, list[int]]
+
+
+def greedy(rid: str, **kw: Any) -> Submit:
+    return Submit(rid=rid, max_tokens=LENGTHS[rid], prompt_ids=PROMPTS[rid], temperature=0.0,
+                  **({"ignore_eos": True} | kw))
+
+
+class Run:
+    """Steps an engine, collecting each request's ids and Finished, and what each finishing row left the caches."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.ids: dict[str, list[int]] = {}
+        self.finished: dict[str, Finished] = {}
+        self.stored: list[tuple[list[int], list, list[int]]] = []  # tokens, cache, the blocks of its snapshots
+
+        def store(tokens: list[int] | None, cache: list | None, snapshots: dict) -> None:
+            self.stored.append((list(tokens or []), cache or [], sorted(snapshots)))
+        engine._store = store  # type: ignore[method-assign]
+
+    def steps(self, n: int | None = None) -> None:
+        while len(self.engine) and (n is None or n > 0):
+            n = None if n is None else n - 1
+            chunks, finished = self.engine.step()
+            for chunk in chunks:
+                self.ids.setdefault(chunk[0], []).extend(chunk[3])
+            for f in finished:
+                assert isinstance(f, Finished)
+                self.ids.setdefault(f.rid, []).extend(f.token_ids)
+                self.finished[f.rid] = f
+
+
+def together(engine: Engine, records: Records | None = None, rids: str = "abc", stopping: str = "",
+             constrained: str = "") -> Run:
+    """The first request alone for 3 steps (the solo), then the second joins (the solo goes into the batch), and 6
+    steps later the third; to the end. `records`: each request's own oracle (the target's output after its prompt,
+    as recorded); the first started alone, with the engine's. `stopping`: the request that the EOS stops;
+    `constrained`: the one whose output is JSON (a grammar: logits processors)."""
+    run = Run(engine)
+    for rid, after in zip(rids, [3, 6][:len(rids) - 1] + [None]):
+        engine.submit(greedy(rid, ignore_eos=rid != stopping, constraint=JSON if rid == constrained else None))
+        if records is not None and rid != rids[0]:
+            engine.batch_drafts.rows[engine._by_rid[rid].uid].drafter = Oracle(records[rid])
+        run.steps(after)
+    return run
+
+
+def partly_wrong(record: list[int], start: int) -> list[int]:
+    """`record` with every fifth token past `start` changed: an oracle of it has drafts rejected at known places."""
+    return [t + 1 if i > start and i % 5 == 0 else t for i, t in enumerate(record)]
+
+
+def oracle(engine: Engine, records: Records) -> None:
+    engine.speculation = Speculation("oracle", 4, oracle=records["a"])
+
+
+@pytest.fixture(scope="module")
+def plain(family_models: Path) -> dict[str, Engine]:
+    return {name: Engine(family_models / name) for name in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def expected(plain: dict[str, Engine]) -> dict[str, dict[str, list[int]]]:
+    """Each family's ids of the three requests with drafting off, in the same schedule."""
+    return {name: together(engine).ids for name, engine in plain.items()}
+
+
+@pytest.fixture(scope="module")
+def drafting(family_models: Path) -> dict[str, Engine]:
+    """Each family's engine with prompt lookup on, its costs pinned (the solo's and every batch size's)."""
+    engines = {name: Engine(family_models / name, speculative="prompt-lookup") for name in FAMILIES}
+    for engine in engines.values():
+        engine.speculation.pricing.costs = engine.batch_drafts.costs = FREE
+    return engines
+
+
+def exact_caches(run: Run, eos: int | None = None) -> None:
+    """Every finishing row left the caches exactly its prompt and the tokens it emitted (an EOS it stopped on too)."""
+    assert len(run.stored) == len(run.finished)
+    by_tokens = {tuple(tokens): cache for tokens, cache, _ in run.stored}
+    for rid, f in run.finished.items():
+        tokens = (*PROMPTS[rid], *run.ids[rid], *([eos] if f.finish_reason == "stop" and eos is not None else []))
+        assert tokens in by_tokens, rid
+        attention = [c for c in by_tokens[tokens] if hasattr(c, "offset")]
+        assert attention and all(c.offset == len(tokens) for c in attention), rid
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_rows_drafting_together_give_plain_decoding_s_ids(drafting: dict[str, Engine], expected: dict,
+                                                          name: str) -> None:
+    """Every draft kept (the oracle: each row's own record), then drafts rejected at places that differ between the
+    rows (a partly wrong record of each): the batch keeps the fewest any row kept, and the ids stay plain's."""
+    engine, want = drafting[name], expected[name]
+    records = {rid: PROMPTS[rid] + want[rid] for rid in "abc"}
+    off = engine.speculation
+    try:
+        for kind in ("kept", "rejected"):
+            if kind == "rejected":
+                records = {rid: partly_wrong(r, len(PROMPTS[rid])) for rid, r in records.items()}
+            oracle(engine, records)
+            run = together(engine, records)
+            assert run.ids == want
+            for rid in "bc":  # in the batch only: their drafts were verified together with the others'
+                f = run.finished[rid]
+                assert f.accepted_tokens > 0 and (f.drafted_tokens == f.accepted_tokens) == (kind == "kept")
+            exact_caches(run)
+    finally:
+        engine.speculation = off
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_row_stopping_inside_a_draft_ends_there_and_the_others_go_on(drafting: dict[str, Engine],
+                                                                       plain: dict[str, Engine], expected: dict,
+                                                                       name: str) -> None:
+    """A token that `c` (or `b`) says made the EOS: the drafts run past it, but it ends exactly where plain decoding
+    ends it, its cache holding the tokens up to there, while `a` decodes on."""
+    engine, reference = drafting[name], plain[name]
+    rid, at = next((r, i) for r in "cb" for i in range(5, len(expected[name][r]))
+                   if expected[name][r][i] not in expected[name][r][:i])  # its first time there
+    said, eos = expected[name][rid], expected[name][rid][at]
+    for e in (engine, reference):  # the solo's stop set, the batch's stop sequences, and the solo's way into it
+        e._eos, e._stop_eos = {eos}, StopSequences([[eos]])
+        e.lane._stop_eos = e._stop_eos
+    off = engine.speculation
+    try:
+        want = together(reference, stopping=rid).ids
+        assert want[rid] == said[:at] and want["a"] == expected[name]["a"]
+        records = {rid: PROMPTS[rid] + expected[name][rid] for rid in "abc"}
+        oracle(engine, records)
+        run = together(engine, records, stopping=rid)
+        assert run.ids == want and run.finished[rid].finish_reason == "stop"
+        assert run.finished["c"].accepted_tokens > 0 and run.finished["b"].accepted_tokens > 0
+        exact_caches(run, eos)
+    finally:
+        for e in (engine, reference):
+            e._eos = set(e.tokenizer.eos_token_ids)
+            e._stop_eos = e.lane._stop_eos = StopSequences([[t] for t in sorted(e._eos)])
+        engine.speculation = off
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_5"])
+def test_prompt_lookup_drafts_in_the_batch_and_gives_plain_decoding_s_ids(drafting: dict[str, Engine],
+                                                                          expected: dict, name: str) -> None:
+    """Each row drafts from its own history; rows disagree, drafts are rejected, the ids stay plain's, and a row's
+    drafts run past its max_tokens, where it ends, its cache holding exactly the tokens it emitted."""
+    run = together(drafting[name])
+    assert run.ids == expected[name]
+    assert sum(f.accepted_tokens for f in run.finished.values()) > 0
+    assert sum(f.drafted_tokens - f.accepted_tokens for f in run.finished.values()) > 0
+    exact_caches(run)
+
+
+def test_a_grammar_request_in_the_batch_makes_its_steps_plain(drafting: dict[str, Engine],
+                                                              plain: dict[str, Engine]) -> None:
+    """A constrained request (logits processors) joins two drafting ones: no step drafts while it is in the batch,
+    and every request's ids are plain's; the others draft before it comes and after it ends."""
+    engine = drafting["llama"]
+    want = together(plain["llama"], rids="abg", constrained="g").ids
+
+    def uids() -> set[int]:
+        return set(engine.gen._generation_batch.uids)
+
+    draft = engine.batch_drafts._draft
+    seen: list[bool] = []  # for each drafting step: whether the grammar request was in the batch
+
+    def watched(*args: object) -> list | None:
+        g = engine._by_rid.get("g")
+        seen.append(g is not None and g.uid in uids())
+        return draft(*args)  # type: ignore[arg-type]
+
+    engine.batch_drafts._draft = watched  # type: ignore[method-assign,assignment]
+    try:
+        run = together(engine, rids="abg", constrained="g")
+    finally:
+        del engine.batch_drafts._draft
+    assert run.ids == want and run.finished["g"].drafted_tokens == 0
+    assert seen and not any(seen) and run.finished["a"].accepted_tokens > 0
+
+
+def test_a_batch_where_drafting_does_not_pay_never_drafts(plain: dict[str, Engine], expected: dict) -> None:
+    """Verifying k + 1 tokens costs k + 1 plain steps at this batch size: even a draft kept whole would not pay, so
+    the rows decode plainly; its costs are those of its size, measured once when not given."""
+    engine, off = plain["llama"], plain["llama"].speculation
+    try:
+        engine.speculation = Speculation("prompt-lookup", 4)
+        engine.speculation.pricing.costs = FREE  # the solo drafts; in the batch it stops
+        engine.batch_drafts.costs = Costs(1.0, 2.0, 5.0, k=4)
+        run = together(engine, rids="bc")
+        assert run.ids == {rid: expected["llama"][rid] for rid in "bc"}
+        assert run.finished["c"].drafted_tokens == 0
+        engine.batch_drafts.costs = None
+        run = together(engine, rids="bc")
+        paces = [(p.pricing.rows, p.pricing.costs) for p in engine.batch_drafts._paces.values() if p.pricing]
+        assert run.ids["c"] == expected["llama"]["c"] and any(rows == 2 and c is not None for rows, c in paces)
+    finally:
+        engine.speculation = off
+        engine.batch_drafts.costs = None
+        engine.batch_drafts._paces.clear()
+
+
+
+def test_reply_snapshots_are_taken_where_plain_decoding_takes_them(family_models: Path) -> None:
+    """With prompt caches, a hybrid's recurrent state is copied where a reply's cache fills a block: a drafting step
+    keeps no more than reaches the next block's end, so every row ends with the snapshots plain decoding leaves."""
+    options = CacheOptions(hot_bytes=1 << 26, block_tokens=16)
+    want = together(Engine(family_models / "qwen3_5", cache=options))
+    engine = Engine(family_models / "qwen3_5", cache=options, speculative="prompt-lookup")
+    engine.speculation.pricing.costs = engine.batch_drafts.costs = FREE
+    run = together(engine)
+    assert run.ids == want.ids and sum(f.accepted_tokens for f in run.finished.values()) > 0
+    assert sorted((t, s) for t, _, s in run.stored) == sorted((t, s) for t, _, s in want.stored)
+
+
+def test_a_draft_model_drafts_for_every_row(family_models: Path, expected: dict) -> None:
+    """Each row drafts with the draft model on its own cache (here the target itself: every draft kept)."""
+    engine = Engine(family_models / "llama", speculative="draft", draft=family_models / "llama", num_draft_tokens=3)
+    engine.speculation.pricing.costs = engine.batch_drafts.costs = FREE
+    run = together(engine)
+    assert run.ids == expected["llama"]
+    assert all(f.drafted_tokens == f.accepted_tokens > 0 for f in run.finished.values())
+
+
+def test_logprobs_of_drafted_tokens_are_plain_decoding_s(drafting: dict[str, Engine], plain: dict[str, Engine]) -> None:
+    """A drafted token's logprobs come from the verification's position before it: the numbers plain decoding gives."""
+    def logprobs(engine: Engine) -> tuple[dict[str, list], dict[str, Finished]]:
+        said: dict[str, list] = {}
+        finished = {}
+        for rid in "ab":
+            engine.submit(greedy(rid, logprobs=2))
+        while len(engine):
+            chunks, ended = engine.step()
+            for chunk in chunks:
+                said.setdefault(chunk[0], []).extend(chunk[4]["logprobs"])
+            for f in ended:
+                assert isinstance(f, Finished) and f.extra is not None
+                said.setdefault(f.rid, []).extend(f.extra["logprobs"])
+                finished[f.rid] = f
+        return said, finished
+
+    want, _ = logprobs(plain["llama"])
+    got, finished = logprobs(drafting["llama"])
+    assert finished["a"].accepted_tokens > 0 and got.keys() == want.keys()
+    for rid in want:  # each token's text, its logprob and its top two, in order
+        assert [[t for t, _ in top] for _, _, top in got[rid]] == [[t for t, _ in top] for _, _, top in want[rid]]
+        numbers = [[lp, *(v for _, v in top)] for _, lp, top in got[rid]]
+        assert numbers == [pytest.approx([lp, *(v for _, v in top)], abs=1e-4) for _, lp, top in want[rid]]
