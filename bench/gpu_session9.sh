@@ -17,12 +17,21 @@ PRESET=${PRESET:-1b}
 mkdir -p "$R/speculative" "$R/agent_replay"
 left() { echo $((BUDGET_S - SECONDS)); }
 
+if [ "${PART:-all}" != replay ]; then
 timeout 120 "$PY" -m worker.mlx_engine.make_model "$W/target" --preset "$PRESET" > "$R/speculative/make.log" 2>&1
 echo "make-model exit $? at ${SECONDS}s"
-timeout -k 10 180 taskset -c 0-3 "$PY" -m bench.speculative --model "$W/target" --modes off,prompt-lookup,draft \
+timeout -k 10 170 taskset -c 0-3 "$PY" -m bench.speculative --model "$W/target" --modes off,prompt-lookup,draft \
   --draft-preset tiny --rounds 5 --tokens 256 --work "$W" --out "$R/speculative/modes-$PRESET.json" \
   > "$R/speculative/modes.log" 2>&1
 echo "speculative exit $? at ${SECONDS}s"; cat "$R/speculative/modes-$PRESET.md" 2>/dev/null
+for n in 1 4 8; do  # the oracle (every draft kept, free) at k = 1..8, alone and with n streams drafting in lockstep
+  timeout -k 10 80 taskset -c 0-3 "$PY" -m bench.speculative --model "$W/target" --oracle 1,2,4,8 --streams $n \
+    --rounds 3 --tokens 256 --work "$W" --out "$R/speculative/oracle-streams$n-$PRESET.json" \
+    > "$R/speculative/oracle-streams$n.log" 2>&1
+  echo "oracle streams=$n exit $? at ${SECONDS}s"; cat "$R/speculative/oracle-streams$n-$PRESET.md" 2>/dev/null
+done
+fi
+[ "${PART:-all}" = spec ] && { tar czf "$OUT/session9.tgz" -C "$OUT" gpu; exit 0; }
 
 for family in ${FAMILIES:-qwen3 qwen3_5 gemma3 llama gpt_oss}; do
   budget=$(( $(left) - 15 ))  # 15 s kept for the archive
