@@ -18,7 +18,7 @@ import pytest
 from protocol.messages import Finished, Submit
 from worker.mlx_engine.draft_pricing import Costs
 from worker.mlx_engine.engine import Engine
-from worker.mlx_engine.speculative import MIN_VERIFIES, Speculation
+from worker.mlx_engine.speculative import MIN_VERIFIES, Record, Speculation
 
 BLOCK = [(i * 37) % 300 + 20 for i in range(30)]
 PROMPT = BLOCK * 3  # repetitive, as code an agent was shown and edits: prompt lookup finds drafts in it
@@ -229,6 +229,7 @@ def test_a_seeded_sampled_request_gives_plain_seeded_ids_whole_and_resumed(famil
     assert got == expected and len(got) == 40 and fin is not None and fin.accepted_tokens > 0
     assert (fin.drafted_tokens == fin.accepted_tokens) == (mode == "oracle")
     for cut in (1, 13):
+        engine.speculation.record = Record()  # drafting from its first token: the worker's record may start it paused
         got, fin = run(engine, seeded(cut=cut))
         assert got == expected[cut:] and fin is not None and fin.drafted_tokens > 0
     other, _ = run(engine, seeded(seed=8))
@@ -243,6 +244,9 @@ def test_a_draft_that_keeps_nothing_stops_being_asked(family_models: Path, plain
     assert got == expected and fin is not None
     # verifications: MIN_VERIFIES, a pause, MIN_VERIFIES, a pause twice as long...: far fewer than 200 / 5
     assert fin.drafted_tokens <= 4 * MIN_VERIFIES * 3 and fin.accepted_tokens < fin.drafted_tokens / 4
+    # the worker remembers: the next request starts where the last pause left off, so it drafts less again
+    again, fin2 = run(engine, greedy(n=200))
+    assert again == expected and fin2 is not None and fin2.drafted_tokens < fin.drafted_tokens
 
 
 @pytest.mark.parametrize("solo", ["auto", "plain"], ids=["compiled", "uncompiled"])

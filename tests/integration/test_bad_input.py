@@ -80,9 +80,7 @@ CASES = [
     ("tool-choice-unknown-function", "POST", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}],
                                                         tool_choice={"type": "function", "function": {"name": "g"}}),
      400, "tool_choice"),
-    # tiny (Llama's template) has no tool-call format to force: refused, never an unconstrained answer
-    ("tool-choice-required-no-format", "POST", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}],
-                                                          tool_choice="required"), 400, "invalid_request"),
+    # (a template without a tool format forces calls in the worker's own: tests/integration/test_tool_fallback.py)
     ("response-format-unknown", "POST", CHAT, chat(response_format={"type": "yaml"}), 400, "response_format"),
     # an unknown field is ignored, or refused with strict_fields: tests/integration/test_context_clamp.py
     ("penalty", "POST", CHAT, chat(presence_penalty=2.5), 400, "presence_penalty"),

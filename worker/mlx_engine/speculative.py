@@ -292,6 +292,18 @@ class DraftCounts:
 
 
 @dataclass(slots=True)
+class Record:
+    """What drafting has paid in this worker so far, across its requests: a request starts paused for the last pause
+    taken (`wait` tokens decoded plainly first, then `pause` for its own first pause), so a drafter that keeps nothing
+    (a draft model on random weights) is tried a few times per worker, not a few times per request; drafting that pays
+    resets it. (Which steps draft so depends on earlier requests too: never what they emit, the verification being
+    exact, and a seeded request's draws are its sampler's.)"""
+
+    wait: int = 0
+    pause: int = FIRST_PAUSE
+
+
+@dataclass(slots=True)
 class Drafting:
     """One request's drafting: its drafter, its distribution, its draws, and whether drafting pays for it now."""
 
@@ -300,6 +312,7 @@ class Drafting:
     sampling: Sampling | None  # None: greedy
     draws: Draws | None  # a seeded request's own stream of draws (its sampler in the solo)
     pricing: Pricing | None  # the worker's costs of drafting (None: draft always: the oracle)
+    record: Record | None = None  # the worker's record of what drafting paid (None: this request's alone)
     counts: DraftCounts = field(default_factory=DraftCounts)
     break_even: float | None = None  # drafts kept per verification of k at which drafting pays; None: not priced yet
     costs: Costs | None = None  # the worker's, once priced (None: the oracle's, free)
@@ -307,6 +320,10 @@ class Drafting:
     verifies: int = 0  # since drafting (re)started
     resume_at: int = 0  # the generated count at which a pause ends
     pause: int = FIRST_PAUSE
+
+    def __post_init__(self) -> None:
+        if self.record is not None:
+            self.resume_at, self.pause = self.record.wait, self.record.pause
 
     def wants(self, generated: int) -> bool:
         return generated >= self.resume_at
@@ -357,8 +374,14 @@ class Drafting:
         self.verifies += 1
         if self.verifies >= MIN_VERIFIES and self.surplus < 0:
             self.resume_at = generated + self.pause
+            if self.record is not None:
+                self.record.wait = self.pause
             self.pause = min(2 * self.pause, MAX_PAUSE)
             self.surplus, self.verifies = 0.0, 0
+            if self.record is not None:
+                self.record.pause = self.pause
+        elif self.verifies >= MIN_VERIFIES and self.record is not None:  # it pays: the next request starts drafting
+            self.record.wait, self.record.pause = 0, FIRST_PAUSE
 
 
 class Speculation:
@@ -377,6 +400,7 @@ class Speculation:
             raise ValueError(f"num_draft_tokens must be at least 1, not {k}")
         self.mode, self.k, self.draft, self.vocab, self.oracle = mode, k, draft, vocab, oracle
         self.pricing = Pricing(k, draft)
+        self.record = Record()
 
     def drafting(self, msg: Submit) -> Drafting | None:
         """A request's drafting (None: the mode is off): the solo's, or a greedy one's in the batch (batch_drafting.py);
@@ -388,7 +412,9 @@ class Speculation:
         sampling = None if msg.temperature == 0 else Sampling(
             msg.temperature, msg.top_p, msg.min_p, msg.top_k if self.vocab <= 0 or msg.top_k < self.vocab else 0)
         draws = None if msg.seed is None or sampling is None else Draws(msg.seed, len(msg.resume_tokens), sampling)
-        return Drafting(drafter, self.k, sampling, draws, self.pricing if self.oracle is None else None)
+        if self.oracle is not None:
+            return Drafting(drafter, self.k, sampling, draws, None)
+        return Drafting(drafter, self.k, sampling, draws, self.pricing, self.record)
 
 
 def load_draft(path: Path, tokenizer: Any) -> tuple[nn.Module, int]:
