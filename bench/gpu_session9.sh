@@ -24,7 +24,7 @@ timeout -k 10 170 taskset -c 0-3 "$PY" -m bench.speculative --model "$W/target" 
   --draft-preset tiny --rounds 5 --tokens 256 --work "$W" --out "$R/speculative/modes-$PRESET.json" \
   > "$R/speculative/modes.log" 2>&1
 echo "speculative exit $? at ${SECONDS}s"; cat "$R/speculative/modes-$PRESET.md" 2>/dev/null
-for n in 1 4 8; do  # the oracle (every draft kept, free) at k = 1..8, alone and with n streams drafting in lockstep
+for n in ${ORACLE_STREAMS-1 4 8}; do  # the oracle (every draft kept, free) at k = 1..8, alone and with n streams drafting in lockstep
   timeout -k 10 80 taskset -c 0-3 "$PY" -m bench.speculative --model "$W/target" --oracle 1,2,4,8 --streams $n \
     --rounds 3 --tokens 256 --work "$W" --out "$R/speculative/oracle-streams$n-$PRESET.json" \
     > "$R/speculative/oracle-streams$n.log" 2>&1
