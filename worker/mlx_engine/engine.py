@@ -314,8 +314,12 @@ class Engine:
         drafted = self.batch_drafts.step() if lane.solo is None else None  # None: no drafting this step
         progress, responses = (self._solo_step() if lane.solo is not None else ([], drafted) if drafted is not None
                                else self.gen.next())
+        elapsed = time.perf_counter() - t0
         if plan is not lane.plan and drafted is None:  # a drafting step is no plain step the fits could learn from
-            self.cost.observe(plan, time.perf_counter() - t0)
+            self.cost.observe(plan, elapsed)
+        if plan.prefill_tokens and log.isEnabledFor(logging.DEBUG):  # a prefill step's shape and time (shape costs)
+            log.debug("[step] chunk=%d prefill=%d decoding=%d predicted_ms=%.1f ms=%.1f", plan.chunk,
+                      plan.prefill_tokens, plan.decoding, plan.predicted_s * 1e3, elapsed * 1e3)
         if lane.pending:
             responses, lane.pending = [*lane.pending, *responses], []
         self._in_flight = plan.decoding  # their decode is computing; the next step waits for it
