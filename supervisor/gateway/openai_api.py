@@ -57,7 +57,8 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "sto
 CHAT_PARAMS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
                          "function_call", "response_format", "parallel_tool_calls", "chat_template_kwargs",
                          "reasoning_effort", "prompt_cache_key", "prompt_cache_retention"}
-COMPLETION_PARAMS = _COMMON | {"prompt", "echo", "best_of", "suffix"}
+COMPLETION_PARAMS = _COMMON | {"prompt", "echo", "best_of", "suffix",
+                                "prompt_cache_key", "prompt_cache_retention"}  # ignored here: clients send them
 REASONING_EFFORTS = ("minimal", "low", "medium", "high")
 MAX_CACHE_KEY = 1024  # characters of a prompt_cache_key
 # how long a prompt_cache_key keeps its prefix, in seconds: OpenAI's in-memory retention (5-10 minutes) as
@@ -350,7 +351,7 @@ def prompt_cache_marks(body: dict, messages: int) -> list[list]:
     its `messages` kept cached with priority for its retention (CACHE_RETENTIONS). One worker serves a model, so
     the key itself routes nothing: any key marks its request's prompt."""
     retention = body.get("prompt_cache_retention")
-    if retention is not None and retention not in CACHE_RETENTIONS:
+    if retention is not None and not (isinstance(retention, str) and retention in CACHE_RETENTIONS):
         raise InvalidRequest("'prompt_cache_retention' must be 'in_memory' or '24h'", param="prompt_cache_retention")
     key = body.get("prompt_cache_key")
     if key is not None and (not isinstance(key, str) or len(key) > MAX_CACHE_KEY):

@@ -29,7 +29,8 @@ def test_a_prompt_cache_key_marks_the_whole_prompt_for_its_retention(api: str) -
 
 @pytest.mark.parametrize("api", ["chat", "responses"])
 @pytest.mark.parametrize("extra", [{"prompt_cache_key": ["k"]}, {"prompt_cache_key": "k" * 1025},
-                                   {"prompt_cache_key": "k", "prompt_cache_retention": "1h"}])
+                                   {"prompt_cache_key": "k", "prompt_cache_retention": "1h"},
+                                   {"prompt_cache_key": "k", "prompt_cache_retention": []}])  # unhashable: a 400
 def test_a_bad_prompt_cache_key_or_retention_is_refused(api: str, extra: dict) -> None:
     with pytest.raises(InvalidRequest) as err:
         marks(api, **extra)

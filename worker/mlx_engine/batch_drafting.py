@@ -116,6 +116,8 @@ class BatchDrafting:
 
     def _drafting_rows(self) -> list[Drafting] | None:
         """Every row's drafting, where the batch may draft this step; None: a plain step."""
+        if not self.rows:  # nothing drafts (speculative decoding off): no cost on the batch's steps
+            return None
         gen, batch = self.gen, self.gen._generation_batch
         if gen._unprocessed_sequences or len(gen._prompt_batch) or not 0 < len(batch) <= MAX_DRAFT_BATCH:
             return None
