@@ -90,6 +90,31 @@ def _system_text(content: str | list) -> str:
     return content if isinstance(content, str) else "".join(p.get("text", "") for p in content if isinstance(p, dict))
 
 
+def system_in_place(messages: list[dict]) -> list[dict]:
+    """The messages for a template that cannot write a system message inside the conversation: each such one (after
+    the first message that is not a system message) becomes user text where it stands, joined to a user message
+    next to it (Gemma's template raises unless roles alternate). Leading system messages are left as they are."""
+    out: list[dict] = []
+    began = absorbed = False  # the conversation began; out[-1] holds a system message's text
+    for m in messages:
+        role = m.get("role")
+        if not began and role in SYSTEM_ROLES:
+            out.append(m)
+            continue
+        began = True
+        if role in SYSTEM_ROLES or (role == "user" and absorbed):
+            text = _system_text(_content(m)) if role in SYSTEM_ROLES else _content(m)
+            if out and out[-1].get("role") == "user":
+                out[-1] = {**out[-1], "content": _join(_content(out[-1]), text, "\n\n")}
+            else:
+                out.append({"role": "user", "content": text})
+            absorbed = role in SYSTEM_ROLES
+            continue
+        out.append(m)
+        absorbed = False
+    return out
+
+
 def fallback_messages(messages: list[dict], tools: list[dict] | None) -> list[dict]:
     """The messages as the template is given them in place of `tools` (the module docstring says how)."""
     head = 0

@@ -10,7 +10,9 @@ continues its text (and the response holds only the continuation); an empty one 
 So a Messages request differs from a chat one only in shape.
 
 Tolerant where Anthropic's own API is, because Claude Code and the SDKs evolve faster than this
-server: top-level fields it has no use for (`metadata`, `service_tier`, betas' new fields) are ignored; a `system` message inside `messages` is folded into the system prompt; a content
+server: top-level fields it has no use for (`metadata`, `service_tier`, betas' new fields) are ignored; a `system`
+message inside `messages` is folded into the system prompt when it comes before the first turn and otherwise kept in
+its place (the worker writes it as the model's template can: template_input.py); a content
 block of a type it does not know is skipped with a logged warning. What matters is still refused with
 Anthropic's error body (`anthropic_error_body`): a missing `max_tokens`, a bad role, a `tool_result`
 whose `tool_use` no earlier assistant turn made, a document block, a `metadata` that is not
@@ -200,7 +202,9 @@ def _user(blocks: list[dict], where: str, known_calls: set[str]) -> list[dict]:
 
 
 def _conversation(body: dict) -> list[dict]:
-    """The chat template's messages: the system prompt first (with any system messages folded in)."""
+    """The chat template's messages: the system prompt first (with the system messages that come before the first
+    turn folded in; a later one stays in its place, so a session's prompt only grows: moved to the top, it would
+    change the prompt's head every time an agent adds one, and cost a re-prefill of the whole conversation)."""
     system = body.get("system")
     parts = [] if system is None else [_text_of(system, "system")]
     messages = body.get("messages")
@@ -213,8 +217,12 @@ def _conversation(body: dict) -> list[dict]:
         if not isinstance(m, dict):
             raise _bad(f"{where}: must be an object with 'role' and 'content'")
         role = m.get("role")
-        if role == "system":  # not Anthropic's API, but clients send it: fold it, as its API does
-            parts.append(_text_of(m.get("content", ""), f"{where}.content"))
+        if role == "system":  # not in Anthropic's reference, but Claude Code sends it
+            text = _text_of(m.get("content", ""), f"{where}.content")
+            if out:  # inside the conversation: where it stands (the worker writes it as the template can)
+                out.append({"role": "system", "content": text})
+            else:  # before it: part of the system prompt
+                parts.append(text)
             continue
         if role not in ("user", "assistant"):
             raise _bad(f"{where}.role: must be 'user' or 'assistant', got {role!r}")

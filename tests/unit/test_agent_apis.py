@@ -59,6 +59,18 @@ def test_a_messages_request_becomes_the_chat_api_s_submit() -> None:
     assert sub.template_kwargs == {"enable_thinking": False} and sub.stop == ["END"] and sub.max_tokens == 9
 
 
+def test_a_system_message_inside_the_conversation_stays_where_it_was_sent() -> None:
+    """Claude Code adds one a few turns into a session: folded into the system prompt at the top, it changed the
+    prompt's head, and the whole conversation after it was prefilled again (issue 34's replay: 23k tokens, turn 6)."""
+    body = {"model": "claude-x", "max_tokens": 9, "system": "Be brief.", "messages": CALL_TURN}
+    earlier = parse_messages(body).submit.messages
+    later = parse_messages({**body, "messages": [*CALL_TURN, {"role": "system", "content": "Keep them posted."},
+                                                 {"role": "assistant", "content": "Done."}]}).submit.messages
+    assert later[:len(earlier)] == earlier and earlier[0] == {"role": "system", "content": "Be brief."}
+    assert later[len(earlier):] == [{"role": "system", "content": "Keep them posted."},
+                                    {"role": "assistant", "content": "Done."}]
+
+
 @pytest.mark.parametrize("body, says", [
     ({"messages": [{"role": "user", "content": "x"}]}, "max_tokens"),
     ({"max_tokens": 5, "messages": [{"role": "tool", "content": "x"}]}, "role"),

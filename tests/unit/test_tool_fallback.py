@@ -15,7 +15,7 @@ from mlx_lm.utils import load_tokenizer
 from protocol.messages import Submit
 from worker.chat_format import family_of, grammar_for, parser_for
 from worker.mlx_engine.make_model import make_model
-from worker.mlx_engine.prompt import Prompts
+from worker.mlx_engine.prompt import Prompts, shared_prefix
 from worker.output_parser import Out
 
 TOOLS = [{"name": "get_weather", "description": "The weather in a city",  # Submit's neutral shape
@@ -89,3 +89,25 @@ def test_a_request_without_tools_or_tool_turns_renders_as_the_template_alone(pro
     for messages in conversations:
         ids = prompts.encode(Submit(rid="r", max_tokens=8, messages=messages))
         assert ids == list(prompts.tokenizer.apply_chat_template(messages, add_generation_prompt=True)), messages
+
+
+@pytest.mark.parametrize("tools", [TOOLS, None], ids=["tools", "no-tools"])
+def test_a_system_message_inside_the_conversation_leaves_the_prompt_before_it_alone(prompts: Prompts,
+                                                                                    tools: list | None) -> None:
+    """An agent's system message a few turns in (Claude Code sends them) is written where it stands: the prompt
+    before it is the last turn's, so the caches keep hitting. Gemma 3's template refuses one there: it gets it as
+    user text (it raised before: a 400); the ChatML template writes it as a system turn of its own."""
+    tok = prompts.tokenizer
+    call = {"id": "c0", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    turn = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Oslo?"},
+            *([{"role": "assistant", "content": "", "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "c0", "content": "sunny"}] if tools else
+              [{"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "And tomorrow?"}])]
+    before = prompts.encode(Submit(rid="1", max_tokens=8, messages=turn, tools=tools))
+    later = [*turn, {"role": "system", "content": "Keep them posted."}, {"role": "assistant", "content": "Rain."},
+             {"role": "user", "content": "Thanks."}]
+    after = prompts.encode(Submit(rid="2", max_tokens=8, messages=later, tools=tools))
+    assert len(before) - shared_prefix(before, after) <= 8  # at most the end of turn and the generation prompt
+    text = tok.decode(after)
+    assert text.index("Be brief.") < text.index("Weather in Oslo?")
+    assert text.index("sunny" if tools else "And tomorrow?") < text.index("Keep them posted.") < text.index("Rain.")

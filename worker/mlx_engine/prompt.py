@@ -21,6 +21,7 @@ from protocol.messages import CONTEXT_LENGTH_EXCEEDED, INVALID_REQUEST, Submit
 from worker.engine_api import RequestRejected
 from worker.template_input import (
     chat_template_args,
+    renders_mid_system,
     renders_tools,
     special_token_texts,
     template_input,
@@ -47,12 +48,13 @@ class Prompts:
         self.strict_context = strict_context  # max_tokens past the context is refused, not clamped
         self._special_texts = special_token_texts(tokenizer)
         self._renders_tools = renders_tools(tokenizer)
+        self._mid_system = renders_mid_system(tokenizer)
         self._heads: dict[bytes, list[int]] = {}  # marked heads' token ids by what they render (`_head`)
 
     def encode(self, msg: Submit) -> list[int]:
         if msg.messages is not None:
             try:
-                shown, tools = template_input(msg.messages, msg.tools, self._renders_tools)
+                shown, tools = self.shaped(msg.messages, msg.tools)
                 return list(self.tokenizer.apply_chat_template(
                     shown, tools=tools, **chat_template_args(msg.messages, msg.template_kwargs)))
             except Exception as exc:  # a template can reject roles or shapes it does not know
@@ -66,6 +68,10 @@ class Prompts:
         bos = self.tokenizer.bos_token
         add_special = bos is None or not prompt.startswith(bos)
         return list(self.tokenizer.encode(prompt, add_special_tokens=add_special))
+
+    def shaped(self, messages: list[dict], tools: list | None) -> tuple[list[dict], list | None]:
+        """The messages and tools as this model's template is given them (template_input.py)."""
+        return template_input(messages, tools, self._renders_tools, self._mid_system)
 
     def marked(self, msg: Submit, tokens: list[int], n: int) -> int:
         """How many of a chat prompt's `tokens` its first `n` messages cover (a `cache_mark`): those it shares with
@@ -106,7 +112,7 @@ class Prompts:
         key = hashlib.blake2b(what.encode(), digest_size=16).digest()
         head = self._heads.pop(key, None)
         if head is None:
-            shown, tools = template_input(messages, msg.tools, self._renders_tools)
+            shown, tools = self.shaped(messages, msg.tools)
             head = list(self.tokenizer.apply_chat_template(shown, tools=tools, add_generation_prompt=False, **kwargs))
         self._heads[key] = head  # most recent last
         if len(self._heads) > HEADS_KEPT:

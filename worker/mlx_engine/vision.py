@@ -63,7 +63,7 @@ from worker.mlx_engine.engine import Engine
 from worker.mlx_engine.prompt import Prompts
 from worker.mlx_engine.prompt_cache import PromptCaches
 from worker.mlx_engine.vision_cache import TOWER_CACHE_BYTES, CachedTower, image_hashes, image_keys
-from worker.template_input import chat_template_args, template_input
+from worker.template_input import chat_template_args
 
 log = logging.getLogger(__name__)
 
@@ -244,7 +244,7 @@ class VisionPrompts(Prompts):
                                                    f"{self.max_images} per request")
         pictures = decode_images(msg.images, self.max_batch_pixels)
         try:
-            shown, tools = template_input(msg.messages, msg.tools, self._renders_tools)
+            shown, tools = self.shaped(msg.messages, msg.tools)
             text = self.tokenizer.apply_chat_template(
                 shown, tools=tools, tokenize=False, **chat_template_args(msg.messages, msg.template_kwargs))
         except Exception as exc:  # a template can reject roles or shapes it does not know
