@@ -14,12 +14,12 @@ import signal
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-PROTOCOL_VERSION = 7  # 2: prompt caches (ClearCache, CacheCleared, CacheStats); 3: StepStarted;
+PROTOCOL_VERSION = 8  # 2: prompt caches (ClearCache, CacheCleared, CacheStats); 3: StepStarted;
 # 4: resumed requests (Submit.resume_tokens, token ids in Tokens chunks and Finished); Submit's tools, template
 # kwargs, constraint, logprobs, seed, penalties, prompt_ids; typed chunk extras; 5: Tokenize/Tokenized,
 # Submit.reasoning_budget; 6: Embed/Embedded (embedding models); 7: Rerank/Reranked, Embed.input_type and
 # Embed.instruction, Finished.drafted_tokens and accepted_tokens (speculative decoding),
-# Submit.cache_mark and Finished.cache_written (prompt-cache breakpoints and usage)
+# Submit.cache_mark and Finished.cache_written (prompt-cache breakpoints and usage); 8: Submit.branch_points
 
 # Machine codes carried by Failed and surfaced to HTTP clients as the error "code".
 MODEL_EVICTED = "model_evicted"
@@ -83,6 +83,9 @@ class Submit(Message):
 
     `cache_mark`: [[n, ttl_s], ...], Anthropic's `cache_control` breakpoints: the prompt's prefix through its first n
     `messages` (the tools with them) is kept ahead of other prefixes in the hot cache for ttl_s seconds.
+    `branch_points`: [[i, chars], ...], where the first user message (`messages[i]`, text) ends a content block but its
+    last: sessions of one agent in one project share those blocks (Claude Code's system-reminders) and branch at
+    their task; a worker whose model caches only at snapshots (sliding-window, recurrent) snapshots there too.
 
     `images`: for a vision model, each image as [media_type ("image/png", "image/jpeg", ...), its encoded bytes
     (msgpack bin)], in the order of the `{"type": "image"}` parts of `messages`' contents (the gateway has turned
@@ -114,6 +117,7 @@ class Submit(Message):
     reasoning_budget: int | None = None
     images: list = field(default_factory=list)  # [[media_type, bytes], ...]: a vision model's images (docs/vision.md)
     cache_mark: list = field(default_factory=list)  # [[messages, ttl_s], ...]: prefixes to keep cached a while
+    branch_points: list = field(default_factory=list)  # [[message, chars], ...]: the first user turn's block ends
 
 
 @dataclass(slots=True)

@@ -269,6 +269,22 @@ def _cache_marks(body: dict, messages: list[dict]) -> list[list]:
     return marks
 
 
+def _branch_points(body: dict, messages: list[dict]) -> list[list[int]]:
+    """Submit.branch_points: where the first user message's text blocks but the last end, in its joined text (Claude
+    Code opens a session with system-reminder blocks, the same for every session in a project, then the task)."""
+    first = next((m for m in body["messages"] if isinstance(m, dict) and m.get("role") == "user"), None)
+    at = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
+    blocks = first.get("content") if first is not None else None
+    if at is None or not isinstance(blocks, list) or not isinstance(messages[at]["content"], str) \
+            or any(not isinstance(b, dict) or b.get("type") != "text" for b in blocks):
+        return []  # one block, or tool results or images in it: nothing to branch at
+    ends, chars = [], 0
+    for b in blocks[:-1]:
+        chars += len(b.get("text") or "")
+        ends.append([at, chars])
+    return ends
+
+
 TOOLS = ToolDialect(
     api="anthropic", path="tools.{j}", function=lambda tool: tool, at="", schema="input_schema", default_schema=None,
     check_name=_tool_name, bad=lambda message, param: _bad(message),
@@ -416,5 +432,6 @@ def parse_messages(body: Any, counting: bool = False) -> Parsed:
                     tools=tools, constraint=None if counting else constraint, template_kwargs=kwargs,
                     temperature=1.0 if temperature is None else temperature, top_p=1.0 if top_p is None else top_p,
                     top_k=0 if top_k is None else _integer(top_k, "top_k", 0, MAX_TOKENS_LIMIT),
-                    reasoning_budget=budget, cache_mark=_cache_marks(body, messages))
+                    reasoning_budget=budget, cache_mark=_cache_marks(body, messages),
+                    branch_points=_branch_points(body, messages))
     return Parsed(model, submit, stream and not counting, False)

@@ -71,6 +71,17 @@ def test_a_system_message_inside_the_conversation_stays_where_it_was_sent() -> N
                                     {"role": "assistant", "content": "Done."}]
 
 
+def test_the_first_user_message_s_block_ends_are_its_branch_points() -> None:
+    """Claude Code opens a session with system-reminder blocks before the task: the gateway joins a message's blocks,
+    and says where they end (Submit.branch_points), for the worker to snapshot there (Prompts.branch_ends)."""
+    reminder = "<system-reminder>notes</system-reminder>\n"
+    body = {"model": "c", "max_tokens": 9, "system": "Be brief.", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": reminder}, {"type": "text", "text": "Fix it."}]}]}
+    sub = parse_messages(body).submit
+    assert sub.branch_points == [[1, len(reminder)]] and sub.messages[1]["content"] == reminder + "Fix it."
+    assert parse_messages({**body, "messages": [{"role": "user", "content": "Fix it."}]}).submit.branch_points == []
+
+
 @pytest.mark.parametrize("body, says", [
     ({"messages": [{"role": "user", "content": "x"}]}, "max_tokens"),
     ({"max_tokens": 5, "messages": [{"role": "tool", "content": "x"}]}, "role"),

@@ -60,7 +60,7 @@ def test_a_head_marked_again_is_not_rendered_again(prompts: Prompts, monkeypatch
 
 def test_the_head_ends_where_sibling_sessions_branch_and_is_rendered_once(prompts: Prompts,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """Prompts.head_end: sessions sharing a system prompt and tools (an agent's subagents) branch at their first
+    """Prompts.branch_ends: sessions sharing a system prompt and tools (an agent's subagents) branch at their first
     user message's text; that end is found by rendering the head once, then remembered."""
     render = prompts.tokenizer.apply_chat_template
     renders: list[int] = []
@@ -75,10 +75,29 @@ def test_the_head_ends_where_sibling_sessions_branch_and_is_rendered_once(prompt
         for task in ("Alpha", "Beta")]
     encoded = [prompts.encode(m) for m in sessions]
     renders.clear()
-    ends = [prompts.head_end(m, t) for m, t in zip(sessions, encoded)]
-    assert ends[0] == ends[1] == shared_prefix(*encoded) > 0
+    ends = [prompts.branch_ends(m, t) for m, t in zip(sessions, encoded)]
+    assert ends[0] == ends[1] == [shared_prefix(*encoded)] and ends[0][0] > 0
     assert renders == [2]  # the head and an empty user turn, once for both sessions
     later = turn("You are a careful agent.", 2)
-    assert prompts.head_end(later, prompts.encode(later)) == ends[0]
+    assert prompts.branch_ends(later, prompts.encode(later)) == ends[0]
     no_head = Submit(rid="u", max_tokens=8, messages=[{"role": "user", "content": "hi"}])
-    assert prompts.head_end(no_head, prompts.encode(no_head)) == 0
+    assert prompts.branch_ends(no_head, prompts.encode(no_head)) == []
+
+
+def test_sessions_branch_inside_their_first_user_turn_where_its_parts_end(prompts: Prompts) -> None:
+    """Sessions of one agent in one project share more than the head: Claude Code opens the first user message with
+    system-reminder blocks (the gateway joins a message's blocks and says where they end: Submit.branch_points),
+    Codex sends its environment as a user message of its own; each session's task comes after. Those ends are
+    branch points (a model that caches only at snapshots snapshots there), each where the sessions' prompts part."""
+    reminder = "<system-reminder>\nThe project's notes: " + "keep it short. " * 40 + "\n</system-reminder>\n"
+    blocks = [Submit(rid=task, max_tokens=8, tools=TOOLS, branch_points=[[1, len(reminder)]], messages=[
+        {"role": "system", "content": "You are a careful agent."}, {"role": "user", "content": reminder + task}])
+        for task in ("Fix the bug.", "Write the docs.")]
+    separate = [Submit(rid=task, max_tokens=8, tools=TOOLS, messages=[
+        {"role": "system", "content": "You are a careful agent."}, {"role": "user", "content": "<env>/tmp/w</env>"},
+        {"role": "user", "content": task}]) for task in ("Fix the bug.", "Write the docs.")]
+    for pair in (blocks, separate):
+        encoded = [prompts.encode(m) for m in pair]
+        head, *inside = prompts.branch_ends(pair[0], encoded[0])
+        assert inside and prompts.branch_ends(pair[1], encoded[1]) == [head, *inside]
+        assert head < inside[-1] <= shared_prefix(*encoded) <= inside[-1] + 8  # where they part, to a few tokens

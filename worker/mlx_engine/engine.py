@@ -168,11 +168,12 @@ class Engine:
                 end = self.prompts.marked(msg, tokens[:prompt_tokens], int(n))
                 self.caches.keep(keys[:end], float(ttl_s))
                 marked = max(marked, end)
-        # a hybrid's prefill also stops where the prompt leaves a cached one (caches.matched) and where its head of
-        # system prompt and tools ends: sibling sessions pick up there
+        # a hybrid's prefill also stops where the prompt leaves a cached one (caches.matched) and where sibling
+        # sessions branch off (its head of system prompt and tools, its first user turn's parts): they pick up there
         points = [] if self.caches is None else self.caches.snapshot_points(
             len(tokens), cached, self.caches.matched,
-            self.prompts.head_end(msg, tokens[:prompt_tokens]) if self.caches.layout.snapshots and self.caches.enabled else 0)
+            self.prompts.branch_ends(msg, tokens[:prompt_tokens]) if self.caches.layout.snapshots and self.caches.enabled
+            else [])
         cuts = [0] + [p - cached for p in points] + [len(tokens) - cached]
         drafting = None
         if self.solo_on and not self._by_rid and not d.processors and msg.logprobs < 0 and not points:

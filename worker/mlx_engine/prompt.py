@@ -28,7 +28,8 @@ from worker.template_input import (
     tool_names,
 )
 
-HEADS_KEPT = 8  # rendered heads remembered: a few sessions' system prompts and tools
+HEADS_KEPT = 24  # rendered heads remembered: a few sessions' system prompts and tools, and their first turns' branches
+MAX_BRANCHES = 4  # branch points looked for in a first user turn, of each kind (Prompts.branch_ends)
 
 
 def shared_prefix(a: list[int], b: list[int]) -> int:
@@ -87,20 +88,32 @@ class Prompts:
             return len(tokens)
         return shared_prefix(head, tokens)
 
-    def head_end(self, msg: Submit, tokens: list[int]) -> int:
-        """Where a chat prompt's head (its leading system messages and the tools) ends: at the first user message's
-        text, which is where sibling sessions (an agent's subagents) that share the head branch off; 0: no head.
-        Rendered with an empty user message after it, so a template that folds the system prompt into the first
-        user turn (gemma3's) ends its head there too; remembered as `marked`'s heads are."""
+    def branch_ends(self, msg: Submit, tokens: list[int]) -> list[int]:
+        """Where sessions that open as this prompt does branch off, in its `tokens` (ascending, none 0): the end of
+        its head (leading system messages and the tools: an agent's subagents share them); in its first user turn,
+        each user message's end before the last (Codex sends its environment as a user message before the task);
+        and in the first user message, the end of each content block but the last (`Submit.branch_points`: Claude
+        Code's system-reminders, the same for every session in a project, before the task). Each is found by
+        rendering the prompt's start up to there and remembered (`_head`): a head is rendered with an empty user
+        message after it, so a template that folds the system prompt into the first user turn (gemma3's) ends it
+        there too; a template that refuses a partial conversation gives no end there."""
         messages = msg.messages or []
         n = next((i for i, m in enumerate(messages) if m.get("role") not in ("system", "developer")), 0)
-        if n == 0:
-            return 0
-        try:
-            head = self._head(msg, n, [{"role": "user", "content": ""}])
-        except Exception:  # a template that refuses an empty turn: no head to stop at
-            return 0
-        return shared_prefix(head, tokens)
+        cuts: list[tuple[int, list[dict] | None]] = [(n, [{"role": "user", "content": ""}])] if n else []
+        turn = next((i for i, m in enumerate(messages) if m.get("role") != "user" and i >= n), len(messages))
+        cuts += [(k, None) for k in range(n + 1, min(turn, n + MAX_BRANCHES + 1))]
+        for point in msg.branch_points[:MAX_BRANCHES]:
+            i, chars = point if isinstance(point, list | tuple) and len(point) == 2 else (-1, 0)
+            text = messages[i].get("content") if isinstance(i, int) and 0 <= i < len(messages) else None
+            if isinstance(text, str) and isinstance(chars, int) and 0 < chars < len(text):
+                cuts.append((i, [{**messages[i], "content": text[:chars]}]))
+        ends = set()
+        for k, then in cuts:
+            try:
+                ends.add(shared_prefix(self._head(msg, k, then), tokens))
+            except Exception:  # a template that refuses a partial conversation or an empty turn
+                continue
+        return sorted(e for e in ends if 0 < e < len(tokens))
 
     def _head(self, msg: Submit, n: int, then: list[dict] | None = None) -> list[int]:
         """The template's rendering of the first `n` messages alone (and `then`), remembered: an agent sends the

@@ -19,8 +19,8 @@ plain `KVCache` is cut into blocks, and any block-aligned prefix is reused; a pr
 whole is served with its cache trimmed by one token. A model with other layers (sliding-window
 `RotatingKVCache`, recurrent `ArraysCache`, `CacheList`...) keeps its plain KV layers in blocks
 as well, and the other layers' whole state as snapshots taken at block boundaries: in prefill
-(the prompt's last one, every `snapshot_every` tokens, where it leaves a cached prompt, and the end of its head of
-system prompt and tools, where sibling sessions branch) and the
+(the prompt's last one, every `snapshot_every` tokens, where it leaves a cached prompt, and where sibling sessions
+branch: the end of its head of system prompt and tools, the parts of its first user turn) and the
 last one its reply's decoding crosses (the engine's): its reusable prefix is
 the longest cached one that ends at a snapshot, and only blocks up to a snapshot are kept.
 
@@ -198,16 +198,17 @@ class PromptCaches:
             return 0
         return (n_tokens - 1) // self.block * self.block if self.layout.snapshots else n_tokens
 
-    def snapshot_points(self, n_tokens: int, cached: int, diverges: int = 0, head: int = 0) -> list[int]:
+    def snapshot_points(self, n_tokens: int, cached: int, diverges: int = 0, heads: list[int] | None = None) -> list[int]:
         """The block boundaries in (cached, n_tokens - 1] where a prompt's prefill stops for a snapshot: its last
         one, every `snapshot_every`, and where the next prompt to share a prefix with it, a sibling session's, will
-        pick it up: `diverges` (`matched`: where it leaves a cached prompt) and the last boundary in its `head`
-        (`Prompts.head_end`: an agent's subagents share its system prompt and tools and branch right after them)."""
+        pick it up: `diverges` (`matched`: where it leaves a cached prompt) and the last boundary before each of
+        `heads` (`Prompts.branch_ends`: an agent's subagents and sessions share its system prompt, tools and the
+        start of its first user turn, and branch there)."""
         if not self.layout.snapshots or not self.enabled:
             return []
         last = (n_tokens - 1) // self.block
         every = self.every_blocks
-        branches = {diverges // self.block, head // self.block} - {0}
+        branches = {diverges // self.block, *(h // self.block for h in heads or [])} - {0}
         return [i * self.block for i in range(cached // self.block + 1, last + 1)
                 if i == last or (every and i % every == 0) or i in branches]
 

@@ -144,7 +144,7 @@ class Processed:
     pixel_values: mx.array
     extra: dict  # image_grid_thw (Qwen), the attention mask, ...
     keys: list[int] = field(default_factory=list)  # the ids the prompt caches know it by (image_keys)
-    head: int = 0  # where its head of system prompt and tools ends (Prompts.head_end): a snapshot point
+    heads: list[int] = field(default_factory=list)  # where sibling sessions branch (Prompts.branch_ends): snapshot points
 
 
 class ImagePrefill:
@@ -195,7 +195,7 @@ class ImagePrefill:
         # a model with snapshot layers (Gemma 3's sliding ones) stops at the snapshot points inside this prefix, the
         # batch's only see the rest: the prefix through the point is stored now (Qwen's layout has none: one call).
         # The head (before the first user turn's text, so before its images) is one: sibling sessions branch there
-        points = [p for p in self.caches.snapshot_points(len(tokens), cached, self.caches.matched, processed.head)
+        points = [p for p in self.caches.snapshot_points(len(tokens), cached, self.caches.matched, processed.heads)
                   if p <= n] if self.caches else []
         start = cached
         for end in sorted({*points, n}):
@@ -261,9 +261,9 @@ class VisionPrompts(Prompts):
             extra["mask"] = extra.pop("attention_mask")
         hashes = image_hashes(inputs["pixel_values"], extra.get("image_grid_thw"), len(pictures))
         caches = self.images.caches
-        head = self.head_end(msg, ids) if caches is not None and caches.layout.snapshots else 0
+        heads = self.branch_ends(msg, ids) if caches is not None and caches.layout.snapshots else []
         self.images.pending = Processed(ids, inputs["pixel_values"], extra,
-                                        image_keys(ids, self.images.image_token, hashes), head)
+                                        image_keys(ids, self.images.image_token, hashes), heads)
         return ids
 
 
