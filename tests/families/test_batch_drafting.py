@@ -277,3 +277,50 @@ def test_logprobs_of_drafted_tokens_are_plain_decoding_s(drafting: dict[str, Eng
         assert [[t for t, _ in top] for _, _, top in got[rid]] == [[t for t, _ in top] for _, _, top in want[rid]]
         numbers = [[lp, *(v for _, v in top)] for _, lp, top in got[rid]]
         assert numbers == [pytest.approx([lp, *(v for _, v in top)], abs=1e-4) for _, lp, top in want[rid]]
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen3_5"])
+def test_a_lone_request_on_a_snapshot_model_runs_alone_and_leaves_the_batch_s_snapshots(family_models: Path,
+                                                                                        name: str) -> None:
+    """A request alone on a sliding-window or recurrent model with prompt caches decodes the generate_step way (the
+    solo: mlx-lm's BatchGenerator at batch 1 costs ~1.5x a token on a GPU), its prefill chunks ending at the snapshot
+    points and its drafting steps at the reply's block ends: the batch's ids, and the same snapshots left to the
+    caches as the batch leaves. Before, such a request always went to the batch."""
+    options = CacheOptions(hot_bytes=1 << 26, block_tokens=16, snapshot_every=32)
+
+    def alone(engine: Engine) -> tuple[Run, bool]:
+        run = Run(engine)
+        engine.submit(greedy("a"))
+        solo = engine._solo is not None
+        run.steps()
+        return run, solo
+
+    want, solo = alone(Engine(family_models / name, cache=options, solo="off"))
+    assert not solo and want.stored[0][2]  # the batch's: prefill snapshots, a reply's
+    drafts = Engine(family_models / name, cache=options)
+    drafts.speculation = Speculation("oracle", 4, oracle=PROMPTS["a"] + want.ids["a"])  # every draft kept: 5-token steps
+    drafts.speculation.pricing.costs = FREE
+    for engine in (Engine(family_models / name, cache=options), drafts):
+        run, solo = alone(engine)
+        assert solo and run.ids == want.ids
+        assert [s for *_, s in run.stored] == [s for *_, s in want.stored]  # the same snapshots, block for block
+        (tokens, *_), (batch_tokens, *_) = run.stored[0], want.stored[0]  # the batch has fed its last token too
+        assert tokens == batch_tokens[:len(tokens)] and len(tokens) >= len(batch_tokens) - 1
+    assert run.finished["a"].accepted_tokens > 0
+
+
+def test_a_lone_request_joining_the_batch_mid_prefill_keeps_its_snapshot_points(family_models: Path) -> None:
+    """A second request arrives while the solo is between two of its snapshot points: the rest of its prompt goes to
+    the batch cut at the points still ahead, so it leaves the caches the snapshots the batch alone would have."""
+    options = CacheOptions(hot_bytes=1 << 26, block_tokens=16, snapshot_every=32)
+    runs = []
+    for solo in ("off", "auto"):
+        run = Run(Engine(family_models / "qwen3_5", cache=options, solo=solo))
+        run.engine.submit(greedy("a"))
+        run.steps(1)  # the solo: its prefill up to its first snapshot point (32)
+        run.engine.submit(greedy("g"))
+        run.steps()
+        runs.append(run)
+    assert runs[1].ids == runs[0].ids
+    assert sorted(s for *_, s in runs[1].stored) == sorted(s for *_, s in runs[0].stored)
+    assert any(s[:3] == [1, 3, 4] for *_, s in runs[1].stored)  # a's prefill snapshots at 32, 64 and 80

@@ -176,10 +176,10 @@ class Engine:
             else [])
         cuts = [0] + [p - cached for p in points] + [len(tokens) - cached]
         drafting = None
-        if self.solo_on and not self._by_rid and not d.processors and msg.logprobs < 0 and not points:
+        if self.solo_on and not self._by_rid and not d.processors and msg.logprobs < 0:
             drafting = self.speculation.drafting(msg)
             uid = self.lane.start(tokens, cached, prefix, max_tokens, d.sampler, None if msg.ignore_eos else self._eos,
-                                  self.graph, drafting)
+                                  self.graph, drafting, frozenset(points), self.batch_drafts.boundary)
         else:
             self._solo_to_batch()
             (uid,) = self.gen.insert_segments(
@@ -265,6 +265,8 @@ class Engine:
         req = self._by_uid[solo.uid]
         responses = solo.step(self.gen.prefill_step_size)
         req.position, req.prefill_left = min(solo.fed, solo.prompt_len), solo.prefill_left
+        if self.snapshots is not None and not solo.decoding:  # its prefill stops at each snapshot point
+            self.snapshots.at_solo_stop(req, solo)
         if not solo.prefill_left:
             self._prefilling.pop(req.rid, None)
         return [], responses

@@ -2,13 +2,13 @@
 
 A model whose layers cannot be cut back to a prefix (prompt_cache.py's snapshot layouts) is cached at the points
 where their state was copied: where a prompt's prefill stopped at a snapshot point (the engine inserts the prompt
-as segments ending there), and at the last block boundary each reply's decoding has crossed. A request keeps its
-snapshots (`Request.snapshots`, by block index) until it finishes and the caches store them with its tokens.
+as segments ending there; a solo's prefill chunks end there too, solo.py), and at the last block boundary each
+reply's decoding has crossed. A request keeps its snapshots (`Request.snapshots`, by block index) until it finishes
+and the caches store them with its tokens.
 
 Invariants: a copy is taken of a sequence's cache exactly when it holds a block boundary's tokens (plain steps
-grow a cache by one token; a drafting step in the batch stops at a boundary: batch_drafting.py; the solo's drafting
-does not yet, and a boundary it steps over costs that snapshot); a failure costs only the caches' benefit (logged,
-generation goes on).
+grow a cache by one token; a drafting step, in the batch or the solo, ends no further than a boundary:
+batch_drafting.py, solo.py); a failure costs only the caches' benefit (logged, generation goes on).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from mlx_lm.generate import BatchGenerator
 
 from worker.mlx_engine.prompt_cache import PromptCaches
-from worker.mlx_engine.solo import SoloLane
+from worker.mlx_engine.solo import Solo, SoloLane
 
 if TYPE_CHECKING:
     from worker.mlx_engine.request_state import Request
@@ -48,6 +48,16 @@ class Snapshots:
             for uid, (cache, _) in self.gen.extract_cache(list(due)).items():
                 req, position = due[uid]
                 req.snapshots[position // self.caches.block - 1] = self.caches.snapshot(cache)
+        except Exception:
+            log.exception("[cache] taking a prefill snapshot failed; going on without it")
+
+    def at_solo_stop(self, req: Request, solo: Solo) -> None:
+        """Copy the solo's snapshot layers' state if its prefill just stopped at a snapshot point (it stops at each)."""
+        block = self.caches.block
+        if solo.fed not in req.snapshot_at or solo.fed // block - 1 in req.snapshots:
+            return
+        try:
+            req.snapshots[solo.fed // block - 1] = self.caches.snapshot(solo.cache_now())
         except Exception:
             log.exception("[cache] taking a prefill snapshot failed; going on without it")
 

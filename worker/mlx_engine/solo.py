@@ -2,9 +2,10 @@
 
 mlx-lm's BatchGenerator at batch 1 costs ~1.5x `stream_generate` per token on the GPU (its
 batched caches, masks and bookkeeping). A request that arrives to an empty engine, and needs
-nothing only the batch has (logits processors, logprobs, snapshots), runs here instead: its
-prompt prefilled in chunks (one per engine step, sized by the step cost model as the batch's
-are), then one token per step, pipelined as generate_step is: the step for token n+1 is
+nothing only the batch has (logits processors, logprobs), runs here instead: its prompt
+prefilled in chunks (one per engine step, sized by the step cost model as the batch's are, each
+ending no further than the next of its snapshot points: a sliding-window or recurrent model's
+caches copy those layers' state there, snapshots.py), then one token per step, pipelined as generate_step is: the step for token n+1 is
 scheduled (`mx.async_eval`) before token n is read, with the same ops on the same stream, so
 its greedy tokens are generate_step's.
 
@@ -87,7 +88,8 @@ def _greedy(logprobs: mx.array) -> mx.array:
 class Solo:
     def __init__(self, model: nn.Module, uid: int, tokens: list[int], cached: int, cache: list | None,
                  max_tokens: int, sampler: Callable | None, eos: set[int] | None,
-                 graph: DecodeGraph | None = None, drafting: Drafting | None = None) -> None:
+                 graph: DecodeGraph | None = None, drafting: Drafting | None = None, stops: frozenset[int] = frozenset(),
+                 boundary: int = 0) -> None:
         self.model = model
         self.uid = uid
         self.tokens = list(tokens)  # the prompt, then each generated token once it is fed
@@ -104,6 +106,8 @@ class Solo:
         self._state: DecodeState | None = None  # the cache while the graph holds it
         self.times = SoloTimes()
         self.drafting = drafting  # None: no drafts (never asked for, or this request's caches cannot roll back)
+        self.stops = sorted(stops)  # prompt positions where its prefill stops for a cache snapshot (the engine's)
+        self.boundary = boundary  # reply snapshots are taken where the cache fills a multiple of it (0: none)
 
     @property
     def prefill_left(self) -> int:
@@ -172,7 +176,7 @@ class Solo:
     def step(self, chunk: int) -> list[SoloResponse]:
         """One engine step: a prefill chunk of at most `chunk` tokens, or one token out."""
         if self._next is None and self.prefill_left > 0:
-            n = min(max(1, chunk), self.prefill_left)
+            n = min(max(1, chunk), self.prefill_left, *(p - self.fed for p in self.stops if p > self.fed))
             with mx.stream(generation_stream):
                 self.model(mx.array(self.tokens[self.fed:self.fed + n])[None], cache=self.cache)
                 mx.eval([c.state for c in self.cache])
@@ -220,6 +224,8 @@ class Solo:
         y_arr, y_logprobs = self._next
         y = cast(int, y_arr.item())
         k = min(d.k, self.max_tokens - self.generated - 1, space - 1)
+        if self.boundary:  # a step ends no further than the next reply-snapshot boundary, as plain steps meet each
+            k = min(k, self.boundary - self.fed % self.boundary - 1)
         if k < 1 or (self.eos is not None and y in self.eos):
             return None
         drafts, q = d.drafter.propose(self.tokens, y, k, d.sampling, d.draft_keys(k))
@@ -310,10 +316,12 @@ class SoloLane:
         self._uids = 0
 
     def start(self, tokens: list[int], cached: int, cache: list | None, max_tokens: int, sampler: Callable | None,
-              eos: set[int] | None, graph: DecodeGraph | None, drafting: Drafting | None = None) -> int:
+              eos: set[int] | None, graph: DecodeGraph | None, drafting: Drafting | None = None,
+              stops: frozenset[int] = frozenset(), boundary: int = 0) -> int:
         """A request alone runs as the solo; its uid (negative: the generator's count up from 0)."""
         self._uids -= 1
-        self.solo = Solo(self.model, self._uids, tokens, cached, cache, max_tokens, sampler, eos, graph, drafting)
+        self.solo = Solo(self.model, self._uids, tokens, cached, cache, max_tokens, sampler, eos, graph, drafting,
+                         stops, boundary)
         self.plan = None  # predicted afresh, from what the fits know now
         return self._uids
 
@@ -329,8 +337,9 @@ class SoloLane:
             pending.prompt_cache, pending.all_tokens = cache, fed
             self.pending.append(pending)
             return None
-        (uid,) = self._gen.insert_segments(
-            [[rest]], max_tokens=[solo.max_tokens - solo.generated], caches=[cache] if cache is not None else None,
+        cuts = [0, *(p - len(fed) for p in solo.stops if len(fed) < p < len(fed) + len(rest)), len(rest)]
+        (uid,) = self._gen.insert_segments(  # the prompt's rest stops at its snapshot points, as in the solo
+            [[rest[a:b] for a, b in zip(cuts, cuts[1:])]], max_tokens=[solo.max_tokens - solo.generated], caches=[cache] if cache is not None else None,
             all_tokens=[fed], samplers=[solo.sampler], logits_processors=[[]],  # type: ignore[list-item]
             stop_sequences=[self._stop_eos if solo.eos is not None else self._stop_none])
         if pending is not None:
