@@ -19,7 +19,7 @@ chains   the same, without a model: 32 finished sequences of 1b-preset K/V (16 l
          step (a stand-in step of MLX work between), per round
 worker   a real worker subprocess (`python -m worker`) driven over ZeroMQ by a bare ROUTER socket, no supervisor
          and no HTTP: batch-1 ITL and tok/s as its Tokens messages arrive, for worker flag sets (plain, prompt
-         caches on, solo plain or compiled, solo off); set beside `engine`'s in-process figures it splits the gap between mlxsup and
+         caches on, solo plain or compiled, solo off, caches on with solo off); set beside `engine`'s in-process figures it splits the gap between mlxsup and
          stream_generate into the worker process's share and the supervisor/HTTP share
 arrival  in-process BatchGenerator at 32 sequences: all inserted at once (the bench's ceiling) vs
          inserted a few per step, as requests reach mlxsup's worker over ZeroMQ; the steps' times for
@@ -383,6 +383,9 @@ WORKER_VARIANTS = {
     "W_solo_plain": ["--solo", "plain"],
     "W_solo_compiled": ["--solo", "compiled"],
     "W_solo_off": ["--solo", "off"],
+    # a sliding-window or recurrent model's lone request with caches on: the solo (its prefill stopping at snapshot
+    # points), or the BatchGenerator at batch 1, where such a request always went before
+    "W_caches_solo_off": ["--hot-cache-bytes", str(2 * 2**30), "--ssd-cache-root", "{tmp}/ssd", "--solo", "off"],
 }
 
 
@@ -418,7 +421,7 @@ def part_affinity(model_dir: str, tokens: int, rounds: int) -> dict:
     return out
 
 
-def part_worker(model_dir: str, tokens: int, rounds: int) -> dict:
+def part_worker(model_dir: str, tokens: int, rounds: int, words: int = 24, variants: list[str] | None = None) -> dict:
     import signal
     import tempfile
 
@@ -433,6 +436,8 @@ def part_worker(model_dir: str, tokens: int, rounds: int) -> dict:
     # the same measure for stream_generate in a process of its own, spawned alike: the baseline for W_*
     out["P_stream_generate_subprocess"] = stream_subprocess(model_dir, tokens, rounds)
     for name, extra in WORKER_VARIANTS.items():
+        if variants is not None and name not in variants:
+            continue
         tmp = tempfile.mkdtemp(prefix="diagw-")
         sock = ctx.socket(zmq.ROUTER)
         port = sock.bind_to_random_port("tcp://127.0.0.1")
@@ -468,10 +473,10 @@ def part_worker(model_dir: str, tokens: int, rounds: int) -> dict:
                         stamps.append(t)
                         return stamps, m.completion_tokens
 
-            one(prompts("ew", 1, 24, 0)[0], "warm")
+            one(prompts("ew", 1, words, 0)[0], "warm")
             itls, tps, msgs_per_tok = [], [], []
             for r in range(rounds):
-                stamps, n = one(prompts(f"e{r}", 1, 24, 0)[0], f"r{r}")
+                stamps, n = one(prompts(f"e{r}", 1, words, 0)[0], f"r{r}")
                 itls.append(itl_ms(stamps))
                 tps.append(round((n - 1) / (stamps[-1] - stamps[0]), 1))
                 msgs_per_tok.append(round(len(stamps) / max(n, 1), 3))
@@ -599,6 +604,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--parts", default="imports,exit,arrival")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--words", type=int, default=24, help="worker: the prompts' words (over a cache block: ~50)")
+    ap.add_argument("--worker-variants", help="worker: the W_* variants to run, comma-separated (default: all)")
     args = ap.parse_args()
     res: dict = {"python": sys.executable, "env_pythonpath": os.environ.get("PYTHONPATH")}
     if route := os.environ.get("MLXSUP_DIAG_ATTENTION"):  # the worker's attention setting, for the in-process parts
@@ -616,7 +623,8 @@ def main() -> int:
             elif part == "affinity":
                 res[part] = part_affinity(args.model, 256, max(3, args.rounds))
             elif part == "worker":
-                res[part] = part_worker(args.model, 256, max(3, args.rounds))
+                res[part] = part_worker(args.model, 256, max(3, args.rounds), args.words,
+                                        args.worker_variants.split(",") if args.worker_variants else None)
             elif part == "store":
                 res[part] = part_store(args.model, 32, 8, args.rounds)
             elif part == "chains":
