@@ -18,7 +18,7 @@ import pytest
 from protocol.messages import Finished, Submit
 from worker.mlx_engine.draft_pricing import Costs
 from worker.mlx_engine.engine import Engine
-from worker.mlx_engine.speculative import MIN_VERIFIES, Record, Speculation
+from worker.mlx_engine.speculative import MIN_VERIFIES, PromptLookup, Record, Speculation
 
 BLOCK = [(i * 37) % 300 + 20 for i in range(30)]
 PROMPT = BLOCK * 3  # repetitive, as code an agent was shown and edits: prompt lookup finds drafts in it
@@ -319,3 +319,28 @@ def test_a_resumed_request_drafts_and_continues_plain_decoding_exactly(family_mo
     for cut in (1, 23):
         got, fin = run(engine, greedy(n=60 - cut, resume_tokens=expected[:cut]))
         assert got == expected[cut:] and fin is not None and fin.accepted_tokens > 0
+
+
+def test_a_drafter_with_nothing_to_propose_is_asked_less_and_less(family_models: Path, plain: dict,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Asking for drafts reads the token in hand before the next one is launched (a stall of plain decoding's
+    pipelining): prompt lookup finding no match was asked at every step, alone and in the batch. After nothing, it
+    is asked again a doubling number of tokens later (up to speculative.MAX_IDLE); the ids stay plain decoding's."""
+    asked: list[int] = []
+
+    def nothing(self: object, tokens: list[int], *args: object) -> tuple[None, None]:
+        asked.append(len(tokens))
+        return None, None
+
+    monkeypatch.setattr(PromptLookup, "propose", nothing)
+    expected, _ = run(plain["llama"], greedy(n=100))
+    engine = drafting(family_models / "llama", speculative="prompt-lookup")
+    engine.batch_drafts.costs = FREE
+    got, fin = run(engine, greedy(n=100))
+    assert got == expected and fin is not None and fin.drafted_tokens == 0
+    assert 4 <= len(asked) <= 10  # after tokens 1, 2, 4, 8, 16, then every 16: not 100 times
+    asked.clear()
+    engine.submit(greedy("b", n=100))
+    engine.submit(greedy("c", n=100))
+    drive(engine, "b")
+    assert 4 <= len(asked) <= 2 * 10  # both rows asked at each of the batch's drafting steps

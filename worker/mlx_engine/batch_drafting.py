@@ -172,6 +172,7 @@ class BatchDrafting:
             drafts, _ = d.drafter.propose(batch.tokens[i], ys[i], d.k, None, None) if d.drafter.room() > 1 else (
                 None, None)
             proposed.append(cast(list[int], drafts.tolist()) if drafts is not None else [])
+        pace.proposed(all(proposed), self.decoded)  # a row with nothing to propose: no drafting step for a while
         n = min(self._limit(batch, i, [ys[i], *p]) for i, p in enumerate(proposed))
         if n < 1:
             for i, d in enumerate(rows):

@@ -229,6 +229,7 @@ class Solo:
         if k < 1 or (self.eos is not None and y in self.eos):
             return None
         drafts, q = d.drafter.propose(self.tokens, y, k, d.sampling, d.draft_keys(k))
+        d.proposed(drafts is not None, self.generated)
         if drafts is None:
             return None
         k = drafts.size

@@ -34,8 +34,10 @@ have to be kept nearly whole to pay (break-even above NEAR_WHOLE of k: only an o
 a verification of k + 1 tokens costs about k + 1 plain steps, lands there) never drafts; otherwise it measures its own surplus (a moving average of the drafts kept
 per verification above that verification's break-even), and below zero it stops
 drafting for a pause that doubles each time (FIRST_PAUSE..MAX_PAUSE tokens), so a draft that is gibberish costs
-a few verifications per pause, and a copying stretch later is still found. The costs are fixed per worker, so
-which steps draft depends on the tokens only.
+a few verifications per pause, and a copying stretch later is still found. A drafter that proposes nothing (no
+match for prompt lookup) is asked again only after a wait that doubles up to MAX_IDLE tokens (`Drafting.proposed`):
+asking reads the token in hand before the next is launched, which stalls plain decoding's pipelining. The costs are
+fixed per worker, so which steps draft depends on the tokens only.
 
 The oracle (`Oracle`, mode "oracle": a test and bench hook, not a config value) proposes a recorded sequence,
 the target's own greedy output from an earlier plain run: every draft is kept and drafting costs nothing, so it
@@ -72,6 +74,7 @@ EMA_WEIGHT = 0.25  # each verification's weight in that average
 MIN_VERIFIES = 2  # verifications before the average may pause drafting (after a start or a pause)
 NEAR_WHOLE = 0.75  # a break-even above this part of k: drafting is not tried at all
 FIRST_PAUSE, MAX_PAUSE = 64, 1024  # tokens decoded plainly after the first pause, doubled per pause up to the max
+MAX_IDLE = 16  # tokens decoded plainly after a step whose drafter proposed nothing, doubled per such step up to this
 DRAFT_PREFILL = 512  # the draft model's catch-up (its prompt) in chunks of this many tokens
 
 
@@ -320,13 +323,25 @@ class Drafting:
     verifies: int = 0  # since drafting (re)started
     resume_at: int = 0  # the generated count at which a pause ends
     pause: int = FIRST_PAUSE
+    idle: int = 1  # tokens to wait after the next step whose drafter proposes nothing (`proposed`)
+    idle_until: int = 0  # the generated count before which the drafter is not asked again
 
     def __post_init__(self) -> None:
         if self.record is not None:
             self.resume_at, self.pause = self.record.wait, self.record.pause
 
     def wants(self, generated: int) -> bool:
-        return generated >= self.resume_at
+        return generated >= self.resume_at and generated >= self.idle_until
+
+    def proposed(self, anything: bool, generated: int) -> None:
+        """Whether the drafter proposed anything at this step. Asking costs even when nothing comes (prompt lookup
+        finding no match): the token in hand is read before the next one is launched, a stall in the pipelining of
+        plain steps; so after nothing it is asked again only `idle` tokens later, doubling up to MAX_IDLE."""
+        if anything:
+            self.idle = 1
+        else:
+            self.idle_until = generated + self.idle
+            self.idle = min(2 * self.idle, MAX_IDLE)
 
     def priced(self, model: nn.Module, graph: DecodeGraph | None, generated: int) -> bool:
         """Whether to draft now, the worker's costs known (measured here the first time): never, where even a draft
