@@ -65,6 +65,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="memory bandwidth in GB/s for the decode bound (default: the GPU's datasheet figure)")
     ap.add_argument("--server-cpus", default=None,
                     help="CPUs every side's server runs on: auto (first quarter), '' (unpinned), or e.g. 0-3")
+    ap.add_argument("--client-cpus", default=None,
+                    help="CPUs the harness (the HTTP clients) runs on: rest (all but the servers'), '' (unpinned), or e.g. 4-15")
+    ap.add_argument("--mlxsup-b", default=None, metavar="DIR",
+                    help="another checkout's mlxsup as a fifth throughput side, mlxsup_b, in the same rounds (an A/B)")
+    ap.add_argument("--mlxsup-b-env", action="append", default=[], metavar="K=V",
+                    help="environment for mlxsup_b's daemon and workers only (repeatable), e.g. MLXSUP_CONFIG=FILE")
     ap.add_argument("--mlxsup-env", action="append", default=[], metavar="K=V",
                     help="environment for the throughput section's mlxsup daemon and its workers (repeatable)")
     args = ap.parse_args(argv)
@@ -82,6 +88,12 @@ def main(argv: list[str] | None = None) -> int:
         p = replace(p, bandwidth_gbs=args.bandwidth_gbs)
     if args.server_cpus is not None:
         p = replace(p, server_cpus=args.server_cpus)
+    if args.client_cpus is not None:
+        p = replace(p, client_cpus=args.client_cpus)
+    if args.mlxsup_b is not None:
+        p = replace(p, mlxsup_b=str(Path(args.mlxsup_b).resolve()))
+    if args.mlxsup_b_env:
+        p = replace(p, mlxsup_b_env=tuple(args.mlxsup_b_env))
     if args.mlxsup_env:
         p = replace(p, mlxsup_env=tuple(args.mlxsup_env))
     if args.cache_bench:

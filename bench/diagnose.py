@@ -266,12 +266,26 @@ STREAM_CHILD = "import json, sys; from bench.diagnose import stream_itls; " \
                "print(json.dumps(stream_itls(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))))"
 
 
+def pyspy_prefix(name: str) -> list[str]:
+    """With DIAG_PYSPY=DIR: py-spy recording the process it starts into DIR/NAME.txt (raw collapsed stacks, wall
+    time: --idle, not pausing it: --nonblocking), else nothing."""
+    from bench.profile import find_pyspy
+
+    out, exe = os.environ.get("DIAG_PYSPY"), find_pyspy()
+    if not out or exe is None:
+        return []
+    Path(out).mkdir(parents=True, exist_ok=True)
+    return [exe, "record", "--rate", "500", "--format", "raw", "--idle", "--nonblocking", "--output",
+            str(Path(out) / f"{name}.txt"), "--"]
+
+
 def stream_subprocess(model_dir: str, tokens: int, rounds: int, cpus: str | None = None) -> dict:
     """stream_itls in a process of its own (pinned to `cpus` with taskset, if given)."""
-    argv = ([] if cpus is None else ["taskset", "-c", cpus]) + [sys.executable, "-c", STREAM_CHILD, model_dir,
-                                                                str(tokens), str(rounds)]
+    argv = ([] if cpus is None else ["taskset", "-c", cpus]) + pyspy_prefix("stream_generate") + [
+        sys.executable, "-c", STREAM_CHILD, model_dir, str(tokens), str(rounds)]
     p = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600)
-    itls = json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else []
+    lines = [line for line in p.stdout.strip().splitlines() if line.startswith("[")]
+    itls = json.loads(lines[-1]) if p.returncode == 0 and lines else []
     return {"cpus": cpus, "itl_p50_ms_per_round": itls, "itl_p50_ms_median": percentile(itls, 50) if itls else None,
             "stderr_tail": p.stderr[-500:] if p.returncode else ""}
 
@@ -383,12 +397,16 @@ WORKER_VARIANTS = {
     "W_solo_plain": ["--solo", "plain"],
     "W_solo_compiled": ["--solo", "compiled"],
     "W_solo_off": ["--solo", "off"],
+    # the daemon's default caches (supervisor/cache_config.py DEFAULTS): what the bench's mlxsup side runs
+    "W_daemon_caches": ["--hot-cache-bytes", str(2**30), "--ssd-cache-root", "{tmp}/ssd"],
+    "W_attention_fast": ["--attention", "fast"],
     # a sliding-window or recurrent model's lone request with caches on: the solo (its prefill stopping at snapshot
     # points), or the BatchGenerator at batch 1, where such a request always went before
     "W_caches_solo_off": ["--hot-cache-bytes", str(2 * 2**30), "--ssd-cache-root", "{tmp}/ssd", "--solo", "off"],
 }
-
-
+# "ENV:K=V" entries are the worker's environment, not arguments. --worker-variants or DIAG_WORKER_VARIANTS
+# (W_plain,W_daemon_caches) picks some (default: the first five); DIAG_PYSPY=DIR records each one's measured rounds
+# with py-spy (attached after Ready) into DIR/<variant>.txt
 
 
 def perf_lines(text: str) -> list[dict]:
@@ -435,9 +453,14 @@ def part_worker(model_dir: str, tokens: int, rounds: int, words: int = 24, varia
     out: dict = {}
     # the same measure for stream_generate in a process of its own, spawned alike: the baseline for W_*
     out["P_stream_generate_subprocess"] = stream_subprocess(model_dir, tokens, rounds)
-    for name, extra in WORKER_VARIANTS.items():
-        if variants is not None and name not in variants:
-            continue
+    from bench.profile import Spy, find_pyspy
+
+    picked = variants or [v for v in os.environ.get("DIAG_WORKER_VARIANTS", "").split(",") if v] \
+        or list(WORKER_VARIANTS)[:5]
+    for name in picked:
+        extra = WORKER_VARIANTS[name]
+        env = dict(os.environ, **dict(a[4:].split("=", 1) for a in extra if a.startswith("ENV:")))
+        extra = [a for a in extra if not a.startswith("ENV:")]
         tmp = tempfile.mkdtemp(prefix="diagw-")
         sock = ctx.socket(zmq.ROUTER)
         port = sock.bind_to_random_port("tcp://127.0.0.1")
@@ -445,7 +468,8 @@ def part_worker(model_dir: str, tokens: int, rounds: int, words: int = 24, varia
                                  "--endpoint", f"tcp://127.0.0.1:{port}", "--identity", "w",
                                  "--warm-batch-shapes", "off", "--log-level", "DEBUG",
                                  *[a.format(tmp=tmp) for a in extra]],
-                                cwd=REPO, stderr=open(Path(tmp) / "worker.log", "wb"))
+                                cwd=REPO, env=env, stderr=open(Path(tmp) / "worker.log", "wb"))
+        spy = None
         try:
             def recv(deadline: float):
                 while not sock.poll(200):
@@ -474,6 +498,10 @@ def part_worker(model_dir: str, tokens: int, rounds: int, words: int = 24, varia
                         return stamps, m.completion_tokens
 
             one(prompts("ew", 1, words, 0)[0], "warm")
+            if os.environ.get("DIAG_PYSPY") and (exe := find_pyspy()) is not None:
+                spy = Spy(exe, proc.pid, Path(os.environ["DIAG_PYSPY"]) / f"{name}.txt", rate=500)
+                spy.start()
+                time.sleep(0.5)
             itls, tps, msgs_per_tok = [], [], []
             for r in range(rounds):
                 stamps, n = one(prompts(f"e{r}", 1, words, 0)[0], f"r{r}")
@@ -492,6 +520,12 @@ def part_worker(model_dir: str, tokens: int, rounds: int, words: int = 24, varia
         except Exception as exc:
             out[name] = {"error": repr(exc), "log_tail": (Path(tmp) / "worker.log").read_text(errors="replace")[-2000:]}
         finally:
+            if spy is not None and spy.proc is not None:
+                spy.proc.send_signal(signal.SIGINT)
+                try:
+                    spy.proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    spy.proc.kill()
             proc.send_signal(signal.SIGTERM)
             try:
                 proc.wait(30)

@@ -56,6 +56,15 @@ class Params:
     # extra environment for the throughput section's mlxsup daemon and so its workers ("K=V" each): an A/B of a
     # worker setting against the same in-process baseline, e.g. MLX_CUDA_USE_CUDNN_SDPA=0
     mlxsup_env: tuple[str, ...] = ()
+    # CPUs the harness itself (the HTTP clients that time every event) runs on: "rest" = every CPU outside
+    # server_cpus, "" = wherever the OS puts it. At 32 streams the client parses ~5000 SSE events a second; left
+    # unpinned it can land on the servers' CPUs and take them from the daemon and its worker (the in-process sides
+    # have no HTTP client to compete with).
+    client_cpus: str = ""
+    # another checkout's mlxsup (a folder holding its supervisor/, worker/, protocol/) as a fifth side of the
+    # throughput section, "mlxsup_b", run in the same rounds: a before/after of two trees that one run can see
+    mlxsup_b: str = ""
+    mlxsup_b_env: tuple[str, ...] = ()  # more environment for mlxsup_b only ("K=V" each), after mlxsup_env
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -67,7 +76,7 @@ class Params:
 
 PROFILES: dict[str, Params] = {
     # The NVIDIA (or Apple GPU) run: the 1b preset, 256 tokens everywhere, five alternating rounds.
-    "gpu": Params(profile="gpu", preset="1b", server_cpus="auto", await_warm_up=True),
+    "gpu": Params(profile="gpu", preset="1b", server_cpus="auto", client_cpus="rest", await_warm_up=True),
     # This repo's 2-core CI-class CPU: MLX's CPU matmul runs ~2.4 GFLOP/s whatever the batch, so the
     # small preset costs ~150 ms per token *per sequence*, prefill included. Token counts shrink with
     # concurrency to keep the whole run near ten minutes; rounds are fewer at high concurrency.

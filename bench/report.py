@@ -9,8 +9,9 @@ from bench.bound import bound_lines
 from bench.prefill_itl import markdown as prefill_itl_markdown
 from bench.resume_pause import markdown as resume_markdown
 
-SIDE_ORDER = ("inproc", "mlxsup", "mlx_lm.server", "inproc_batch")
+SIDE_ORDER = ("inproc", "mlxsup", "mlxsup_b", "mlx_lm.server", "inproc_batch")
 SIDE_LABEL = {"inproc": "in-process mlx-lm (ceiling)", "mlxsup": "mlxsup (HTTP gateway)",
+              "mlxsup_b": "mlxsup B (another tree, HTTP gateway)",
               "mlx_lm.server": "mlx_lm.server", "inproc_batch": "in-process BatchGenerator b=1 (diag.)"}
 
 
@@ -63,6 +64,8 @@ def markdown(res: dict) -> str:
              f"{p.get('overhead_tokens')} tokens x {p.get('overhead_rounds')} rounds; deadline {p.get('deadline_s')} s")
     if res.get("meta", {}).get("server_cpus"):
         L.append(f"- every side's server pinned to CPUs {res['meta']['server_cpus']} (bench.params server_cpus)")
+    if res.get("meta", {}).get("client_cpus"):
+        L.append(f"- the harness (its HTTP clients) pinned to CPUs {res['meta']['client_cpus']} (bench.params client_cpus)")
     L.append("- sides alternate order every round (A B C, then C B A); greedy sampling everywhere; "
              "ratios are medians of per-round ratios of back-to-back runs\n")
 
@@ -102,6 +105,26 @@ def markdown(res: dict) -> str:
                      f"{_f(r.get('mlx_lm.server/inproc', {}).get('median_of_round_ratios'), 3)} | "
                      f"{_f(sr.get('mlxsup/inproc'), 3)} | {_f(sr.get('mlxsup/mlx_lm.server'), 3)} | "
                      f"{r.get('mlxsup/inproc', {}).get('per_round')} |")
+        L.append("")
+        L.append("| clients | ITL p50: mlxsup / in-process | per round |")
+        L.append("| --- | --- | --- |")
+        for c, cs in tp["summary"].items():
+            ir = cs.get("itl_ratios", {}).get("mlxsup/inproc", {})
+            L.append(f"| {c} | {_f(ir.get('median_of_round_ratios'), 3)} | {ir.get('per_round')} |")
+        if any("mlxsup_b" in cs for cs in tp["summary"].values()):
+            L.append(f"\nA/B: side mlxsup_b ran the tree `{tp.get('mlxsup_b_tree')}` in the same rounds"
+                     f"{', with ' + ' '.join(tp['mlxsup_b_env']) if tp.get('mlxsup_b_env') else ''}.\n")
+            L.append("| clients | tok/s mlxsup / mlxsup_b | per round | mlxsup_b / in-process | per round | "
+                     "ITL p50 mlxsup / mlxsup_b | ITL p50 mlxsup_b / in-process | steady mlxsup_b / in-process |")
+            L.append("| --- | --- | --- | --- | --- | --- | --- | --- |")
+            for c, cs in tp["summary"].items():
+                r, ir = cs.get("ratios", {}), cs.get("itl_ratios", {})
+                ab, b = r.get("mlxsup/mlxsup_b", {}), r.get("mlxsup_b/inproc", {})
+                L.append(f"| {c} | {_f(ab.get('median_of_round_ratios'), 3)} | {ab.get('per_round')} | "
+                         f"{_f(b.get('median_of_round_ratios'), 3)} | {b.get('per_round')} | "
+                         f"{_f(ir.get('mlxsup/mlxsup_b', {}).get('median_of_round_ratios'), 3)} | "
+                         f"{_f(ir.get('mlxsup_b/inproc', {}).get('median_of_round_ratios'), 3)} | "
+                         f"{_f(cs.get('steady_ratios', {}).get('mlxsup_b/inproc'), 3)} |")
         L.append("\nsteady tok/s: tokens arriving while every request of the run is past its first token and none has "
                  "finished, over that window: decode speed without the admission/prefill ramp. Ratios are medians "
                  "of per-round ratios.")

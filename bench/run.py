@@ -40,6 +40,7 @@ from bench.prompts import prompts
 from bench.servers import InProc, MlxLmServer, Mlxsup, alive, cold_inproc
 
 SIDES = ("inproc", "mlxsup", "mlx_lm.server")
+B_SIDE = "mlxsup_b"  # another checkout's mlxsup (params.mlxsup_b), in the same rounds: an A/B of two trees
 DIAG_SIDE = "inproc_batch"  # BatchGenerator at batch 1: the engine mlxsup's worker runs, without the server
 
 def available() -> int:
@@ -120,6 +121,13 @@ class Bench:
         servers.SERVER_CPUS = servers.parse_cpus(params.server_cpus)
         if servers.SERVER_CPUS:
             self.results["meta"]["server_cpus"] = ",".join(map(str, sorted(servers.SERVER_CPUS)))
+        if params.client_cpus and hasattr(os, "sched_setaffinity"):  # the harness off the servers' CPUs
+            mine = os.sched_getaffinity(0)
+            cpus = (mine - (servers.SERVER_CPUS or set()) if params.client_cpus == "rest"
+                    else servers.parse_cpus(params.client_cpus) or set())
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+                self.results["meta"]["client_cpus"] = ",".join(map(str, sorted(cpus)))
         self.managed: list = []
         self.client = None
         self.model_id = ""
@@ -223,8 +231,8 @@ class Bench:
             mode = "stream" if side == "inproc" and c == 1 else "batch"
             out = await servers["inproc"].run(mode, msgs, max_tokens, self.p.run_timeout_s)
             return out["records"]
-        if side == "mlxsup":
-            return await self.http_run(servers["mlxsup"].chat_url, self.model_id, msgs, max_tokens,
+        if side in ("mlxsup", B_SIDE):
+            return await self.http_run(servers[side].chat_url, self.model_id, msgs, max_tokens,
                                        {"ignore_eos": True})
         return await self.http_run(servers["mlx_lm.server"].chat_url, "default_model", msgs, max_tokens)
 
@@ -246,16 +254,26 @@ class Bench:
                         env=dict(kv.split("=", 1) for kv in p.mlxsup_env))
         mlxlm = MlxLmServer(self.model_dir, self.work / "logs" / "mlx_lm_server.log")
         servers = {"inproc": inproc, "mlxsup": mlxsup, "mlx_lm.server": mlxlm}
+        if p.mlxsup_b:
+            servers[B_SIDE] = Mlxsup(self.work / "models", self.work / "state-throughput-b",
+                                     env=dict(kv.split("=", 1) for kv in (*p.mlxsup_env, *p.mlxsup_b_env)),
+                                     tree=Path(p.mlxsup_b))
+            res["mlxsup_b_tree"] = p.mlxsup_b
+            res["mlxsup_b_env"] = list(p.mlxsup_b_env)
+        daemons = [d for d in (mlxsup, servers.get(B_SIDE)) if d is not None]
         try:
-            await asyncio.gather(self.start(inproc), self.start(mlxsup), self.start(mlxlm))
+            await asyncio.gather(*(self.start(x) for x in servers.values()))
             res["inproc_info"] = inproc.info
-            await mlxsup.load(self.client, self.model_id)
-            mlxsup.track()
+            for d in daemons:
+                await d.load(self.client, self.model_id)
+                d.track()
             if p.await_warm_up:
-                res["mlxsup_warm_up_s"] = await mlxsup.warmed_up(self.model_id, timeout=60)
-                self.log(f"mlxsup worker's idle warm-up: {res['mlxsup_warm_up_s']} s")
+                for d in daemons:
+                    key = "mlxsup_warm_up_s" if d is mlxsup else "mlxsup_b_warm_up_s"
+                    res[key] = await d.warmed_up(self.model_id, timeout=60)
+                    self.log(f"{key}: {res[key]} s")
             for c in p.concurrency:
-                sides = list(SIDES) + ([DIAG_SIDE] if c == 1 else [])
+                sides = list(SIDES) + ([B_SIDE] if B_SIDE in servers else []) + ([DIAG_SIDE] if c == 1 else [])
                 wt = p.warmup_tokens.get(c, 0)
                 for side in sides:  # warm-up: first calls, kernel compilation, shapes of this concurrency
                     if self.left() < 10 or not wt:
@@ -625,7 +643,7 @@ def summarize_throughput(runs: list[dict], p: Params) -> dict:
     summary: dict = {}
     for c in p.concurrency:
         cs: dict = {}
-        for side in (*SIDES, DIAG_SIDE):
+        for side in (*SIDES, B_SIDE, DIAG_SIDE):
             rs = [r for r in runs if r["c"] == c and r["side"] == side and r.get("tok_s")]
             if not rs:
                 continue
@@ -670,6 +688,23 @@ def summarize_throughput(runs: list[dict], p: Params) -> dict:
         cs["ratios"] = {"mlxsup/inproc": paired("mlxsup", "inproc"),
                         "mlxsup/mlx_lm.server": paired("mlxsup", "mlx_lm.server"),
                         "mlx_lm.server/inproc": paired("mlx_lm.server", "inproc")}
+
+        def itl_paired(a: str, b: str) -> dict:  # a's ITL p50 over b's, per round (below 1: a's tokens come faster)
+            per_round = []
+            for r in sorted({x["round"] for x in runs if x["c"] == c}):
+                ra = [x for x in runs if x["c"] == c and x["round"] == r and x["side"] == a and x.get("itl_p50_s")]
+                rb = [x for x in runs if x["c"] == c and x["round"] == r and x["side"] == b and x.get("itl_p50_s")]
+                if ra and rb:
+                    per_round.append(ra[0]["itl_p50_s"] / rb[0]["itl_p50_s"])
+            return {"median_of_round_ratios": median(per_round), "per_round": [rnd(x, 4) for x in per_round]}
+
+        cs["itl_ratios"] = {"mlxsup/inproc": itl_paired("mlxsup", "inproc")}
+        if B_SIDE in cs:
+            cs["ratios"][f"{B_SIDE}/inproc"] = paired(B_SIDE, "inproc")
+            cs["ratios"][f"mlxsup/{B_SIDE}"] = paired("mlxsup", B_SIDE)
+            cs["itl_ratios"][f"{B_SIDE}/inproc"] = itl_paired(B_SIDE, "inproc")
+            cs["itl_ratios"][f"mlxsup/{B_SIDE}"] = itl_paired("mlxsup", B_SIDE)
+            cs["steady_ratios"][f"{B_SIDE}/inproc"] = paired_key(B_SIDE, "inproc", "steady_tok_s")
         if c == 1:
             cs["ratios"]["mlxsup/inproc_batch"] = paired("mlxsup", DIAG_SIDE)
             cs["ratios"]["inproc_batch/inproc"] = paired(DIAG_SIDE, "inproc")

@@ -94,7 +94,7 @@ class Managed:
     def _spawn(self, argv: list[str], env: dict | None = None, **kw) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(argv, stdout=kw.pop("stdout", log), stderr=log, cwd=REPO,
+        self.proc = subprocess.Popen(argv, stdout=kw.pop("stdout", log), stderr=log, cwd=kw.pop("cwd", REPO),
                                      env={**os.environ, **(env or {})}, preexec_fn=_pin if SERVER_CPUS else None, **kw)
         self.seen.add(self.proc.pid)
 
@@ -134,11 +134,16 @@ class Mlxsup(Managed):
 
     name = "mlxsup"
 
-    def __init__(self, model_root: Path, state_dir: Path, env: dict | None = None, args: list[str] | None = None) -> None:
+    def __init__(self, model_root: Path, state_dir: Path, env: dict | None = None, args: list[str] | None = None,
+                 tree: Path | None = None) -> None:
         super().__init__(state_dir / "daemon.log")
         self.model_root = model_root
         self.state_dir = state_dir
         self.env = env
+        self.tree = tree  # another checkout to run (its daemon and workers import from it), else this one
+        if tree is not None:  # first on the path and the working folder (`-m` puts the cwd first)
+            path = os.environ.get("PYTHONPATH", "")
+            self.env = {**(env or {}), "PYTHONPATH": f"{tree}{os.pathsep}{path}" if path else str(tree)}
         self.args = args or []  # more `mlxsup serve` arguments, e.g. ["--config", PATH]
         self.url = ""
 
@@ -146,7 +151,8 @@ class Mlxsup(Managed):
         self.state_dir.mkdir(parents=True, exist_ok=True)
         (self.state_dir / "daemon.json").unlink(missing_ok=True)
         self._spawn([sys.executable, "-m", "supervisor", "serve", "--model-dir", str(self.model_root), "--port", "0",
-                     "--host", "127.0.0.1", "--state-dir", str(self.state_dir), *self.args], env=self.env)
+                     "--host", "127.0.0.1", "--state-dir", str(self.state_dir), *self.args], env=self.env,
+                    cwd=self.tree or REPO)
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:

@@ -126,7 +126,7 @@ def test_solo_decode_steps_are_timed_and_leave_the_cost_model_alone(model_dir: P
     assert got["a"] == reference(LONG, 12)
     t = solo.times
     assert t.tokens == 12 and t.feed > 0 and t.read >= 0 and t.outside > 0  # every decode step, split
-    assert set(t.per_token_ms()) == {"feed", "read", "outside"}
+    assert set(t.per_token_ms()) == {"feed", "read", "outside", "gc"}
     # the fits learnt from the prefill and from the step that read the first token (planned before it was decoding),
     # not from the eleven decode steps after it
     assert sum(p.prefill_tokens == 0 for p in observed) == 1 and any(p.prefill_tokens > 0 for p in observed)

@@ -36,6 +36,7 @@ hands its cache and exactly those tokens to the prompt caches; main thread only.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -64,21 +65,38 @@ class SoloResponse:
     all_tokens: list[int] | None = None
 
 
+_GC = [0.0, 0.0]  # seconds this process spent in the garbage collector, the start of the collection under way
+
+
+def _gc_timer(phase: str, _info: dict) -> None:
+    if phase == "start":
+        _GC[1] = time.perf_counter()
+    else:
+        _GC[0] += time.perf_counter() - _GC[1]
+
+
+gc.callbacks.append(_gc_timer)
+
+
 @dataclass(slots=True)
 class SoloTimes:
     """Where a solo's decode steps spend their wall time (seconds, summed over `tokens` steps): building and
     launching the next token's graph (`feed`), waiting for the token in flight (`read`), and everything between
-    two steps outside them (`outside`: the engine's output handling, the worker loop, its sends)."""
+    two steps outside them (`outside`: the engine's output handling, the worker loop, its sends); `gc`: the
+    garbage collector's share of those, from the first token on (inside any of them)."""
 
     tokens: int = 0
     feed: float = 0.0
     read: float = 0.0
     outside: float = 0.0
     _last_end: float | None = field(default=None, repr=False)
+    _gc0: float = field(default=0.0, repr=False)
 
     def per_token_ms(self) -> dict[str, float]:
         n = max(self.tokens, 1)
-        return {k: round(getattr(self, k) / n * 1e3, 4) for k in ("feed", "read", "outside")}
+        out = {k: round(getattr(self, k) / n * 1e3, 4) for k in ("feed", "read", "outside")}
+        out["gc"] = round((_GC[0] - self._gc0) / n * 1e3, 4) if self.tokens else 0.0
+        return out
 
 
 def _greedy(logprobs: mx.array) -> mx.array:
@@ -202,6 +220,8 @@ class Solo:
         t2 = time.perf_counter()
         if times._last_end is not None:
             times.outside += t0 - times._last_end
+        else:
+            times._gc0 = _GC[0]
         times.tokens += 1
         times.feed += t1 - t0
         times.read += t2 - t1
