@@ -7,7 +7,8 @@ Templates write a tool's name raw, so the engine refuses names holding a special
 (`renders_tools`), the worker writes them into the messages itself (`template_input`, worker/tool_fallback.py)
 rather than dropping them. Invariant: nothing here changes what a client sent, only its shape (a tool call's
 JSON-string arguments become the mapping templates read; tools and tool turns become text for a template without them;
-a system message inside the conversation becomes user text for a template that cannot write it there).
+a system message inside the conversation becomes user text, and user messages in a row one, for a template that
+cannot write them).
 """
 
 from __future__ import annotations
@@ -54,16 +55,27 @@ def renders_tools(tokenizer) -> bool:
 _ASKED, _SAID, _SYSTEM = "mlxsup_probe_question", "mlxsup_probe_answer", "mlxsup_probe_system"
 
 
+def _renders_in_order(tokenizer, messages: list[dict], texts: list[str]) -> bool:
+    try:
+        text = str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    except Exception:
+        return False
+    at = [text.find(t) for t in texts]
+    return -1 not in at and at == sorted(at)
+
+
 def renders_mid_system(tokenizer) -> bool:
     """Whether the chat template writes a system message that comes after the conversation began, where it stands
     (ChatML's do; Gemma 3's and Qwen3.5's refuse one, others move it to the top or drop it)."""
-    probe = [{"role": "user", "content": _ASKED}, {"role": "assistant", "content": _SAID},
-             {"role": "system", "content": _SYSTEM}, {"role": "user", "content": _ASKED}]
-    try:
-        text = str(tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True))
-    except Exception:
-        return False
-    return _SAID in text and _SYSTEM in text and text.index(_SYSTEM) > text.index(_SAID)
+    return _renders_in_order(tokenizer, [{"role": "user", "content": _ASKED}, {"role": "assistant", "content": _SAID},
+                                         {"role": "system", "content": _SYSTEM}, {"role": "user", "content": _ASKED}],
+                             [_SAID, _SYSTEM])
+
+
+def renders_user_runs(tokenizer) -> bool:
+    """Whether the chat template writes two user messages in a row (Gemma 3's raises unless roles alternate)."""
+    return _renders_in_order(tokenizer, [{"role": "user", "content": _ASKED}, {"role": "user", "content": _SAID}],
+                             [_ASKED, _SAID])
 
 
 def tool_names(tools: list | None, messages: list | None) -> list[str]:
@@ -110,15 +122,16 @@ def template_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
-def template_input(messages: list[dict], tools: list | None, renders: bool,
-                   mid_system: bool = True) -> tuple[list[dict], list | None]:
+def template_input(messages: list[dict], tools: list | None, renders: bool, mid_system: bool = True,
+                   user_runs: bool = True) -> tuple[list[dict], list | None]:
     """The template's messages and tools: as the client sent them (shaped), or, for a template that writes no tools
     (`renders` False) and a request with tools or tool history, with them written into the messages. A system message
     after the conversation began stays where it was sent (a template that cannot write one there, `mid_system` False,
-    is given it as user text: tool_fallback.system_in_place), never moved into the system prompt at the top: an agent
-    that adds one (Claude Code does, turns into a session) would change its prompt's head and re-prefill all of it."""
-    if not mid_system:
-        messages = tool_fallback.system_in_place(messages)
+    is given it as user text: tool_fallback.alternated), never moved into the system prompt at the top: an agent
+    that adds one (Claude Code does, turns into a session) would change its prompt's head and re-prefill all of it.
+    User messages in a row are joined for a template that cannot write them (`user_runs` False)."""
+    if not (mid_system and user_runs):
+        messages = tool_fallback.alternated(messages, mid_system, user_runs)
     if not renders and tool_fallback.needed(messages, tools):
         return tool_fallback.fallback_messages(messages, tools), None
     return template_messages(messages), template_tools(tools)

@@ -90,28 +90,25 @@ def _system_text(content: str | list) -> str:
     return content if isinstance(content, str) else "".join(p.get("text", "") for p in content if isinstance(p, dict))
 
 
-def system_in_place(messages: list[dict]) -> list[dict]:
-    """The messages for a template that cannot write a system message inside the conversation: each such one (after
-    the first message that is not a system message) becomes user text where it stands, joined to a user message
-    next to it (Gemma's template raises unless roles alternate). Leading system messages are left as they are."""
+def alternated(messages: list[dict], system_turns: bool = False, user_runs: bool = False) -> list[dict]:
+    """The messages for a template that cannot write a system message inside the conversation (`system_turns`
+    False: each one after the first message that is not a system message becomes user text where it stands) or two
+    user messages in a row (`user_runs` False: they are joined into one; Gemma's template raises unless roles
+    alternate, and opencode's title request sends two). Leading system messages are left as they are."""
     out: list[dict] = []
-    began = absorbed = False  # the conversation began; out[-1] holds a system message's text
+    began = False  # the conversation began: a system message from here on is inside it
     for m in messages:
         role = m.get("role")
         if not began and role in SYSTEM_ROLES:
             out.append(m)
             continue
         began = True
-        if role in SYSTEM_ROLES or (role == "user" and absorbed):
-            text = _system_text(_content(m)) if role in SYSTEM_ROLES else _content(m)
-            if out and out[-1].get("role") == "user":
-                out[-1] = {**out[-1], "content": _join(_content(out[-1]), text, "\n\n")}
-            else:
-                out.append({"role": "user", "content": text})
-            absorbed = role in SYSTEM_ROLES
-            continue
-        out.append(m)
-        absorbed = False
+        if role in SYSTEM_ROLES and not system_turns:
+            m = {"role": "user", "content": _system_text(_content(m))}
+        if m.get("role") == "user" and not user_runs and out and out[-1].get("role") == "user":
+            out[-1] = {**out[-1], "content": _join(_content(out[-1]), _content(m), "\n\n")}
+        else:
+            out.append(m)
     return out
 
 

@@ -111,3 +111,13 @@ def test_a_system_message_inside_the_conversation_leaves_the_prompt_before_it_al
     text = tok.decode(after)
     assert text.index("Be brief.") < text.index("Weather in Oslo?")
     assert text.index("sunny" if tools else "And tomorrow?") < text.index("Keep them posted.") < text.index("Rain.")
+
+
+def test_user_messages_in_a_row_are_served(prompts: Prompts) -> None:
+    """opencode's title request sends two user messages in a row: Gemma 3's template raised on them (a 400); they are
+    joined into one for it, and a template that writes them in a row (the ChatML one) gets them as they are."""
+    msg = Submit(rid="t", max_tokens=8, messages=[{"role": "system", "content": "Title this."},
+                                                  {"role": "user", "content": "First."},
+                                                  {"role": "user", "content": "Second."}])
+    text = prompts.tokenizer.decode(prompts.encode(msg))
+    assert text.index("Title this.") < text.index("First.") < text.index("Second.")

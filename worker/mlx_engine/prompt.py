@@ -23,6 +23,7 @@ from worker.template_input import (
     chat_template_args,
     renders_mid_system,
     renders_tools,
+    renders_user_runs,
     special_token_texts,
     template_input,
     tool_names,
@@ -50,6 +51,7 @@ class Prompts:
         self._special_texts = special_token_texts(tokenizer)
         self._renders_tools = renders_tools(tokenizer)
         self._mid_system = renders_mid_system(tokenizer)
+        self._user_runs = renders_user_runs(tokenizer)
         self._heads: dict[bytes, list[int]] = {}  # marked heads' token ids by what they render (`_head`)
 
     def encode(self, msg: Submit) -> list[int]:
@@ -72,7 +74,7 @@ class Prompts:
 
     def shaped(self, messages: list[dict], tools: list | None) -> tuple[list[dict], list | None]:
         """The messages and tools as this model's template is given them (template_input.py)."""
-        return template_input(messages, tools, self._renders_tools, self._mid_system)
+        return template_input(messages, tools, self._renders_tools, self._mid_system, self._user_runs)
 
     def marked(self, msg: Submit, tokens: list[int], n: int) -> int:
         """How many of a chat prompt's `tokens` its first `n` messages cover (a `cache_mark`): those it shares with
