@@ -76,12 +76,16 @@ def test_the_head_ends_where_sibling_sessions_branch_and_is_rendered_once(prompt
     encoded = [prompts.encode(m) for m in sessions]
     renders.clear()
     ends = [prompts.branch_ends(m, t) for m, t in zip(sessions, encoded)]
-    assert ends[0] == ends[1] == [shared_prefix(*encoded)] and ends[0][0] > 0
-    assert renders == [2]  # the head and an empty user turn, once for both sessions
+    assert ends[0] == ends[1] and ends[0][-1] == shared_prefix(*encoded)
+    assert renders == [1, 2]  # the template's preamble, the head and an empty user turn: once for both sessions
+    other = Submit(rid="o", max_tokens=8, tools=TOOLS, messages=[{"role": "system", "content": "Title this chat."},
+                                                                 {"role": "user", "content": "Alpha: go"}])
+    preamble = shared_prefix(prompts.encode(other), encoded[0])  # "<|im_start|>system\n": every session's
+    assert preamble > 0 and prompts.branch_ends(other, prompts.encode(other))[0] == ends[0][0] == preamble
     later = turn("You are a careful agent.", 2)
     assert prompts.branch_ends(later, prompts.encode(later)) == ends[0]
     no_head = Submit(rid="u", max_tokens=8, messages=[{"role": "user", "content": "hi"}])
-    assert prompts.branch_ends(no_head, prompts.encode(no_head)) == []
+    assert len(prompts.branch_ends(no_head, prompts.encode(no_head))) <= 1  # the template's preamble, if any
 
 
 def test_sessions_branch_inside_their_first_user_turn_where_its_parts_end(prompts: Prompts) -> None:
@@ -98,6 +102,6 @@ def test_sessions_branch_inside_their_first_user_turn_where_its_parts_end(prompt
         {"role": "user", "content": task}]) for task in ("Fix the bug.", "Write the docs.")]
     for pair in (blocks, separate):
         encoded = [prompts.encode(m) for m in pair]
-        head, *inside = prompts.branch_ends(pair[0], encoded[0])
-        assert inside and prompts.branch_ends(pair[1], encoded[1]) == [head, *inside]
+        _, head, *inside = prompts.branch_ends(pair[0], encoded[0])
+        assert inside and prompts.branch_ends(pair[1], encoded[1])[1:] == [head, *inside]
         assert head < inside[-1] <= shared_prefix(*encoded) <= inside[-1] + 8  # where they part, to a few tokens

@@ -92,7 +92,9 @@ class Prompts:
 
     def branch_ends(self, msg: Submit, tokens: list[int]) -> list[int]:
         """Where sessions that open as this prompt does branch off, in its `tokens` (ascending, none 0): the end of
-        its head (leading system messages and the tools: an agent's subagents share them); in its first user turn,
+        the template's own preamble, before the first message's text (every session shares it: gpt-oss's is ~150
+        tokens, and opencode's title request shares only it with the session); the end of its head (leading system
+        messages and the tools: an agent's subagents share them); in its first user turn,
         each user message's end before the last (Codex sends its environment as a user message before the task);
         and in the first user message, the end of each content block but the last (`Submit.branch_points`: Claude
         Code's system-reminders, the same for every session in a project, before the task). Each is found by
@@ -101,7 +103,8 @@ class Prompts:
         there too; a template that refuses a partial conversation gives no end there."""
         messages = msg.messages or []
         n = next((i for i, m in enumerate(messages) if m.get("role") not in ("system", "developer")), 0)
-        cuts: list[tuple[int, list[dict] | None]] = [(n, [{"role": "user", "content": ""}])] if n else []
+        cuts: list[tuple[int, list[dict] | None]] = [(0, [{**messages[0], "content": ""}])] if messages else []
+        cuts += [(n, [{"role": "user", "content": ""}])] if n else []
         turn = next((i for i, m in enumerate(messages) if m.get("role") != "user" and i >= n), len(messages))
         cuts += [(k, None) for k in range(n + 1, min(turn, n + MAX_BRANCHES + 1))]
         for point in msg.branch_points[:MAX_BRANCHES]:
