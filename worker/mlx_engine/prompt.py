@@ -91,16 +91,17 @@ class Prompts:
         return shared_prefix(head, tokens)
 
     def branch_ends(self, msg: Submit, tokens: list[int]) -> list[int]:
-        """Where sessions that open as this prompt does branch off, in its `tokens` (ascending, none 0): the end of
-        the template's own preamble, before the first message's text (every session shares it: gpt-oss's is ~150
-        tokens, and opencode's title request shares only it with the session); the end of its head (leading system
-        messages and the tools: an agent's subagents share them); in its first user turn,
-        each user message's end before the last (Codex sends its environment as a user message before the task);
-        and in the first user message, the end of each content block but the last (`Submit.branch_points`: Claude
-        Code's system-reminders, the same for every session in a project, before the task). Each is found by
-        rendering the prompt's start up to there and remembered (`_head`): a head is rendered with an empty user
-        message after it, so a template that folds the system prompt into the first user turn (gemma3's) ends it
-        there too; a template that refuses a partial conversation gives no end there."""
+        """Where sessions that open as this prompt does branch off, in its `tokens` (ascending, none 0):
+        - the end of the template's own preamble, before the first message's text (every session shares it:
+          gpt-oss's is ~150 tokens, and opencode's title request shares only it with the session);
+        - the end of its head (leading system messages and the tools: an agent's subagents share them);
+        - in its first user turn, each user message's end before the last (Codex sends its environment as a user
+          message before the task);
+        - in the first user message, the end of each content block but the last (`Submit.branch_points`: Claude
+          Code's system-reminders, the same for every session in a project, before the task).
+        Each is found by rendering the prompt's start up to there and remembered (`_head`): a head is rendered with
+        an empty user message after it, so a template that folds the system prompt into the first user turn
+        (gemma3's) ends it there too; a template that refuses a partial conversation gives no end there."""
         messages = msg.messages or []
         n = next((i for i, m in enumerate(messages) if m.get("role") not in ("system", "developer")), 0)
         cuts: list[tuple[int, list[dict] | None]] = [(0, [{**messages[0], "content": ""}])] if messages else []
