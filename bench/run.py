@@ -664,24 +664,23 @@ def summarize_throughput(runs: list[dict], p: Params) -> dict:
                 "errors": sum(r["n_errors"] for r in rs),
             }
 
-        def paired(a: str, b: str) -> dict:
-            per_round = []
-            for r in sorted({x["round"] for x in runs if x["c"] == c}):
-                ra = [x for x in runs if x["c"] == c and x["round"] == r and x["side"] == a and x.get("tok_s")]
-                rb = [x for x in runs if x["c"] == c and x["round"] == r and x["side"] == b and x.get("tok_s")]
-                if ra and rb:
-                    per_round.append(ra[0]["tok_s"] / rb[0]["tok_s"])
-            return {"median_of_round_ratios": median(per_round), "per_round": [rnd(x, 4) for x in per_round],
-                    "ratio_of_medians": ratio(cs.get(a, {}).get("tok_s"), cs.get(b, {}).get("tok_s"))}
-
-        def paired_key(a: str, b: str, key: str) -> float | None:
+        def round_ratios(a: str, b: str, key: str) -> list[float]:
+            """Side a's `key` over side b's, round by round (the rounds where both have it)."""
             per_round = []
             for r in sorted({x["round"] for x in runs if x["c"] == c}):
                 ra = [x for x in runs if x["c"] == c and x["round"] == r and x["side"] == a and x.get(key)]
                 rb = [x for x in runs if x["c"] == c and x["round"] == r and x["side"] == b and x.get(key)]
                 if ra and rb:
                     per_round.append(ra[0][key] / rb[0][key])
-            return median(per_round)
+            return per_round
+
+        def paired(a: str, b: str) -> dict:
+            per_round = round_ratios(a, b, "tok_s")
+            return {"median_of_round_ratios": median(per_round), "per_round": [rnd(x, 4) for x in per_round],
+                    "ratio_of_medians": ratio(cs.get(a, {}).get("tok_s"), cs.get(b, {}).get("tok_s"))}
+
+        def paired_key(a: str, b: str, key: str) -> float | None:
+            return median(round_ratios(a, b, key))
 
         cs["steady_ratios"] = {"mlxsup/inproc": paired_key("mlxsup", "inproc", "steady_tok_s"),
                                "mlxsup/mlx_lm.server": paired_key("mlxsup", "mlx_lm.server", "steady_tok_s")}
@@ -690,12 +689,7 @@ def summarize_throughput(runs: list[dict], p: Params) -> dict:
                         "mlx_lm.server/inproc": paired("mlx_lm.server", "inproc")}
 
         def itl_paired(a: str, b: str) -> dict:  # a's ITL p50 over b's, per round (below 1: a's tokens come faster)
-            per_round = []
-            for r in sorted({x["round"] for x in runs if x["c"] == c}):
-                ra = [x for x in runs if x["c"] == c and x["round"] == r and x["side"] == a and x.get("itl_p50_s")]
-                rb = [x for x in runs if x["c"] == c and x["round"] == r and x["side"] == b and x.get("itl_p50_s")]
-                if ra and rb:
-                    per_round.append(ra[0]["itl_p50_s"] / rb[0]["itl_p50_s"])
+            per_round = round_ratios(a, b, "itl_p50_s")
             return {"median_of_round_ratios": median(per_round), "per_round": [rnd(x, 4) for x in per_round]}
 
         cs["itl_ratios"] = {"mlxsup/inproc": itl_paired("mlxsup", "inproc")}
