@@ -5,9 +5,9 @@ batched caches, masks and bookkeeping). A request that arrives to an empty engin
 nothing only the batch has (logits processors, logprobs), runs here instead: its prompt
 prefilled in chunks (one per engine step, sized by the step cost model as the batch's are, each
 ending no further than the next of its snapshot points: a sliding-window or recurrent model's
-caches copy those layers' state there, snapshots.py), then one token per step, pipelined as generate_step is: the step for token n+1 is
-scheduled (`mx.async_eval`) before token n is read, with the same ops on the same stream, so
-its greedy tokens are generate_step's.
+caches copy those layers' state there, snapshots.py), then one token per step, pipelined as
+generate_step is: the step for token n+1 is scheduled (`mx.async_eval`) before token n is read,
+with the same ops on the same stream, so its greedy tokens are generate_step's.
 
 When a second request arrives, `hand_over` ends the solo: the token in flight is evaluated
 and returned (the engine emits it), and the cache holding every token fed so far goes to the
