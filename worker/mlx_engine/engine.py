@@ -365,7 +365,7 @@ class Engine:
             self._prefilling.pop(req.rid, None)
             self.batch_drafts.drop(req.uid)
             if (solo := lane.solo) is not None and solo.uid == req.uid:
-                log.debug("[perf] solo rid=%s tokens=%d per_token_ms=%s", req.rid, solo.times.tokens,
+                log.info("[perf] solo rid=%s tokens=%d per_token_ms=%s", req.rid, solo.times.tokens,
                           solo.times.per_token_ms())
                 cache, tokens = lane.finish(r)
             elif r.finish_reason is None:  # a stop string ended it: the generator still runs it
