@@ -369,8 +369,23 @@ def part_engine(model_dir: str, tokens: int, rounds: int) -> dict:
         finally:
             eng.graph = default
 
+    from worker.mlx_engine import attention
+
+    def fast_attention(fn):
+        """`fn` with mx.fast's attention itself, not the worker's route (installed by the Engine on CUDA)."""
+        def run(m, i):
+            attention.install("fast")
+            try:
+                return fn(m, i)
+            finally:
+                attention.install("routed" if eng.attention_routed else "fast")
+        return run
+
     variants = {
         "S_mlx_lm_stream_generate": lambda m, i: stream_times(model_a, tok_a, m, tokens),
+        "S_stream_generate_engine_model": lambda m, i: stream_times(eng.model, eng.tokenizer, m, tokens),
+        "S_stream_generate_fast_attention": fast_attention(lambda m, i: stream_times(model_a, tok_a, m, tokens)),
+        "B_engine_fast_attention": fast_attention(lambda m, i: engine(m, False, f"f{i}")),
         "A_mlx_lm_load_batchgen": lambda m, i: plain(model_a, tok_a, m),
         "B_engine_submit_step": lambda m, i: engine(m, False, f"b{i}"),
         "E_engine_solo_uncompiled": lambda m, i: with_graph(m, f"e{i}", "plain"),
@@ -378,6 +393,8 @@ def part_engine(model_dir: str, tokens: int, rounds: int) -> dict:
         "C_engine_model_plain_batchgen": lambda m, i: plain(eng.model, eng.tokenizer, m),
         "D_engine_plus_zmq_msgpack": lambda m, i: engine(m, True, f"d{i}"),
     }
+    if picked := [v for v in os.environ.get("DIAG_ENGINE_VARIANTS", "").split(",") if v]:  # a few of them
+        variants = {k: variants[k] for k in picked}
     for fn in variants.values():  # warm-up
         fn(prompts("ew", 1, 24, 0)[0], 999)
     out: dict = {k: [] for k in variants}
@@ -425,6 +442,8 @@ def part_affinity(model_dir: str, tokens: int, rounds: int) -> dict:
     q = max(1, n // 4)
     sets = {"unpinned": None, "first_quarter": f"0-{q - 1}", "third_quarter": f"{n // 2}-{n // 2 + q - 1}",
             "last_core": str(n - 1)}
+    if spec := os.environ.get("DIAG_AFFINITY_SETS"):  # NAME:CPUS,... instead, e.g. c0:0,c1:1,q:0-3
+        sets = {name: cpus.replace("+", ",") or None for name, _, cpus in (x.partition(":") for x in spec.split(","))}
     out: dict = {"cpus": n}
     for cmd in (["lscpu"], ["nvidia-smi", "topo", "-m"]):
         try:
