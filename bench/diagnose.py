@@ -651,6 +651,45 @@ def part_chains(rounds: int, n: int = 32, tokens: int = 320) -> dict:
             "main_thread_cpu_ms_median": percentile([x["main_thread_cpu_ms"] for x in out], 50)}
 
 
+def part_loads(model_dir: str, tokens: int, rounds: int) -> dict:
+    """stream_generate on the same weights loaded three ways in one process, interleaved: mlx_lm.load (evaluated at
+    once), the worker's load_with_progress (lazily, leaf by leaf), mlx_lm.load again (the order of loading); and the
+    worker's model under its attention route. Is the worker's model itself slower to decode?"""
+    from mlx_lm import load
+
+    from bench.prompts import prompts
+    from worker.mlx_engine import attention
+    from worker.mlx_engine.loading import load_with_progress
+
+    first = load(model_dir)
+    worker = load_with_progress(Path(model_dir), lambda *_: None)
+    again = load(model_dir)
+
+    def routed(m, i):
+        attention.install("routed")
+        try:
+            return stream_times(*worker, m, tokens)
+        finally:
+            attention.install("fast")
+
+    variants = {"load_first": lambda m, i: stream_times(*first, m, tokens),
+                "load_with_progress": lambda m, i: stream_times(*worker, m, tokens),
+                "load_again": lambda m, i: stream_times(*again, m, tokens),
+                "load_with_progress_routed": routed}
+    for fn in variants.values():
+        fn(prompts("ew", 1, 24, 0)[0], -1)
+    out: dict = {k: [] for k in variants}
+    names = list(variants)
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in (order if r % 2 == 0 else order[::-1]):
+            out[name].append(itl_ms(variants[name](prompts(f"e{r}", 1, 24, 0)[0], r)))
+    return {"tokens": tokens, "itl_p50_ms_per_round": out,
+            "itl_p50_ms_median": {k: round(percentile(v, 50), 3) for k, v in out.items()},
+            "ratio_to_load_first_median": {k: round(percentile([a / b for a, b in zip(v, out["load_first"])], 50), 3)
+                                           for k, v in out.items()}}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.diagnose")
     ap.add_argument("--model", required=True)
@@ -671,6 +710,8 @@ def main() -> int:
                 res[part] = part_imports()
             elif part == "exit":
                 res[part] = part_exit(args.model, args.rounds)
+            elif part == "loads":
+                res[part] = part_loads(args.model, 256, max(3, args.rounds))
             elif part == "engine":
                 res[part] = part_engine(args.model, 256, max(3, args.rounds))
             elif part == "affinity":
