@@ -32,9 +32,12 @@ def main() -> int:
     p.add_argument("--model", required=True)
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--compiled", action="store_true", help="also an Engine whose solo decodes compiled (--solo compiled)")
     args = p.parse_args()
     n = args.tokens
     eng = Engine(Path(args.model), max_batch_size=32, prefill_step_size=512, cache=None)
+    compiled = Engine(Path(args.model), max_batch_size=32, prefill_step_size=512, cache=None,
+                      solo="compiled") if args.compiled else None
     model, tok = load(args.model)
 
     def sg(ids: list[int], _: str) -> list[float]:
@@ -49,7 +52,7 @@ def main() -> int:
                 if out[-1].finish_reason is not None:
                     return ts
 
-    def engine(ids: list[int], rid: str) -> list[float]:
+    def engine(ids: list[int], rid: str, eng: Engine = eng) -> list[float]:
         eng.submit(Submit(rid=rid, max_tokens=n, prompt_ids=ids, temperature=0.0, ignore_eos=True))
         ts = []
         while len(eng):
@@ -59,6 +62,8 @@ def main() -> int:
         return ts
 
     variants = {"generate_step": sg, "solo": solo, "engine": engine}
+    if compiled is not None:
+        variants["engine_compiled"] = lambda ids, rid: engine(ids, rid, compiled)
     out: dict[str, list[float]] = {k: [] for k in variants}
     names = list(variants)
     for r in range(-1, args.rounds):
