@@ -142,3 +142,25 @@ def test_solo_modes_and_auto_leaves_the_graph_off_on_cuda(model_dir: Path, monke
         solo_modes("fast")
     plain = Engine(model_dir / "tiny", solo="plain")
     assert plain.solo_on and plain.graph is None
+
+
+@pytest.mark.parametrize("solo", ["plain", "compiled"])
+def test_a_solo_evaluates_on_the_generation_stream(model_dir: Path, reference, solo: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every eval a solo's step schedules runs on mlx-lm's generation stream, as generate_step's loop does: an eval
+    from another stream synchronises across the two every token (on MLX CUDA 1.18x generate_step's ITL)."""
+    from mlx_lm.generate import generation_stream
+
+    with mx.stream(generation_stream):
+        expected = str(mx.default_stream(mx.default_device()))
+    assert expected != str(mx.default_stream(mx.default_device()))  # the check below can tell the two apart
+    seen: list[str] = []
+    async_eval = mx.async_eval
+    monkeypatch.setattr(mx, "async_eval", lambda *a: (seen.append(str(mx.default_stream(mx.default_device()))),
+                                                       async_eval(*a)))
+    engine = Engine(model_dir / "tiny", solo=solo)
+    submit(engine, "a", LONG, 6)
+    got: dict[str, list[int]] = {}
+    collect(engine, got)
+    assert got["a"] == reference(LONG, 6)
+    assert len(seen) >= 6 and set(seen) == {expected}
