@@ -34,13 +34,11 @@ import psutil
 from bench import servers
 from bench.client import chat_body, stream_chat
 from bench.common import REPO, percentile
+from bench.diagnose import itl_ms
 from bench.prompts import prompts
 
 PERF = re.compile(r"\[perf\] solo rid=(\S+) tokens=(\d+) per_token_ms=(\{.*\})")
 
-
-def gaps_p50_ms(stamps: list[float]) -> float:
-    return round(percentile([b - a for a, b in zip(stamps, stamps[1:])], 50) * 1e3, 3)
 
 
 def perf_for(log: Path, rid_part: str, deadline_s: float = 5.0) -> dict | None:
@@ -190,7 +188,7 @@ async def main_async(args: argparse.Namespace) -> dict:
                     raise RuntimeError(f"{side}: {rec['error']}")
                 stamps = rec["times"]
             after = cpu_s(pids[side])
-            row = {"itl_p50_ms": gaps_p50_ms(stamps), "events": len(stamps),
+            row = {"itl_p50_ms": itl_ms(stamps), "events": len(stamps),
                    "cpu_ms_per_token": {str(p): round((after[p] - before[p]) / args.tokens * 1e3, 3) for p in after}}
             if side.startswith("bare"):
                 row["worker"] = await asyncio.to_thread(perf_for, logs[side], rid)

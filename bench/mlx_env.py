@@ -20,6 +20,7 @@ from pathlib import Path
 
 from bench import servers
 from bench.common import percentile
+from bench.diagnose import itl_ms
 from bench.prompts import prompts
 
 
@@ -40,9 +41,6 @@ def parse_variants(spec: str) -> dict[str, dict[str, str]]:
         out[name] = dict(kv.split("=", 1) for kv in filter(None, env.split(",")))
     return out
 
-
-def gaps_p50_ms(times: list[float]) -> float:
-    return round(percentile([b - a for a, b in zip(times, times[1:])], 50) * 1e3, 3)
 
 
 async def main_async(args: argparse.Namespace) -> dict:
@@ -65,7 +63,7 @@ async def main_async(args: argparse.Namespace) -> dict:
             row = {}
             for name in order:
                 rec = await procs[name].run("stream", [msgs], args.tokens, 300)
-                row[name] = gaps_p50_ms(rec["records"][0]["times"])
+                row[name] = itl_ms(rec["records"][0]["times"])
             rounds.append(row)
             print(json.dumps({"round": r, **row}), flush=True)
     finally:

@@ -17,14 +17,11 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 
 from bench.common import percentile
+from bench.diagnose import itl_ms
 from bench.prompts import prompts
 from protocol.messages import Submit
 from worker.mlx_engine.engine import Engine
 from worker.mlx_engine.solo import Solo
-
-
-def itl_ms(ts: list[float]) -> float:
-    return round(percentile([b - a for a, b in zip(ts, ts[1:])], 50) * 1e3, 3)
 
 
 def main() -> int:
