@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -34,20 +33,22 @@ import psutil
 from bench import servers
 from bench.client import chat_body, stream_chat
 from bench.common import REPO, percentile
-from bench.diagnose import itl_ms
+from bench.diagnose import itl_ms, perf_lines
 from bench.prompts import prompts
 
-PERF = re.compile(r"\[perf\] solo rid=(\S+) tokens=(\d+) per_token_ms=(\{.*\})")
+
+def perf_count(log: Path) -> int:
+    return len(perf_lines(log.read_text(errors="replace"))) if log.exists() else 0
 
 
-
-def perf_for(log: Path, rid_part: str, deadline_s: float = 5.0) -> dict | None:
-    """The worker's `[perf] solo` line for the request whose id contains `rid_part` (it follows the Finished)."""
+def newest_perf(log: Path, before: int, deadline_s: float = 5.0) -> dict | None:
+    """The worker's `[perf] solo` line (bench.diagnose.perf_lines) logged after the first `before`: it follows the
+    request's Finished, so it may reach the log after the client saw the end."""
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
-        for m in PERF.finditer(log.read_text(errors="replace") if log.exists() else ""):
-            if rid_part in m.group(1):
-                return {"tokens": int(m.group(2)), **json.loads(m.group(3).replace("'", '"'))}
+        lines = perf_lines(log.read_text(errors="replace")) if log.exists() else []
+        if len(lines) > before:
+            return lines[-1]
         time.sleep(0.05)
     return None
 
@@ -190,8 +191,6 @@ async def main_async(args: argparse.Namespace) -> dict:
             after = cpu_s(pids[side])
             row = {"itl_p50_ms": itl_ms(stamps), "events": len(stamps),
                    "cpu_ms_per_token": {str(p): round((after[p] - before[p]) / args.tokens * 1e3, 3) for p in after}}
-            if side.startswith("bare"):
-                row["worker"] = await asyncio.to_thread(perf_for, logs[side], rid)
             return row
 
         sides = ["inproc", "daemon", "apart", "nospare", "bare", "bare_caches"]
@@ -204,12 +203,10 @@ async def main_async(args: argparse.Namespace) -> dict:
             row: dict = {"order": order}
             msgs = prompts(f"r{r}", 1, 24, 0)[0]
             for side in order:
-                seen = {k: len(PERF.findall(v.read_text(errors="replace"))) for k, v in logs.items() if v.exists()}
+                before = perf_count(logs[side]) if side in logs else 0
                 row[side] = await run(side, msgs, f"r{r}-{side}")
-                if side in logs and not side.startswith("bare"):  # the daemon's rid is its own: the newest [perf] line
-                    found = PERF.findall(logs[side].read_text(errors="replace"))
-                    row[side]["worker"] = ({"tokens": int(found[-1][1]), **json.loads(found[-1][2].replace("'", '"'))}
-                                           if len(found) > seen.get(side, 0) else None)
+                if side in logs:  # a daemon names the request itself: the worker's newest line is this one's
+                    row[side]["worker"] = await asyncio.to_thread(newest_perf, logs[side], before)
             results["rounds"].append(row)
             print(json.dumps({"round": r, **{s: row[s]["itl_p50_ms"] for s in sides}}), flush=True)
     finally:
