@@ -31,6 +31,7 @@ import llguidance.hf
 import llguidance.numpy as llg_numpy
 import mlx.core as mx
 import numpy as np
+from mlx_lm.generate import generation_stream
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
 from worker.chat_format import ConstraintError
@@ -176,11 +177,14 @@ def logprob_entries(decode: Callable[[list[int]], str], top: int) -> Callable[[i
 
     def entry(token: int, logprobs: mx.array) -> list:
         alts: list[list] = []
-        if top > 0:
-            order = mx.argsort(-logprobs)[:top]
-            ids = cast(list[int], order.tolist())
-            values = cast(list[float], logprobs[order].tolist())
-            alts = [[decode([i]), finite(v)] for i, v in zip(ids, values)]
-        return [decode([token]), finite(cast(float, logprobs[token].item())), alts]
+        with mx.stream(generation_stream):  # where the logprobs were computed: no sync across two streams
+            if top > 0:  # the top few by a partition, then sorted: sorting Qwen3's vocabulary took 7.6x as long
+                part = mx.argpartition(-logprobs, kth=min(top, logprobs.size) - 1)[:top]
+                best = logprobs[part]
+                order = mx.argsort(-best)
+                ids = cast(list[int], part[order].tolist())
+                values = cast(list[float], best[order].tolist())
+                alts = [[decode([i]), finite(v)] for i, v in zip(ids, values)]
+            return [decode([token]), finite(cast(float, logprobs[token].item())), alts]
 
     return entry
