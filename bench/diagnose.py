@@ -458,17 +458,69 @@ def part_affinity(model_dir: str, tokens: int, rounds: int) -> dict:
     return out
 
 
+class BareWorker:
+    """A worker subprocess over bare ZeroMQ (no daemon, no HTTP), as the harness that times its Tokens messages."""
+
+    def __init__(self, model_dir: str, log: Path, extra: list[str] | tuple[str, ...] = (), env: dict | None = None,
+                 cpus: str | None = None) -> None:
+        import zmq
+
+        from protocol.codec import decode, encode
+        self.decode, self.encode = decode, encode
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.log = log
+        self.proc = subprocess.Popen([*(["taskset", "-c", cpus] if cpus else []), sys.executable, "-m", "worker",
+                                      "--model-path", model_dir, "--model-id", "m", "--endpoint",
+                                      f"tcp://127.0.0.1:{port}", "--identity", "w", "--warm-batch-shapes", "off",
+                                      *extra], cwd=REPO, env=env, stderr=open(log, "wb"))
+
+    def recv(self, deadline: float):
+        while not self.sock.poll(200):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise TimeoutError(f"no message from the worker (exit {self.proc.returncode})")
+        return self.decode(self.sock.recv_multipart()[1])
+
+    def ready(self, timeout: float = 300) -> None:
+        from protocol.messages import Ready
+        deadline = time.monotonic() + timeout
+        while not isinstance(self.recv(deadline), Ready):
+            pass
+
+    def one(self, msgs: list, rid: str, tokens: int) -> tuple[list[float], int]:
+        """One greedy request: the arrival times of its Tokens messages and its Finished, and the tokens generated."""
+        from protocol.messages import Finished, Submit, Tokens
+        self.sock.send_multipart([b"w", self.encode(Submit(rid=rid, max_tokens=tokens, messages=msgs,
+                                                           temperature=0.0, ignore_eos=True))])
+        stamps, end = [], time.monotonic() + 120
+        while True:
+            m = self.recv(end)
+            t = time.perf_counter()
+            if isinstance(m, Tokens) and any(c[0] == rid and c[2] for c in m.chunks):
+                stamps.append(t)
+            elif isinstance(m, Finished) and m.rid == rid:
+                stamps.append(t)
+                return stamps, m.completion_tokens
+
+    def stop(self) -> None:
+        import signal
+
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
 def part_worker(model_dir: str, tokens: int, rounds: int, words: int = 24, variants: list[str] | None = None) -> dict:
     import signal
-    import tempfile
-
-    import zmq
 
     from bench.prompts import prompts
-    from protocol.codec import decode, encode
-    from protocol.messages import Finished, Ready, Submit, Tokens
 
-    ctx = zmq.Context()
     out: dict = {}
     # the same measure for stream_generate in a process of its own, spawned alike: the baseline for W_*
     out["P_stream_generate_subprocess"] = stream_subprocess(model_dir, tokens, rounds)
@@ -479,65 +531,34 @@ def part_worker(model_dir: str, tokens: int, rounds: int, words: int = 24, varia
     for name in picked:
         extra = WORKER_VARIANTS[name]
         env = dict(os.environ, **dict(a[4:].split("=", 1) for a in extra if a.startswith("ENV:")))
-        extra = [a for a in extra if not a.startswith("ENV:")]
         tmp = tempfile.mkdtemp(prefix="diagw-")
-        sock = ctx.socket(zmq.ROUTER)
-        port = sock.bind_to_random_port("tcp://127.0.0.1")
-        proc = subprocess.Popen([sys.executable, "-m", "worker", "--model-path", model_dir, "--model-id", "m",
-                                 "--endpoint", f"tcp://127.0.0.1:{port}", "--identity", "w",
-                                 "--warm-batch-shapes", "off", "--log-level", "DEBUG",
-                                 *[a.format(tmp=tmp) for a in extra]],
-                                cwd=REPO, env=env, stderr=open(Path(tmp) / "worker.log", "wb"))
+        extra = [a.format(tmp=tmp) for a in extra if not a.startswith("ENV:")]
+        worker = BareWorker(model_dir, Path(tmp) / "worker.log", ["--log-level", "DEBUG", *extra], env)
         spy = None
         try:
-            def recv(deadline: float):
-                while not sock.poll(200):
-                    if proc.poll() is not None or time.monotonic() > deadline:
-                        raise TimeoutError(f"{name}: no message from the worker (exit {proc.returncode})")
-                return decode(sock.recv_multipart()[1])
-
-            deadline = time.monotonic() + 300
-            while not isinstance(recv(deadline), Ready):
-                pass
-
-            def one(msgs, rid: str) -> tuple[list[float], int]:
-                sock.send_multipart([b"w", encode(Submit(rid=rid, max_tokens=tokens, messages=msgs, temperature=0.0,
-                                                         ignore_eos=True))])
-                stamps, n, end = [], 0, time.monotonic() + 120
-                while True:
-                    m = recv(end)
-                    t = time.perf_counter()
-                    if isinstance(m, Tokens):
-                        k = sum(c[2] for c in m.chunks if c[0] == rid)
-                        if k:
-                            stamps.append(t)
-                            n += k
-                    elif isinstance(m, Finished) and m.rid == rid:
-                        stamps.append(t)
-                        return stamps, m.completion_tokens
-
-            one(prompts("ew", 1, words, 0)[0], "warm")
+            worker.ready()
+            worker.one(prompts("ew", 1, words, 0)[0], "warm", tokens)
             if os.environ.get("DIAG_PYSPY") and (exe := find_pyspy()) is not None:
-                spy = Spy(exe, proc.pid, Path(os.environ["DIAG_PYSPY"]) / f"{name}.txt", rate=500)
+                spy = Spy(exe, worker.proc.pid, Path(os.environ["DIAG_PYSPY"]) / f"{name}.txt", rate=500)
                 spy.start()
                 time.sleep(0.5)
             itls, tps, msgs_per_tok = [], [], []
             for r in range(rounds):
-                stamps, n = one(prompts(f"e{r}", 1, words, 0)[0], f"r{r}")
+                stamps, n = worker.one(prompts(f"e{r}", 1, words, 0)[0], f"r{r}", tokens)
                 itls.append(itl_ms(stamps))
                 tps.append(round((n - 1) / (stamps[-1] - stamps[0]), 1))
                 msgs_per_tok.append(round(len(stamps) / max(n, 1), 3))
             out[name] = {"args": extra, "itl_p50_ms_per_round": itls, "tok_s_after_first_per_round": tps,
                          "messages_per_token": msgs_per_tok, "itl_p50_ms_median": percentile(itls, 50)}
-            log_path, lines, wait_until = Path(tmp) / "worker.log", [], time.monotonic() + 5
+            wait_until, lines = time.monotonic() + 5, []
             while time.monotonic() < wait_until:  # the last round's [perf] line reaches the log after its Finished
-                lines = perf_lines(log_path.read_text(errors="replace"))
+                lines = perf_lines(worker.log.read_text(errors="replace"))
                 if len(lines) >= rounds or "--solo" in extra:
                     break
                 time.sleep(0.05)
             out[name]["solo_per_token_ms"] = lines
         except Exception as exc:
-            out[name] = {"error": repr(exc), "log_tail": (Path(tmp) / "worker.log").read_text(errors="replace")[-2000:]}
+            out[name] = {"error": repr(exc), "log_tail": worker.log.read_text(errors="replace")[-2000:]}
         finally:
             if spy is not None and spy.proc is not None:
                 spy.proc.send_signal(signal.SIGINT)
@@ -545,14 +566,7 @@ def part_worker(model_dir: str, tokens: int, rounds: int, words: int = 24, varia
                     spy.proc.wait(30)
                 except subprocess.TimeoutExpired:
                     spy.proc.kill()
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-            sock.close(linger=0)
-    ctx.term()
+            worker.stop()
     return {"tokens": tokens, **out}
 
 

@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,8 +31,8 @@ import psutil
 
 from bench import servers
 from bench.client import chat_body, stream_chat
-from bench.common import REPO, percentile
-from bench.diagnose import itl_ms, perf_lines
+from bench.common import percentile
+from bench.diagnose import BareWorker, itl_ms, perf_lines
 from bench.prompts import prompts
 
 
@@ -73,59 +72,6 @@ def pin_threads(pid: int, cpus: set[int]) -> None:
             pass
 
 
-class Bare:
-    """A worker over bare ZeroMQ, as bench.diagnose part_worker drives it."""
-
-    def __init__(self, model_dir: str, cpus: str, tmp: Path, name: str, extra: tuple[str, ...] = ()) -> None:
-        import zmq
-
-        from protocol.codec import decode, encode
-        self.decode, self.encode = decode, encode
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-        self.log = tmp / f"{name}-worker.log"
-        self.proc = subprocess.Popen(["taskset", "-c", cpus, sys.executable, "-m", "worker", "--model-path", model_dir,
-                                      "--model-id", "m", "--endpoint", f"tcp://127.0.0.1:{port}", "--identity", "w",
-                                      "--warm-batch-shapes", "off", *extra], cwd=REPO, stderr=open(self.log, "wb"))
-
-    def recv(self, deadline: float):
-        while not self.sock.poll(200):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise TimeoutError(f"bare worker: no message (exit {self.proc.returncode})")
-        return self.decode(self.sock.recv_multipart()[1])
-
-    def ready(self) -> None:
-        from protocol.messages import Ready
-        deadline = time.monotonic() + 600
-        while not isinstance(self.recv(deadline), Ready):
-            pass
-
-    def one(self, msgs: list, rid: str, tokens: int) -> list[float]:
-        from protocol.messages import Finished, Submit, Tokens
-        self.sock.send_multipart([b"w", self.encode(Submit(rid=rid, max_tokens=tokens, messages=msgs,
-                                                           temperature=0.0, ignore_eos=True))])
-        stamps, end = [], time.monotonic() + 120
-        while True:
-            m = self.recv(end)
-            t = time.perf_counter()
-            if isinstance(m, Tokens) and any(c[0] == rid and c[2] for c in m.chunks):
-                stamps.append(t)
-            elif isinstance(m, Finished) and m.rid == rid:
-                stamps.append(t)
-                return stamps
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-        self.sock.close(linger=0)
-        self.ctx.term()
-
-
 async def main_async(args: argparse.Namespace) -> dict:
     out_dir = Path(args.out)
     model_dir = Path(args.model)
@@ -144,9 +90,9 @@ async def main_async(args: argparse.Namespace) -> dict:
     servers.SERVER_CPUS = apart_cpus
     apart = servers.Mlxsup(model_dir.parent, tmp / "apart")
     servers.SERVER_CPUS = None
-    bare = Bare(str(model_dir), args.server_cpus, tmp, "bare")
-    bare_caches = Bare(str(model_dir), args.server_cpus, tmp, "bare_caches",
-                       ("--hot-cache-bytes", str(2**30), "--ssd-cache-root", str(tmp / "ssd")))
+    bare = BareWorker(str(model_dir), tmp / "bare-worker.log", cpus=args.server_cpus)
+    bare_caches = BareWorker(str(model_dir), tmp / "bare_caches-worker.log", cpus=args.server_cpus,
+                             extra=("--hot-cache-bytes", str(2**30), "--ssd-cache-root", str(tmp / "ssd")))
     results: dict = {"meta": {"server_cpus": args.server_cpus, "apart_cpus": args.apart_cpus,
                               "harness_cpus": ",".join(map(str, sorted(mine))), "tokens": args.tokens,
                               "rounds": args.rounds, "model": str(model_dir)}, "rounds": []}
@@ -164,8 +110,8 @@ async def main_async(args: argparse.Namespace) -> dict:
             daemon_worker = (await daemon.model(c, model_id))["pid"]
             nospare_worker = (await nospare.model(c, model_id))["pid"]
         pin_threads(apart_worker, server_cpus)  # its worker alone back on the server CPUs
-        await asyncio.to_thread(bare.ready)
-        await asyncio.to_thread(bare_caches.ready)
+        await asyncio.to_thread(bare.ready, 600)
+        await asyncio.to_thread(bare_caches.ready, 600)
         pids = {"inproc": [inproc.proc.pid], "daemon": [daemon.proc.pid, daemon_worker],
                 "apart": [apart.proc.pid, apart_worker], "nospare": [nospare.proc.pid, nospare_worker],
                 "bare": [bare.proc.pid], "bare_caches": [bare_caches.proc.pid]}
@@ -180,7 +126,8 @@ async def main_async(args: argparse.Namespace) -> dict:
                 rec = await inproc.run("stream", [msgs], args.tokens, 300)
                 stamps = rec["records"][0]["times"]
             elif side.startswith("bare"):
-                stamps = await asyncio.to_thread((bare if side == "bare" else bare_caches).one, msgs, rid, args.tokens)
+                stamps, _ = await asyncio.to_thread((bare if side == "bare" else bare_caches).one, msgs, rid,
+                                                    args.tokens)
             else:
                 server = {"daemon": daemon, "apart": apart, "nospare": nospare}[side]
                 rec = await stream_chat(server.chat_url, chat_body(model_id, msgs, args.tokens,
