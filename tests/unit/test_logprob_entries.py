@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import mlx.core as mx
+import pytest
 
+from tests.unit import mlx_streams
 from worker.mlx_engine.guided import MIN_LOGPROB, logprob_entries
 
 
@@ -22,16 +24,8 @@ def test_the_top_alternatives_are_a_whole_sorts_first_ones_best_first() -> None:
     assert [a[0] for a in logprob_entries(lambda ids: str(ids[0]), 5)(0, small)[2]] == ["0", "2", "1"]
 
 
-def test_an_entry_is_computed_on_the_generation_stream(monkeypatch) -> None:
-    """Where the step computed the logprobs (mlx-lm's generation stream): from another stream every read would
-    synchronise across the two (what cost the solo ~0.5 ms a token on MLX CUDA)."""
-    from mlx_lm.generate import generation_stream
-
-    with mx.stream(generation_stream):
-        expected = str(mx.default_stream(mx.default_device()))
-    seen: list[str] = []
-    argpartition = mx.argpartition
-    monkeypatch.setattr(mx, "argpartition", lambda *a, **kw: (seen.append(str(mx.default_stream(mx.default_device()))),
-                                                               argpartition(*a, **kw))[1])
+def test_an_entry_is_computed_on_the_generation_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the step computed the logprobs (mlx-lm's generation stream), so reading them waits on no other stream."""
+    seen = mlx_streams.record(monkeypatch, "argpartition")
     logprob_entries(str, 3)(0, mx.array([-0.5, -1.0, -2.0, -4.0]))
-    assert seen == [expected]
+    assert seen == [mlx_streams.generation()]

@@ -15,6 +15,7 @@ import pytest
 from mlx_lm import load, stream_generate
 
 from protocol.messages import Submit
+from tests.unit import mlx_streams
 from worker.mlx_engine.decode_graph import solo_modes
 from worker.mlx_engine.engine import Engine
 from worker.mlx_engine.prompt_cache import CacheOptions
@@ -149,18 +150,10 @@ def test_a_solo_evaluates_on_the_generation_stream(model_dir: Path, reference, s
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Every eval a solo's step schedules runs on mlx-lm's generation stream, as generate_step's loop does: an eval
     from another stream synchronises across the two every token (on MLX CUDA 1.18x generate_step's ITL)."""
-    from mlx_lm.generate import generation_stream
-
-    with mx.stream(generation_stream):
-        expected = str(mx.default_stream(mx.default_device()))
-    assert expected != str(mx.default_stream(mx.default_device()))  # the check below can tell the two apart
-    seen: list[str] = []
-    async_eval = mx.async_eval
-    monkeypatch.setattr(mx, "async_eval", lambda *a: (seen.append(str(mx.default_stream(mx.default_device()))),
-                                                       async_eval(*a)))
+    seen = mlx_streams.record(monkeypatch, "async_eval")
     engine = Engine(model_dir / "tiny", solo=solo)
     submit(engine, "a", LONG, 6)
     got: dict[str, list[int]] = {}
     collect(engine, got)
     assert got["a"] == reference(LONG, 6)
-    assert len(seen) >= 6 and set(seen) == {expected}
+    assert len(seen) >= 6 and set(seen) == {mlx_streams.generation()}

@@ -366,7 +366,7 @@ class Engine:
             self.batch_drafts.drop(req.uid)
             if (solo := lane.solo) is not None and solo.uid == req.uid:
                 log.info("[perf] solo rid=%s tokens=%d per_token_ms=%s", req.rid, solo.times.tokens,
-                          solo.times.per_token_ms())
+                         solo.times.per_token_ms())
                 cache, tokens = lane.finish(r)
             elif r.finish_reason is None:  # a stop string ended it: the generator still runs it
                 cache, tokens = self.gen.remove([req.uid], return_prompt_caches=True).get(req.uid, (None, None))
