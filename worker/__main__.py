@@ -31,6 +31,18 @@ if TYPE_CHECKING:
 
     from worker.engine_api import EngineApi
 
+# MLX CUDA raises "Cache thrashing is happening" out of whatever op meets one of its per-shape caches' miss number
+# 2 x its capacity over the process's life (CUDA graphs: 400; cuDNN attention graphs: 256, one per new prefill
+# shape); in a worker that is a crash. A server meets new shapes for as long as it runs (a long prompt's every new
+# length), so a miss must cost a rebuild, never the worker: the check is off (bench/cuda_thrash.py shows both). Set
+# before MLX is imported; a value in the worker's environment wins.
+MLX_ENV = {"MLX_ENABLE_CACHE_THRASHING_CHECK": "0"}
+
+
+def mlx_environment(environ: dict[str, str] | os._Environ = os.environ) -> None:
+    for key, value in MLX_ENV.items():
+        environ.setdefault(key, value)
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m worker")
@@ -104,6 +116,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    mlx_environment()  # before anything imports MLX
     args = parse_args(argv)
     # no time stamp: the supervisor stamps each line as it reads it, into the daemon's log and the model's
     logging.basicConfig(level=args.log_level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")

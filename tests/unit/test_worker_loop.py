@@ -8,6 +8,7 @@ engine step or idle wait. tests/integration/ proves the same against real proces
 from __future__ import annotations
 
 import logging
+import os
 
 import msgpack
 import pytest
@@ -332,6 +333,25 @@ def test_every_fault_has_a_name_the_parser_takes_and_typos_are_refused() -> None
         assert parse_args(["--endpoint", "e", "--identity", "i", "--spare", "--fault", name]).fault == [name]
     with pytest.raises(ValueError, match="unknown faults"):
         Faults(["crash-in-lop"])
+
+
+def test_a_worker_runs_with_mlx_cudas_cache_thrashing_abort_off_unless_told_otherwise(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """MLX CUDA raises out of any op once a per-shape cache has missed 2x its size in the process's life (a crash
+    for a long-running worker meeting new prompt lengths; bench/cuda_thrash.py on the GPU): the worker's
+    environment turns that off before MLX is imported, and a value set by the user is kept."""
+    from worker.__main__ import main, mlx_environment
+
+    monkeypatch.delenv("MLX_ENABLE_CACHE_THRASHING_CHECK", raising=False)
+    with pytest.raises(SystemExit):
+        main(["--help"])  # the entry point sets it before its arguments are even parsed
+    assert os.environ["MLX_ENABLE_CACHE_THRASHING_CHECK"] == "0"
+    env: dict[str, str] = {"PATH": "/bin"}
+    mlx_environment(env)
+    assert env == {"PATH": "/bin", "MLX_ENABLE_CACHE_THRASHING_CHECK": "0"}
+    mine = {"MLX_ENABLE_CACHE_THRASHING_CHECK": "1"}
+    mlx_environment(mine)
+    assert mine == {"MLX_ENABLE_CACHE_THRASHING_CHECK": "1"}
 
 
 def test_a_burst_of_submits_is_admitted_together_before_the_next_step() -> None:
