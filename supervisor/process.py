@@ -331,10 +331,12 @@ def reap_stale(pid_dir: Path, timeout_s: float = 5.0) -> list[int]:
     return [p.pid for p in stale]
 
 
-def worker_argv(endpoint: str, identity: str, heartbeat_s: float, model_args: list[str]) -> list[str]:
-    """A worker's command line: how it reaches the supervisor, then `model_args` (or ["--spare"])."""
+def worker_argv(endpoint: str, identity: str, heartbeat_s: float, model_args: list[str],
+                log_level: str = "info") -> list[str]:
+    """A worker's command line: how it reaches the supervisor, its log level (the daemon's), then `model_args`
+    (or ["--spare"])."""
     return [sys.executable, "-m", "worker", "--endpoint", endpoint, "--identity", identity,
-            "--heartbeat-s", str(heartbeat_s), "--lifeline", *model_args]
+            "--heartbeat-s", str(heartbeat_s), "--log-level", log_level.upper(), "--lifeline", *model_args]
 
 
 def model_args(model_path: Path, model_id: str, max_batch_size: int, prefill_step_size: int,

@@ -173,6 +173,9 @@ class WorkerLoop:
             if not more:
                 break
             admitted += more
+        if admitted and log.isEnabledFor(logging.DEBUG):  # when a burst reached the engine, and how much of it
+            log.debug("[admit] at_ms=%.1f submits=%d in_flight=%d", time.perf_counter() * 1e3, admitted,
+                      len(self.engine))
 
     def _take_frames(self) -> int:
         """Handle every frame waiting; return how many were submits."""

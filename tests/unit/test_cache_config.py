@@ -59,6 +59,8 @@ cache = { enabled = false }
                                                         tuple(b.worker_args(st.state_dir))))
     assert argv[-8:] == ["--hot-cache-bytes", "0", "--cache-block-tokens", "64", "--cache-snapshot-every", "4096",
                          "--fault", "ssd-slow"]
+    assert argv[argv.index("--log-level") + 1] == "INFO"  # the daemon's level, which the worker logs at too
+    assert "DEBUG" in worker_argv("ipc://x", "b#1", 1.0, ["--spare"], "debug")
 
 
 def test_kv_bits_and_snapshot_every(tmp_path: Path) -> None:

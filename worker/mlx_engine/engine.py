@@ -320,9 +320,11 @@ class Engine:
         elapsed = time.perf_counter() - t0
         if plan is not lane.plan and drafted is None:  # a drafting step is no plain step the fits could learn from
             self.cost.observe(plan, elapsed)
-        if plan.prefill_tokens and log.isEnabledFor(logging.DEBUG):  # a prefill step's shape and time (shape costs)
-            log.debug("[step] chunk=%d prefill=%d decoding=%d predicted_ms=%.1f ms=%.1f", plan.chunk,
-                      plan.prefill_tokens, plan.decoding, plan.predicted_s * 1e3, elapsed * 1e3)
+        if log.isEnabledFor(logging.DEBUG) and (plan.prefill_tokens or plan.decoding != self._in_flight):
+            # a ramp's step (a prefill, or the decode batch's size changed): its shape, time and when it ended
+            log.debug("[step] at_ms=%.1f chunk=%d prefill=%d rows=%d decoding=%d predicted_ms=%.1f ms=%.1f",
+                      time.perf_counter() * 1e3, plan.chunk, plan.prefill_tokens, len(self.gen._prompt_batch),
+                      plan.decoding, plan.predicted_s * 1e3, elapsed * 1e3)
         if lane.pending:
             responses, lane.pending = [*lane.pending, *responses], []
         self._in_flight = plan.decoding  # their decode is computing; the next step waits for it
