@@ -22,8 +22,11 @@ worker   a real worker subprocess (`python -m worker`) driven over ZeroMQ by a b
          caches on, solo plain or compiled, solo off, caches on with solo off); set beside `engine`'s in-process figures it splits the gap between mlxsup and
          stream_generate into the worker process's share and the supervisor/HTTP share
 arrival  in-process BatchGenerator at 32 sequences: all inserted at once (the bench's ceiling) vs
-         inserted a few per step, as requests reach mlxsup's worker over ZeroMQ; the steps' times for
+         inserted a few per step, as requests reach mlxsup's worker over ZeroMQ, and all at once with prompt
+         lengths new to the process (its groups' batch sizes known); the steps' times for
          (generation batch, prefill batch) sizes seen for the first time vs again (MLX kernel compile)
+ramp     32 greedy requests at once to a worker over bare ZeroMQ (as the daemon starts it: warm-up, caches on or
+         off) against bench.inproc's BatchGenerator, alternating rounds: TTFT p50 and tok/s, the worker's ramp steps
 long     a long prompt's TTFT in one process: the product's Engine (submit/step, its step cost model sizing the
          prefill chunks; every step's chunk and seconds) against mlx_lm.stream_generate, each after two warm-up
          prompts of the same length (other tokens)
@@ -115,9 +118,9 @@ def part_arrival(model_dir: str, n: int, tokens: int, rounds: int) -> dict:
     seen: set = set()
     step_first, step_again = [], []
 
-    def run(mode: str, tag: str, seed: int) -> dict:
+    def run(mode: str, tag: str, seed: int, words: int = 24) -> dict:
         rng = random.Random(seed)
-        toks = [tok.apply_chat_template(m, add_generation_prompt=True) for m in prompts(tag, n, 24, 0)]
+        toks = [tok.apply_chat_template(m, add_generation_prompt=True) for m in prompts(tag, n, words, 0)]
         pending = list(toks)
         t0 = time.perf_counter()
         start, times, uids = {}, {}, []
@@ -130,7 +133,7 @@ def part_arrival(model_dir: str, n: int, tokens: int, rounds: int) -> dict:
                     start[u] = time.perf_counter() - t0
                     times[u] = []
 
-        insert(n if mode == "all" else rng.randint(1, 4))
+        insert(rng.randint(1, 4) if mode == "trickle" else n)
         left = n
         while left:
             key = (len(gen._generation_batch), len(gen._prompt_batch), len(gen._unprocessed_sequences) > 0)
@@ -156,6 +159,7 @@ def part_arrival(model_dir: str, n: int, tokens: int, rounds: int) -> dict:
     for r in range(rounds):
         for mode in ("all", "trickle"):
             out.append(run(mode, f"a{r}{mode}", r))
+        out.append(run("all_new_lengths", f"a{r}n", r, 40 + 7 * r))  # all at once, prompt lengths new to the process
     q = lambda xs, k: None if not xs else round(percentile(xs, k) * 1e3, 2)  # noqa: E731
     return {"n": n, "tokens": tokens, "runs": out,
             "step_ms_first_seen_shape": {"count": len(step_first), "p50": q(step_first, 50), "p95": q(step_first, 95)},
@@ -503,6 +507,30 @@ class BareWorker:
                 stamps.append(t)
                 return stamps, m.completion_tokens
 
+    def burst(self, batch: list[list], tokens: int) -> dict[str, list[float]]:
+        """Greedy requests sent at once, as a burst of clients reaches a worker: each one's start, then its chunks'
+        arrival times (perf_counter), by request id."""
+        from protocol.messages import Failed, Finished, Submit, Tokens
+        t0 = time.perf_counter()
+        times: dict[str, list[float]] = {}
+        for i, msgs in enumerate(batch):
+            rid = f"b{i}"
+            times[rid] = [t0]
+            self.sock.send_multipart([b"w", self.encode(Submit(rid=rid, max_tokens=tokens, messages=msgs,
+                                                               temperature=0.0, ignore_eos=True))])
+        left, end = set(times), time.monotonic() + 300
+        while left:
+            m, t = self.recv(end), time.perf_counter()
+            if isinstance(m, Tokens):
+                for c in m.chunks:
+                    if c[0] in times and c[2]:
+                        times[c[0]].append(t)
+            elif isinstance(m, Failed):
+                raise RuntimeError(f"the worker failed {m.rid}: {m.message}")
+            elif isinstance(m, Finished) and m.rid in left:
+                left.discard(m.rid)
+        return times
+
     def stop(self) -> None:
         import signal
 
@@ -514,6 +542,71 @@ class BareWorker:
             self.proc.wait(10)
         self.sock.close(linger=0)
         self.ctx.term()
+
+
+RAMP_VARIANTS = {  # a worker as the daemon starts it (the batch shapes warmed while idle), with and without caches
+    "W_daemon_caches": ["--warm-batch-shapes", "auto", "--hot-cache-bytes", str(2**30), "--ssd-cache-root", "{tmp}/ssd"],
+    "W_no_caches": ["--warm-batch-shapes", "auto"],
+    "W_no_warm_up": [],
+}
+
+
+def part_ramp(model_dir: str, tokens: int, rounds: int, n: int = 32, cpus: str = "0-3") -> dict:
+    """`n` greedy requests at once: to a worker over bare ZeroMQ (no daemon, no HTTP) and to mlx-lm's BatchGenerator
+    in a process of its own (bench.inproc, the throughput section's ceiling), each pinned to `cpus`, in alternating
+    rounds. TTFT p50 and tok/s per side: is the 32-stream ramp's extra TTFT the worker's, or the daemon's?"""
+    from bench.prompts import prompts
+
+    inproc = subprocess.Popen(["taskset", "-c", cpus, sys.executable, "-m", "bench.inproc", "--model", model_dir],
+                              cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert inproc.stdin is not None and inproc.stdout is not None
+    json.loads(inproc.stdout.readline())  # ready
+
+    def inproc_burst(batch: list[list]) -> dict[str, list[float]]:
+        inproc.stdin.write(json.dumps({"op": "run", "mode": "batch", "messages": batch, "max_tokens": tokens}) + "\n")
+        inproc.stdin.flush()
+        out = json.loads(inproc.stdout.readline())
+        return {str(i): [0.0, *r["times"]] for i, r in enumerate(out["records"])}
+
+    tmp = tempfile.mkdtemp(prefix="diagramp-")
+    workers = {}
+    for name, extra in RAMP_VARIANTS.items():
+        log_path = Path(tmp) / f"{name}.log"
+        workers[name] = BareWorker(model_dir, log_path, ["--log-level", "DEBUG", *[a.format(tmp=f"{tmp}/{name}")
+                                                                                 for a in extra]], cpus=cpus)
+    sides = {"inproc_all": inproc_burst, **{k: (lambda b, w=w: w.burst(b, tokens)) for k, w in workers.items()}}
+    out: dict = {k: [] for k in sides}
+    try:
+        for w in workers.values():
+            w.ready()
+        for name, fn in sides.items():  # warm-up: the shapes of a burst, once
+            fn(prompts(f"rw{name}", n, 24, 0))
+        import mlx.core as mx
+        for name, w in workers.items():  # a worker's own warm-up (auto: on a GPU) runs while idle: wait for its end
+            deadline = time.monotonic() + 60
+            while ("auto" in RAMP_VARIANTS[name] and mx.default_device() == mx.gpu and time.monotonic() < deadline
+                   and "batch_shapes" not in w.log.read_text()):
+                time.sleep(0.2)
+        for r in range(rounds):
+            names = list(sides) if r % 2 == 0 else list(sides)[::-1]
+            for name in names:
+                times = sides[name](prompts(f"r{r}", n, 24, 0))
+                t0 = min(v[0] for v in times.values())
+                end = max(v[-1] for v in times.values())
+                ttft = [v[1] - v[0] for v in times.values()]
+                out[name].append({"ttft_p50_ms": round(percentile(ttft, 50) * 1e3, 1),
+                                  "ttft_max_ms": round(max(ttft) * 1e3, 1),
+                                  "tok_s": round(n * tokens / (end - t0), 1)})
+    finally:
+        for w in workers.values():
+            w.stop()
+        inproc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+        inproc.stdin.close()
+        inproc.wait(30)
+    steps = {name: [line.split("] ", 1)[-1] for line in w.log.read_text().splitlines()
+                    if "[step]" in line or "[admit]" in line][-40:] for name, w in workers.items()}
+    med = {k: {m: percentile([x[m] for x in v], 50) for m in ("ttft_p50_ms", "tok_s")} for k, v in out.items()}
+    return {"n": n, "tokens": tokens, "cpus": cpus, "per_round": out, "median": med, "last_steps": steps}
 
 
 def part_worker(model_dir: str, tokens: int, rounds: int, words: int = 24, variants: list[str] | None = None) -> dict:
@@ -737,6 +830,8 @@ def main() -> int:
                 res[part] = part_store(args.model, 32, 8, args.rounds)
             elif part == "chains":
                 res[part] = part_chains(args.rounds)
+            elif part == "ramp":
+                res[part] = part_ramp(args.model, 256, max(3, args.rounds))
             elif part == "arrival":
                 res[part] = part_arrival(args.model, 32, 256, args.rounds)
             elif part == "prefill_shapes":
