@@ -8,6 +8,7 @@
 #   worker:     bench.diagnose ramp: 32 requests at once to a worker over bare ZeroMQ (no daemon) against bench.inproc
 #   cpus:       32 clients, 3 rounds, with the servers on CPUs 0-3 and then 0-7 (CPU_SETS)
 #   thrash:     bench.cuda_thrash: 600 new attention shapes under MLX's default environment and the worker's
+#   ab:         BASE=DIR: this tree against DIR (mlxsup_b) in the same rounds, 1, 8 and 32 clients (CONC), 5 rounds
 #   shapes:     bench.diagnose arrival (in-process BatchGenerator: 32 inserted at once vs 1-4 a step; first-seen
 #               step shapes against seen ones) under MLX CUDA settings given as SHAPE_ENVS="name:K=V,K=V;..."
 set -u
@@ -57,5 +58,12 @@ case $MODE in
     done ;;
   thrash)  # MLX CUDA's cache-thrashing abort with MLX's default and with the worker's environment
     timeout 500 python3 -m bench.cuda_thrash --shapes "${SHAPES:-600}" 2>&1 | tee "$R/thrash.jsonl" ;;
+  ab)  # this tree against another (BASE, a `git archive` of it: mlxsup_b) in the same rounds, 1, 8 and 32 clients
+    rm -rf "$W/state-throughput" "$W/state-throughput-b"
+    timeout 560 python3 -m bench --profile gpu --out "$R/gpu" --work "$W" --deadline "${TP_DEADLINE:-500}" \
+      --sections throughput --concurrency "${CONC:-1,8,32}" --rounds "${ROUNDS:-5}" --mlxsup-b "${BASE:?a tree}" \
+      > "$R/log.txt" 2>&1
+    echo "bench exit $? at ${SECONDS}s"; tables "$R/gpu/results.md"
+    sed -n '/^| clients | tok\/s mlxsup \/ mlxsup_b/,/^$/p' "$R/gpu/results.md" ;;
   *) echo "unknown mode $MODE"; exit 2 ;;
 esac

@@ -14,12 +14,13 @@ import signal
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-PROTOCOL_VERSION = 8  # 2: prompt caches (ClearCache, CacheCleared, CacheStats); 3: StepStarted;
+PROTOCOL_VERSION = 9  # 2: prompt caches (ClearCache, CacheCleared, CacheStats); 3: StepStarted;
 # 4: resumed requests (Submit.resume_tokens, token ids in Tokens chunks and Finished); Submit's tools, template
 # kwargs, constraint, logprobs, seed, penalties, prompt_ids; typed chunk extras; 5: Tokenize/Tokenized,
 # Submit.reasoning_budget; 6: Embed/Embedded (embedding models); 7: Rerank/Reranked, Embed.input_type and
 # Embed.instruction, Finished.drafted_tokens and accepted_tokens (speculative decoding),
-# Submit.cache_mark and Finished.cache_written (prompt-cache breakpoints and usage); 8: Submit.branch_points
+# Submit.cache_mark and Finished.cache_written (prompt-cache breakpoints and usage); 8: Submit.branch_points;
+# 9: Submit.more
 
 # Machine codes carried by Failed and surfaced to HTTP clients as the error "code".
 MODEL_EVICTED = "model_evicted"
@@ -87,6 +88,10 @@ class Submit(Message):
     last: sessions of one agent in one project share those blocks (Claude Code's system-reminders) and branch at
     their task; a worker whose model caches only at snapshots (sliding-window, recurrent) snapshots there too.
 
+    `more`: how many other generation requests the gateway had received and not yet submitted when this one left:
+    a burst of clients reaches the daemon together but its worker a request at a time (the gateway's work on each),
+    so a worker told more are coming waits a little for them before its next step (worker/loop.py).
+
     `images`: for a vision model, each image as [media_type ("image/png", "image/jpeg", ...), its encoded bytes
     (msgpack bin)], in the order of the `{"type": "image"}` parts of `messages`' contents (the gateway has turned
     every API's image block into such a part and checked the bytes); empty for a text request.
@@ -118,6 +123,7 @@ class Submit(Message):
     images: list = field(default_factory=list)  # [[media_type, bytes], ...]: a vision model's images (docs/vision.md)
     cache_mark: list = field(default_factory=list)  # [[messages, ttl_s], ...]: prefixes to keep cached a while
     branch_points: list = field(default_factory=list)  # [[message, chars], ...]: the first user turn's block ends
+    more: int = 0  # generation requests the gateway is still admitting, behind this one
 
 
 @dataclass(slots=True)

@@ -62,6 +62,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warm-budget-s", type=float, default=10.0, help="the most seconds the batch-shape warm-up takes")
     p.add_argument("--admit-window-ms", type=int, default=2,
                    help="after a submit, wait this long for more before stepping, so a burst is prefilled together")
+    p.add_argument("--burst-wait-ms", type=int, default=10,
+                   help="as --admit-window-ms, after a submit whose gateway has more requests coming (Submit.more)")
     p.add_argument("--solo", choices=("auto", "compiled", "plain", "off"), default="auto",
                    help="a request alone decodes the generate_step way (worker/mlx_engine/solo.py): its steps compiled"
                         " where the model's caches allow (decode_graph.py), or plain; auto: compiled unless MLX runs"
@@ -266,7 +268,8 @@ def serve_model(args: argparse.Namespace, sock: zmq.Socket, shutdown: Shutdown, 
         return EXIT_LOAD_FAILED
     log.info("[load] model=%s ready in %.2fs", args.model_id, engine.load_s)
     loop = WorkerLoop(ZmqChannel(sock), engine, args.model_id, shutdown, heartbeat_s=args.heartbeat_s, faults=faults,
-                      admit_window_ms=args.admit_window_ms, admit_max=engine.prefill_batch_size)
+                      admit_window_ms=args.admit_window_ms, admit_max=engine.prefill_batch_size,
+                      burst_wait_ms=args.burst_wait_ms)
     loop.announce()
     return loop.run()
 

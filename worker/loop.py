@@ -6,7 +6,10 @@ evicts, aborts what is due, and says when the exit can run), then steps the engi
 is in flight, sends a heartbeat when one is due and reads the inbox: without waiting while
 requests are in flight or an exit is under way, else up to one idle interval. After a submit,
 further ones are awaited for `admit_window_ms` (up to `admit_max`), so a burst of arrivals is
-prefilled together rather than a few per step, each step a batch shape of its own. Idle for
+prefilled together rather than a few per step, each step a batch shape of its own; `burst_wait_ms`
+instead when the engine was idle and the submit says the gateway has more behind it (Submit.more: its
+clients reach the gateway together, but the gateway hands them over one at a time, a few ms apart); with streams
+decoding, arrivals join a step at a time, as no stream's next token waits for them. Idle for
 IDLE_WORK_QUIET_S, with the inbox empty, the engine does its idle work a step per turn (`warm_step`:
 the batch-shape warm-up on a GPU), so a request waits for at most one such step, and a client that
 sends its next request at once never does. Heartbeats come
@@ -82,6 +85,7 @@ class WorkerLoop:
 
     def __init__(self, channel: Channel, engine: EngineApi, model_id: str, shutdown: Shutdown, *,
                  heartbeat_s: float = 1.0, faults: Faults = NO_FAULTS, admit_window_ms: int = 0, admit_max: int = 8,
+                 burst_wait_ms: int = 0,
                  clock: Callable[[], float] = time.monotonic,
                  memory: Callable[[], int] = process_memory_bytes) -> None:
         self.channel = channel
@@ -98,6 +102,8 @@ class WorkerLoop:
         self._busy_at = clock()  # when a request was last in flight or a frame last came
         self.admit_window_ms = admit_window_ms  # after a submit, wait this long for more before the next step
         self.admit_max = admit_max  # ... until this many came (a prefill batch)
+        self.burst_wait_ms = burst_wait_ms  # ... or this long, when the last submit said more are coming
+        self._more = False  # the last submit's Submit.more
         self._next_heartbeat = 0.0
         self._handlers: dict[str, Callable[[Any], None]] = {
             Submit.KIND: self._on_submit,
@@ -168,7 +174,7 @@ class WorkerLoop:
             self._busy_at = self.clock()
         admitted = self._take_frames()
         # arrivals a few milliseconds apart join one prefill, not one step each (new batch shapes each time)
-        while 0 < admitted < self.admit_max and self.admit_window_ms and self.channel.wait(self.admit_window_ms):
+        while 0 < admitted < self.admit_max and (wait := self._admit_wait(idle)) and self.channel.wait(wait):
             more = self._take_frames()
             if not more:
                 break
@@ -176,6 +182,10 @@ class WorkerLoop:
         if admitted and log.isEnabledFor(logging.DEBUG):  # when a burst reached the engine, and how much of it
             log.debug("[admit] at_ms=%.1f submits=%d in_flight=%d", time.perf_counter() * 1e3, admitted,
                       len(self.engine))
+
+    def _admit_wait(self, idle: bool) -> int:
+        """How long to wait for the next submit: the burst wait only at an idle engine (no stream's decode to hold)."""
+        return max(self.admit_window_ms, self.burst_wait_ms if self._more and idle else 0)
 
     def _take_frames(self) -> int:
         """Handle every frame waiting; return how many were submits."""
@@ -198,6 +208,7 @@ class WorkerLoop:
         return submits
 
     def _on_submit(self, msg: Submit) -> None:
+        self._more = msg.more > 0
         if not self.shutdown.admitting:
             self.send(Failed(msg.rid, MODEL_EVICTED, "the model is being evicted"))
             return

@@ -27,6 +27,7 @@ from supervisor.config import Settings
 from supervisor.config_view import effective
 from supervisor.gateway.agent_routes import agent_routes
 from supervisor.gateway.anthropic_api import anthropic_error_body
+from supervisor.gateway.arrivals import Arrivals
 from supervisor.gateway.body import decode_json
 from supervisor.gateway.embeddings_routes import embeddings_routes
 from supervisor.gateway.guard import WebGuard
@@ -220,7 +221,7 @@ def build_app(router: Router, settings: Settings) -> ASGIApp:
         *agent_routes(router, settings),  # /v1/messages (Anthropic), /v1/responses (OpenAI Responses)
     ]
     handlers = {errors.MlxsupError: _on_error, HTTPException: _on_error, Exception: _on_error}
-    app: ASGIApp = Starlette(routes=routes, exception_handlers=handlers)
+    app: ASGIApp = Arrivals(Starlette(routes=routes, exception_handlers=handlers))  # each Submit says what follows
     if settings.api_key:
         app = RequireApiKey(app, settings.api_key)
     # outermost: a request from a foreign Host or Origin is refused before anything else looks at it

@@ -21,6 +21,7 @@ from typing import cast
 
 from protocol.messages import Finished, Submit
 from supervisor import errors
+from supervisor.gateway.arrivals import still_coming
 from supervisor.gateway.openai_api import Parsed
 from supervisor.gateway.transcript import Delta, merged, span
 from supervisor.router import Lease, Router
@@ -61,6 +62,7 @@ class Call:
         """Route, submit and wait for the first event: an error up to here is the response's status."""
         try:
             self.lease = await self.router.acquire(self.parsed.model)
+            self.submit.more = await still_coming()  # a burst's rest, so the worker waits for it (gateway/arrivals.py)
             self._queue = self.lease.submit(self.submit).queue
             self.first = await self.next()
         except errors.MlxsupError as exc:

@@ -45,7 +45,7 @@ SAMPLES = [
            template_kwargs={"enable_thinking": False}, constraint={"type": "tool", "names": ["f"], "parallel": False},
            logprobs=2, seed=7, presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.1,
            logit_bias=[[5, -100.0]], reasoning_budget=64, cache_mark=[[1, 300.0]]),
-    Submit(rid="r4", max_tokens=8, prompt_ids=[1, 2, 3]),
+    Submit(rid="r4", max_tokens=8, prompt_ids=[1, 2, 3], more=3),
     Abort(rid="r1"),
     Evict(mode="drain", deadline_s=2.5),
     Progress(stage="weights", fraction=0.5),

@@ -35,6 +35,7 @@ from protocol.messages import (
     Message,
     Ready,
     StepStarted,
+    Submit,
     Tokenize,
     Tokenized,
     Tokens,
@@ -342,7 +343,8 @@ def test_a_worker_runs_with_mlx_cudas_cache_thrashing_abort_off_unless_told_othe
     environment turns that off before MLX is imported, and a value set by the user is kept."""
     from worker.__main__ import main, mlx_environment
 
-    monkeypatch.delenv("MLX_ENABLE_CACHE_THRASHING_CHECK", raising=False)
+    monkeypatch.setenv("MLX_ENABLE_CACHE_THRASHING_CHECK", "x")  # so the teardown restores what was there before
+    monkeypatch.delenv("MLX_ENABLE_CACHE_THRASHING_CHECK")
     with pytest.raises(SystemExit):
         main(["--help"])  # the entry point sets it before its arguments are even parsed
     assert os.environ["MLX_ENABLE_CACHE_THRASHING_CHECK"] == "0"
@@ -364,6 +366,42 @@ def test_a_burst_of_submits_is_admitted_together_before_the_next_step() -> None:
     first = r.sent(Tokens)[0]
     assert sorted(chunk[0] for chunk in first.chunks) == ["a", "b", "c"]
     assert sorted(f.rid for f in r.sent(Finished)) == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize("more", [0, 5])
+def test_a_submit_that_says_more_are_coming_waits_longer_for_them(more: int) -> None:
+    """Issue 30: the gateway hands a burst over a request at a time, a few ms apart (its work on each), more than the
+    admit window; a submit that says more are coming (Submit.more) waits burst_wait_ms for the next one instead."""
+    r = rig(Submit("a", 2, prompt="p", more=more))
+    r.loop.admit_window_ms, r.loop.burst_wait_ms = 2, 10
+    start = r.clock.now
+
+    def b_at_5_ms() -> None:  # arrives 5 ms after a: past the admit window, within the burst wait
+        if r.clock.now - start >= 0.005:
+            r.channel.put(sub("b", 2))
+        else:
+            r.channel.when_idle.insert(0, b_at_5_ms)
+
+    r.channel.when_idle = [b_at_5_ms, lambda: r.channel.put(Evict("drain", 10))]
+    assert r.loop.run() == EXIT_OK
+    first = [chunk[0] for chunk in r.sent(Tokens)[0].chunks]
+    assert first == (["a", "b"] if more else ["a"])
+    assert sorted(f.rid for f in r.sent(Finished)) == ["a", "b"]
+
+
+def test_with_streams_decoding_a_submit_that_says_more_are_coming_does_not_hold_them() -> None:
+    """The burst wait is for an idle engine: with a stream decoding, the next arrival joins a step later, as
+    the stream's next token would wait for it otherwise."""
+    r = rig(sub("a", 3))
+    r.loop.admit_window_ms, r.loop.burst_wait_ms = 2, 10
+    r.engine.after_step = {1: lambda: r.channel.put(Submit("b", 2, prompt="p", more=5))}
+    waits: list[int] = []
+    wait = r.channel.wait
+    r.channel.wait = lambda ms: waits.append(ms) or wait(ms)  # type: ignore[method-assign]
+    r.channel.when_idle = [lambda: None, lambda: r.channel.put(Evict("drain", 10))]
+    assert r.loop.run() == EXIT_OK
+    assert 10 not in waits and 2 in waits  # b's admit window, not the burst wait
+    assert sorted(f.rid for f in r.sent(Finished)) == ["a", "b"]
 
 
 def test_without_an_admit_window_the_loop_steps_after_the_first_submit() -> None:
