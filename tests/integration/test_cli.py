@@ -96,6 +96,10 @@ def test_each_request_is_logged_once_and_worker_lines_carry_one_time_stamp(daemo
     assert relayed and all(len(STAMP.findall(line)) == 1 for line in relayed), relayed[:3]
     own = (daemon.state_dir / "logs" / "worker-tiny.log").read_text().splitlines()
     assert own and all(STAMP.match(line) and len(STAMP.findall(line)) == 1 for line in own), own[:3]
+    # startup's objects (the daemon's, and the worker's model, tokenizer and imports) are out of full collections
+    started = re.search(r"\[start\] mlxsup serving .* frozen_objects=(\d+)", log.read_text())
+    loaded = re.search(r"\[load\] model=tiny ready in \S+ frozen_objects=(\d+)", "\n".join(own))
+    assert started and int(started.group(1)) > 1000 and loaded and int(loaded.group(1)) > 10000
 
 
 def test_config_show_logs_and_ui_ask_the_running_daemon_with_the_key_from_the_config(
