@@ -1,13 +1,14 @@
 """Drafting inside the continuous batch gives plain decoding's tokens, exactly (issue 30; batch_drafting.py).
 
-Real MLX on the CPU, the families' tiny models, the product's Engine driven by submit/step. Several greedy requests
-decode together, drafting in lockstep: a request starts alone (the solo, drafting), a second joins (the solo's
-drafting goes into the batch with it), a third joins mid-way; one ends on max_tokens and one on a stop token inside
-a draft while the others go on. Their ids must be those of drafting off, token for token, where a trim undoes
-rejected drafts (llama), where the sliding window is full (gemma3: marked and re-fed) and where recurrent layers
-cannot go back (qwen3_5), with every draft kept (the oracle) and with rejections (a partly wrong oracle, prompt
-lookup); every finishing row hands the prompt caches exactly the tokens it emitted. A grammar request in the batch
-makes its steps plain; a batch where drafting does not pay never drafts.
+Real MLX on the CPU, the families' tiny models, the product's Engine driven by submit/step. Several requests decode
+together, drafting in one verification, each row keeping its own count: a request starts alone (the solo, drafting),
+a second joins (the solo's drafting goes into the batch with it), a third joins mid-way; one ends on max_tokens and
+one on a stop token inside a draft while the others go on. Their ids must be those of drafting off, token for token,
+where a trim undoes rejected drafts (llama), where the sliding window is full (gemma3: marked and re-fed) and where
+recurrent layers cannot go back (qwen3_5), with every draft kept (the oracle) and with rejections at places that
+differ from row to row (a partly wrong oracle, prompt lookup); every finishing row hands the prompt caches exactly
+the tokens it emitted. Seeded sampled rows draft too and give plain seeded decoding's ids; unseeded sampled rows
+draft. A grammar request in the batch makes its steps plain; a batch where drafting does not pay never drafts.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 from mlx_lm.generate import StopSequences
 
 from protocol.messages import Finished, Submit
+from worker.mlx_engine import batch_drafting
 from worker.mlx_engine.draft_pricing import Costs
 from worker.mlx_engine.engine import Engine
 from worker.mlx_engine.prompt_cache import CacheOptions
@@ -34,8 +36,8 @@ Records = dict[str, list[int]]
 
 
 def greedy(rid: str, **kw: Any) -> Submit:
-    return Submit(rid=rid, max_tokens=LENGTHS[rid], prompt_ids=PROMPTS[rid], temperature=0.0,
-                  **({"ignore_eos": True} | kw))
+    return Submit(rid=rid, max_tokens=LENGTHS[rid], prompt_ids=PROMPTS[rid], **({"temperature": 0.0,
+                                                                                "ignore_eos": True} | kw))
 
 
 class Run:
@@ -64,14 +66,15 @@ class Run:
 
 
 def together(engine: Engine, records: Records | None = None, rids: str = "abc", stopping: str = "",
-             constrained: str = "") -> Run:
+             constrained: str = "", **options: Any) -> Run:
     """The first request alone for 3 steps (the solo), then the second joins (the solo goes into the batch), and 6
     steps later the third; to the end. `records`: each request's own oracle (the target's output after its prompt,
     as recorded); the first started alone, with the engine's. `stopping`: the request that the EOS stops;
-    `constrained`: the one whose output is JSON (a grammar: logits processors)."""
+    `constrained`: the one whose output is JSON (a grammar: logits processors); `options`: each Submit's others."""
     run = Run(engine)
     for rid, after in zip(rids, [3, 6][:len(rids) - 1] + [None]):
-        engine.submit(greedy(rid, ignore_eos=rid != stopping, constraint=JSON if rid == constrained else None))
+        engine.submit(greedy(rid, ignore_eos=rid != stopping, constraint=JSON if rid == constrained else None,
+                             **options))
         if records is not None and rid != rids[0]:
             engine.batch_drafts.rows[engine._by_rid[rid].uid].drafter = Oracle(records[rid])
         run.steps(after)
@@ -118,27 +121,67 @@ def exact_caches(run: Run, eos: int | None = None) -> None:
         assert attention and all(c.offset == len(tokens) for c in attention), rid
 
 
-@pytest.mark.parametrize("name", FAMILIES)
-def test_rows_drafting_together_give_plain_decoding_s_ids(drafting: dict[str, Engine], expected: dict,
-                                                          name: str) -> None:
+@pytest.fixture
+def keeps(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """Each drafting step's tokens kept, row by row (what batch_drafting.undo was asked to keep)."""
+    seen: list[list[int]] = []
+    undo = batch_drafting.undo
+
+    def watched(model: Any, cache: list, ids: Any, keep: list[int], marked: Any) -> int:
+        seen.append(list(keep))
+        return undo(model, cache, ids, keep, marked)
+
+    monkeypatch.setattr(batch_drafting, "undo", watched)
+    return seen
+
+
+SEEDED = {"temperature": 0.8, "seed": 11}
+
+
+@pytest.mark.parametrize("name, options", [(name, {}) for name in FAMILIES] + [("llama", SEEDED), ("qwen3_5", SEEDED)],
+                         ids=["llama", "gemma3", "qwen3_5", "llama-seeded", "qwen3_5-seeded"])
+def test_rows_drafting_together_give_plain_decoding_s_ids(drafting: dict[str, Engine], plain: dict[str, Engine],
+                                                          expected: dict, keeps: list[list[int]], name: str,
+                                                          options: dict[str, Any]) -> None:
     """Every draft kept (the oracle: each row's own record), then drafts rejected at places that differ between the
-    rows (a partly wrong record of each): the batch keeps the fewest any row kept, and the ids stay plain's."""
-    engine, want = drafting[name], expected[name]
+    rows (a partly wrong record of each): each row keeps its own count, and the ids stay plain decoding's. Greedy
+    rows, and sampled rows with a seed: they verify by their own draws, which are also their samplers in the batch."""
+    engine, off = drafting[name], drafting[name].speculation
+    want = together(plain[name], **options).ids if options else expected[name]
+    if options:
+        assert want != together(plain[name], **(options | {"seed": 12})).ids  # the seed matters
     records = {rid: PROMPTS[rid] + want[rid] for rid in "abc"}
-    off = engine.speculation
     try:
         for kind in ("kept", "rejected"):
             if kind == "rejected":
                 records = {rid: partly_wrong(r, len(PROMPTS[rid])) for rid, r in records.items()}
             oracle(engine, records)
-            run = together(engine, records)
+            keeps.clear()
+            run = together(engine, records, **options)
             assert run.ids == want
             for rid in "bc":  # in the batch only: their drafts were verified together with the others'
                 f = run.finished[rid]
                 assert f.accepted_tokens > 0 and (f.drafted_tokens == f.accepted_tokens) == (kind == "kept")
+            assert any(len(set(k)) > 1 for k in keeps)  # rows keeping different numbers (a record's end, a rejection)
             exact_caches(run)
     finally:
         engine.speculation = off
+
+
+def test_unseeded_sampled_rows_verify_by_the_standard_rule_in_the_batch(family_models: Path,
+                                                                       keeps: list[list[int]]) -> None:
+    """Sampled rows without a seed, drafting with a draft model that is the target itself: the drafts are drawn from
+    the target's own distribution, so the standard rule (keep d with probability min(1, p(d) / q(d))) keeps nearly
+    all of them, row by row in the batch; each row ends at its max_tokens, its cache holding exactly its tokens."""
+    engine = Engine(family_models / "llama", speculative="draft", draft=family_models / "llama", num_draft_tokens=3)
+    engine.speculation.pricing.costs = engine.batch_drafts.costs = FREE
+    run = together(engine, temperature=0.7)
+    assert {rid: len(ids) for rid, ids in run.ids.items()} == {rid: LENGTHS[rid] for rid in "abc"}
+    assert any(len(k) > 1 for k in keeps)
+    for rid in "bc":
+        f = run.finished[rid]
+        assert f.drafted_tokens > 0 and f.accepted_tokens >= 0.9 * f.drafted_tokens, rid
+    exact_caches(run)
 
 
 @pytest.mark.parametrize("name", FAMILIES)

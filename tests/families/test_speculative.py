@@ -13,12 +13,13 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 from protocol.messages import Finished, Submit
 from worker.mlx_engine.draft_pricing import Costs
 from worker.mlx_engine.engine import Engine
-from worker.mlx_engine.speculative import MIN_VERIFIES, PromptLookup, Record, Speculation
+from worker.mlx_engine.speculative import MIN_VERIFIES, ModelDrafter, PromptLookup, Record, Sampling, Speculation
 
 BLOCK = [(i * 37) % 300 + 20 for i in range(30)]
 PROMPT = BLOCK * 3  # repetitive, as code an agent was shown and edits: prompt lookup finds drafts in it
@@ -102,6 +103,39 @@ def test_a_draft_model_keeps_what_the_target_says_and_nothing_else(family_models
     other = drafting(family_models / "llama", speculative="draft", draft=drafts / "other")
     got, fin = run(other, greedy())
     assert got == expected and fin is not None and fin.drafted_tokens > fin.accepted_tokens
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen3_5"])
+def test_a_draft_model_whose_layers_a_trim_cannot_undo_drafts_and_gives_plain_decoding_s_ids(
+        family_models: Path, plain: dict, name: str) -> None:
+    """A draft model with recurrent layers (qwen3_5) or a full sliding window (gemma3's is 32 tokens, the prompt 90)
+    drafts: its state is snapshotted before its drafts. Here the target is its own draft: every draft is kept."""
+    expected, _ = run(plain[name], greedy())
+    itself = drafting(family_models / name, speculative="draft", draft=family_models / name, num_draft_tokens=3)
+    got, fin = run(itself, greedy())
+    assert got == expected and fin is not None and fin.drafted_tokens == fin.accepted_tokens > 0
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen3_5"])
+def test_a_draft_model_takes_back_rejected_drafts_out_of_layers_a_trim_cannot_undo(plain: dict, name: str) -> None:
+    """A verification kept every draft, the next kept the token in hand and one draft of four: the draft model's state
+    is as if it had been fed only the tokens kept, so its next proposal (drafts, and their probabilities) is a fresh
+    draft model's. (The second snapshot is of a full window that a token is written into in place: a copy.)"""
+    model, vocab = plain[name].model, plain[name].vocab_size
+    first = ModelDrafter(model, vocab)
+    drafts, _ = first.propose(PROMPT, 7, 4, None, None)
+    assert drafts is not None and drafts.size == 4 and first._mark is not None  # snapshotted: a trim cannot undo
+    kept = [*PROMPT, 7, *drafts.tolist()]
+    first.keep(len(kept) + 1)  # all kept, and the target's token after them: 5
+    drafts, _ = first.propose(kept, 5, 4, None, None)
+    assert drafts is not None
+    kept += [5, int(drafts[0].item())]
+    first.keep(len(kept))  # the second draft rejected: the target's own token comes next
+    sampling, keys = Sampling(1.0), list(mx.random.split(mx.random.key(3), 4))
+    again = first.propose(kept, 11, 4, sampling, keys)
+    fresh = ModelDrafter(model, vocab).propose(kept, 11, 4, sampling, keys)
+    assert again[0] is not None and fresh[0] is not None and again[0].tolist() == fresh[0].tolist()
+    assert mx.allclose(again[1], fresh[1], atol=1e-4).item()  # type: ignore[arg-type]
 
 
 def test_a_draft_model_with_another_tokenizer_is_refused(family_models: Path, drafts: Path) -> None:

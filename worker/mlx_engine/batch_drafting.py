@@ -1,33 +1,38 @@
-"""Speculative decoding inside the continuous batch (issue 30): every row drafts, one verification for all, lockstep.
+"""Speculative decoding inside the continuous batch (issue 30): every row drafts, one verification for all, each
+row keeping its own count.
 
-The solo (solo.py) drafts for a request alone. When the batch is decoding (no prompt chunk pending), every row is
-greedy with no logits processors and has its drafter (speculative.py's `Drafting`), the caches can take tokens back
-and there are at most MAX_DRAFT_BATCH rows, an engine step may draft instead of calling `gen.next()`. It reads the
-tokens in hand y_i (GenerationBatch's `_next_tokens`: sampled, not fed yet), each row proposes drafts after its
-history and y_i, the model runs once on [B, n + 1] = [y_i, drafts_i], and the argmax is taken at every position.
-Row i's first a_i drafts equal the target's argmax; the batch keeps m = min_i a_i of them in every row, so every
-cache goes back uniformly to its m + 1 tokens kept. Each row emits y_i and its first m drafts, each through its stop
-matcher and max_tokens as GenerationBatch.next does, and the token in hand afterwards is the argmax at position m,
-with its logprobs: a following step, plain or drafted, continues seamlessly. Greedy ids are therefore plain
-decoding's, token for token; rows that disagree cost only speed.
+The solo (solo.py) drafts for a request alone. When the batch is decoding (no prompt chunk pending), every row has
+its drafter (speculative.py's `Drafting`) and no logits processors, the caches can take tokens back and there are
+at most MAX_DRAFT_BATCH rows, an engine step may draft instead of calling `gen.next()`. It reads the tokens in hand
+y_i (GenerationBatch's `_next_tokens`: sampled, not fed yet), each row proposes up to k drafts after its history and
+y_i, and the model runs once on [B, n + 1] = [y_i, drafts_i], n the longest proposal (a shorter one padded: its
+padding is never kept). Each row verifies its own drafts by its own rule: a greedy row keeps the drafts equal to
+the target's argmax, a sampled row applies the standard accept/reject rule to its distribution, and a seeded one
+draws with its own `Draws` (which is also its sampler in the batch), exactly as the solo verifies. Row i keeps its
+first a_i drafts and emits y_i and them, each through its stop matcher and max_tokens as GenerationBatch.next does;
+the token in hand afterwards is the target's token after them, with its logprobs: a following step, plain or
+drafted, continues seamlessly. Greedy ids are therefore plain decoding's, token for token, and seeded ids plain
+seeded decoding's.
 
-n, the drafts verified, is at most the shortest proposal (a position past it could never be kept in every row) and
-stops at the first token at which any row would finish (a stop token, its max_tokens) or, with reply snapshots,
-reach a block's end: a finishing row then ends at its last kept token, its extracted cache and all_tokens holding
-exactly the tokens it emitted, and a snapshot boundary is met exactly, as plain decoding meets them.
+A row's proposal stops at the first token at which it would finish (a stop token, its max_tokens) or, with reply
+snapshots, reach a block's end: a finishing row ends at its last kept token, its extracted cache and all_tokens
+holding exactly the tokens it emitted, and a snapshot boundary is met exactly, as plain decoding meets them.
 
-Rollback, uniform over the rows: BatchKVCache is trimmed, and so is a BatchRotatingKVCache while the window has room
-for the tokens fed; recurrent state (ArraysCache) and a full sliding window are marked before
-the verification, given back after a rejection, and the m + 1 kept tokens fed again in one forward pass.
+Rollback (`undo`): rows keeping as many go back uniformly: BatchKVCache is trimmed, and so is a
+BatchRotatingKVCache while the window has room for the tokens fed; recurrent state (ArraysCache) and a full sliding
+window are marked before the verification, given back after a rejection, and the kept tokens fed again in one
+forward pass. Rows keeping different numbers use mlx-lm's own way of feeding prompts of different lengths in one
+batch (right padding turned into left padding): a row that kept fewer than the most is shifted right, its rejected
+tokens becoming masked padding; recurrent layers are fed again up to each row's own length.
 
 Paying: per batch-size bucket (1, 2, 4, 8) the worker measures once what a verification of [b, k + 1] costs against
 a plain step of b rows (draft_pricing.Pricing at that size), and the solo's pause rule (speculative.Drafting:
-break-even, a moving average of the surplus, doubling pauses) runs on the lockstep kept count m, so a batch where
-drafting does not pay (many streams, compute-bound, rows disagreeing) stops drafting by its own measurement.
+break-even, a moving average of the surplus, doubling pauses) runs on the mean count kept over the rows, so a batch
+where drafting does not pay (many streams, compute-bound, rows disagreeing) stops drafting by its own measurement.
 
 Invariants: after every step each row's cache holds exactly `batch.tokens[i]`, the tokens emitted, and
 `_next_tokens` holds each row's next token, not fed; nothing here runs while a prompt is pending; a drafting step
-emits exactly what the plain steps it replaces would have.
+emits exactly what the plain steps it replaces would have (for a sampled unseeded row: in distribution).
 """
 
 from __future__ import annotations
@@ -76,23 +81,41 @@ def undoable(cache: list) -> bool:
     return all(isinstance(c, (BatchKVCache, BatchRotatingKVCache, ArraysCache)) for c in cache)
 
 
-def undo(model: Callable[..., object], cache: list, ids: mx.array, keep: int, marked: dict[int, Any] | None) -> int:
-    """Keep the first `keep` of the tokens `ids` (B, fed) just fed, in every row: trimmed back, or the marked layers
-    given their state back, the others trimmed by all, and the kept tokens fed again. The tokens fed again."""
-    fed = ids.shape[1]
-    if keep == fed:
+def undo(model: Callable[..., object], cache: list, ids: mx.array, keep: list[int],
+         marked: dict[int, Any] | None) -> int:
+    """Keep row i's first keep[i] of the tokens `ids` (B, fed) just fed: as if only those had been fed. The tokens
+    fed again (0: none).
+
+    Rows keeping as many: trimmed back, or the marked layers given their state back, the others trimmed by all, and
+    the kept tokens fed again. Rows keeping different numbers go as mlx-lm's BatchGenerator feeds prompts of
+    different lengths (`prepare` with each row's length and right padding, `finalize`): attention layers shift a row
+    that kept fewer right by the difference, its rejected tokens becoming left padding, and recurrent layers stop at
+    each row's length. Where every layer is a BatchKVCache, a trim to the most kept and that shift do it; otherwise
+    the most kept are fed again, each row to its own length."""
+    fed, most = ids.shape[1], max(keep)
+    if min(keep) == fed:
         return 0
-    if marked is None:
+    padding = [most - k for k in keep]
+    if marked is None and (not any(padding) or all(type(c) is BatchKVCache for c in cache)):
         for c in cache:
-            c.trim(fed - keep)
+            c.trim(fed - most)
+            if any(padding):
+                c.prepare(right_padding=padding)
+                c.finalize()
         return 0
     for i, c in enumerate(cache):
-        if i in marked:
+        if marked is not None and i in marked:
             c.state = marked[i]
         else:
             c.trim(fed)
-    model(ids[:, :keep], cache=cache)
-    return keep
+    if any(padding):
+        for c in cache:
+            c.prepare(lengths=keep, right_padding=padding)
+    model(ids[:, :most], cache=cache)
+    if any(padding):
+        for c in cache:
+            c.finalize()
+    return most
 
 
 class BatchDrafting:
@@ -107,8 +130,8 @@ class BatchDrafting:
         self.decoded = 0  # tokens decoded a row while the batch could draft: the pauses' clock
 
     def add(self, uid: int, drafting: Drafting | None) -> None:
-        """A request in the batch drafts with `drafting` where greedy (sampled rows keep every step plain)."""
-        if drafting is not None and drafting.sampling is None:
+        """A request in the batch drafts with `drafting` (a seeded one's sampler in the batch is its `draws`)."""
+        if drafting is not None:
             self.rows[uid] = drafting
 
     def drop(self, uid: int) -> None:
@@ -168,39 +191,61 @@ class BatchDrafting:
         mx.eval(y)
         ys = cast(list[int], y.tolist())
         proposed: list[list[int]] = []
+        qs: list[mx.array | None] = []
         for i, d in enumerate(rows):
-            drafts, _ = d.drafter.propose(batch.tokens[i], ys[i], d.k, None, None) if d.drafter.room() > 1 else (
-                None, None)
-            proposed.append(cast(list[int], drafts.tolist()) if drafts is not None else [])
-        pace.proposed(all(proposed), self.decoded)  # a row with nothing to propose: no drafting step for a while
-        n = min(self._limit(batch, i, [ys[i], *p]) for i, p in enumerate(proposed))
+            drafts, q = d.drafter.propose(batch.tokens[i], ys[i], d.k, d.sampling, d.draft_keys(d.k)) if (
+                d.drafter.room() > 1) else (None, None)
+            p = cast(list[int], drafts.tolist()) if drafts is not None else []
+            p = p[:self._limit(batch, i, [ys[i], *p])]
+            proposed.append(p)
+            qs.append(None if q is None else q[:len(p)])
+        pace.proposed(any(proposed), self.decoded)  # no row with anything to propose: no drafting step for a while
+        n = max(len(p) for p in proposed)
         if n < 1:
             for i, d in enumerate(rows):
                 d.drafter.keep(len(batch.tokens[i]))  # a draft model fed its drafts: taken back
             return None
-        ids = mx.concatenate([y.astype(mx.uint32)[:, None], mx.array([p[:n] for p in proposed], mx.uint32)], axis=1)
+        # a row proposing fewer than n is padded with its last token: a position past its own drafts is never kept
+        fed = [[ys[i], *p] for i, p in enumerate(proposed)]
+        ids = mx.array([f + f[-1:] * (n + 1 - len(f)) for f in fed], mx.uint32)
         cache = batch.prompt_cache
         marked = mark(cache, n + 1)
         logits = self.model(ids, cache=cache)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        target = mx.argmax(logprobs, axis=-1)
-        said = cast(list[list[int]], target.tolist())
-        m = min(leading([a == b for a, b in zip(s, p[:n])]) for s, p in zip(said, proposed))
-        refed = undo(self.model, cache, ids, m + 1, marked)
-        pace.observe(n, m, self.decoded, refed)
-        self.decoded += m + 1
+        kept, after = self._verify(rows, logprobs, proposed, qs)
+        refed = undo(self.model, cache, ids, [a + 1 for a in kept], marked)
+        pace.observe(n, sum(kept) / len(kept), self.decoded, refed)
+        self.decoded += max(kept) + 1
         for i, d in enumerate(rows):
-            d.counts.drafted += n
-            d.counts.accepted += m
-            d.drafter.keep(len(batch.tokens[i]) + m + 1)
-        return self._emit(batch, [[ys[i], *p[:m]] for i, p in enumerate(proposed)], logprobs, target[:, m])
+            d.counts.drafted += len(proposed[i])
+            d.counts.accepted += kept[i]
+            d.drafter.keep(len(batch.tokens[i]) + kept[i] + 1)
+        return self._emit(batch, [[ys[i], *p[:a]] for i, (p, a) in enumerate(zip(proposed, kept))], logprobs, after)
 
-    def _emit(self, batch: GenerationBatch, kept: list[list[int]], logprobs: mx.array, after: mx.array) -> list:
+    @staticmethod
+    def _verify(rows: list[Drafting], logprobs: mx.array, proposed: list[list[int]],
+                qs: list[mx.array | None]) -> tuple[list[int], list[int]]:
+        """Each row's drafts kept and the target's token after them: a greedy row's where they are the argmax (all
+        such rows read at once), a sampled row's by its own rule (`Drafting.verify`: its distribution, its draws)."""
+        greedy = [i for i, d in enumerate(rows) if d.sampling is None]
+        read = logprobs if len(greedy) == len(rows) else logprobs[mx.array(greedy)] if greedy else None
+        said = cast(list[list[int]], mx.argmax(read, axis=-1).tolist()) if read is not None else []
+        kept, after = [0] * len(rows), [0] * len(rows)
+        for i, s in zip(greedy, said):
+            kept[i] = leading([a == b for a, b in zip(s, proposed[i])])
+            after[i] = s[kept[i]]
+        for i, d in enumerate(rows):
+            if d.sampling is not None:
+                p = proposed[i]
+                kept[i], after[i] = d.verify(logprobs[i, :len(p) + 1], mx.array(p, mx.uint32), qs[i])
+        return kept, after
+
+    def _emit(self, batch: GenerationBatch, kept: list[list[int]], logprobs: mx.array, after: list[int]) -> list:
         """Each row's kept tokens as GenerationBatch.next emits a token (a finish only at a row's last one, by
         `_limit`), and the target's token after them in hand; finished rows leave the batch."""
         y_logprobs = batch._next_logprobs
-        m = len(kept[0]) - 1
-        batch._next_tokens, batch._next_logprobs = after, list(logprobs[:, m])
+        batch._next_tokens = mx.array(after, mx.uint32)
+        batch._next_logprobs = [logprobs[i, len(tokens) - 1] for i, tokens in enumerate(kept)]
         responses, going = [], []
         for i, tokens in enumerate(kept):
             batch.tokens[i].extend(tokens)

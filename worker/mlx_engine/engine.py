@@ -182,16 +182,17 @@ class Engine:
                                   self.graph, drafting, frozenset(points), self.batch_drafts.boundary)
         else:
             self._solo_to_batch()
+            drafting = self.speculation.drafting(msg) if not d.processors else None
             (uid,) = self.gen.insert_segments(
                 [[tokens[cached + a:cached + b] for a, b in zip(cuts, cuts[1:]) if b > a]],  # prefill stops at each point
                 max_tokens=[max_tokens],
                 caches=[prefix] if prefix is not None else None,
                 all_tokens=[tokens[:cached]],
-                samplers=[d.sampler],  # type: ignore[list-item]  # None: the greedy fallback
+                samplers=[drafting.draws if drafting is not None and drafting.draws is not None  # type: ignore[list-item]
+                          else d.sampler],  # a seeded request's draws, which drafting steps draw on too; None: greedy
                 logits_processors=[d.processors],
                 stop_sequences=[self._stop_none if msg.ignore_eos else self._stop_eos],
             )
-            drafting = self.speculation.drafting(msg) if not d.processors and msg.temperature == 0 else None
             self.batch_drafts.add(uid, drafting)
         req = Request(msg.rid, uid, prompt_tokens, d.out, completion_tokens=len(msg.resume_tokens),
                       cached_tokens=min(hit, prompt_tokens), prefill_left=len(tokens) - cached - 1, position=cached,

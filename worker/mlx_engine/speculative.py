@@ -58,6 +58,7 @@ from typing import Any, Protocol, cast
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_map
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
@@ -65,7 +66,7 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 from protocol.messages import Submit
 from worker.mlx_engine.decode_graph import DecodeGraph
 from worker.mlx_engine.draft_pricing import Costs, Pricing
-from worker.mlx_engine.rollback import room, trim
+from worker.mlx_engine.rollback import MARKED, restore, room, trim, undoable
 
 MODES = ("off", "prompt-lookup", "draft")  # the config's and the worker's; "oracle" is a hook for tests and the bench
 DEFAULT_DRAFT_TOKENS = 4
@@ -234,13 +235,20 @@ class Oracle:
 
 
 class ModelDrafter:
-    """A draft model's proposals for one request; its cache holds `fed` tokens of the request's history."""
+    """A draft model's proposals for one request; its cache holds `fed` tokens of the request's history.
+
+    Its drafts go back out of its cache by a trim where every layer can take them back; a recurrent layer or a full
+    sliding window (rollback.MARKED) is snapshotted before the drafts are fed instead, and a rejection gives it its
+    state back and feeds the kept tokens again in one forward pass. The snapshot holds copies of the layers' arrays,
+    not the arrays: a RotatingKVCache writes a token into its arrays in place."""
 
     def __init__(self, model: nn.Module, vocab: int) -> None:
         self.model = model
         self.vocab = vocab  # the target's logits width: the draft's probabilities are cut or padded to it
         self.cache = make_prompt_cache(model)
         self.fed = 0
+        self.undoable = undoable(self.cache)
+        self._mark: tuple[int, dict[int, Any], list[int]] | None = None  # (fed at the mark, states, the ids fed since)
 
     def _logprobs(self, ids: mx.array) -> mx.array:
         logits = self.model(ids[None], cache=self.cache)[0, -1:, :]
@@ -254,7 +262,7 @@ class ModelDrafter:
     def propose(self, tokens: list[int], y: int, k: int, sampling: Sampling | None,
                 keys: Sequence[mx.array] | None) -> tuple[mx.array | None, mx.array | None]:
         behind = tokens[self.fed:] + [y]
-        k = min(k, room(self.cache) - len(behind))
+        k = min(k, self.room() - len(behind))
         if k < 1:
             return None, None
         with mx.stream(generation_stream):
@@ -263,6 +271,9 @@ class ModelDrafter:
                 self.model(mx.array(behind[:n])[None], cache=self.cache)
                 mx.eval([c.state for c in self.cache])
                 behind, self.fed = behind[n:], self.fed + n
+            self._mark = None if room(self.cache) >= k else (self.fed, {
+                i: tree_map(lambda a: mx.array(a) if isinstance(a, mx.array) else a, c.state)
+                for i, c in enumerate(self.cache) if isinstance(c, MARKED)}, [y])
             ids = mx.array(behind, mx.uint32)
             drafts, qs = [], []
             for i in range(k):
@@ -275,15 +286,28 @@ class ModelDrafter:
                     ids = mx.random.categorical(logits, key=None if keys is None else keys[i]).astype(mx.uint32)
                 drafts.append(ids)
         self.fed = len(tokens) + k  # y and the drafts but the last are in its cache now
-        return mx.concatenate(drafts), (mx.concatenate(qs) if qs else None)
+        out = mx.concatenate(drafts)
+        if self._mark is not None:
+            self._mark[2].extend(cast(list[int], out[:-1].tolist()))
+        return out, (mx.concatenate(qs) if qs else None)
 
     def keep(self, valid: int) -> None:
-        if self.fed > valid:
+        mark, self._mark = self._mark, None
+        if self.fed <= valid:
+            return
+        if mark is None:
             trim(self.cache, self.fed - valid)
-            self.fed = valid
+        else:
+            start, marked, ids = mark
+            restore(self.cache, marked, self.fed - start)
+            if valid > start:
+                with mx.stream(generation_stream):
+                    self.model(mx.array(ids[:valid - start])[None], cache=self.cache)
+        self.fed = valid
 
     def room(self) -> int:
-        return room(self.cache)
+        """Tokens it can feed and take back: any number where its layers are trimmed or snapshotted."""
+        return sys.maxsize if self.undoable else room(self.cache)
 
 
 @dataclass(slots=True)
@@ -373,16 +397,18 @@ class Drafting:
             if self.draws is not None:
                 self.draws.advance(kept + 1)
             return kept, said[kept]
+        if drafts.size == 0:  # nothing drafted (a row of the batch): the token after is a plain draw
+            return 0, cast(int, mx.random.categorical(self.sampling.logits(logprobs[0])).item())
         flags, after = accept_sampled(self.sampling.probs(logprobs), drafts, q, None)
         mx.eval(flags, after)
         kept = leading(cast(list[bool], flags.tolist()))
         return kept, cast(list[int], after.tolist())[kept]
 
-    def observe(self, drafted: int, kept: int, generated: int, refed: int = 0) -> None:
+    def observe(self, drafted: int, kept: float, generated: int, refed: int = 0) -> None:
         """Count a verification of `drafted` (after which `refed` tokens were fed again); pause drafting when the
-        average surplus says it does not pay."""
+        average surplus says it does not pay. (`kept`: a batch's mean over its rows, which count their own.)"""
         self.counts.drafted += drafted
-        self.counts.accepted += kept
+        self.counts.accepted += round(kept)
         if self.costs is None or self.break_even is None:
             return
         self.surplus += EMA_WEIGHT * (kept - self.costs.break_even(drafted, refed) - self.surplus)
@@ -418,7 +444,7 @@ class Speculation:
         self.record = Record()
 
     def drafting(self, msg: Submit) -> Drafting | None:
-        """A request's drafting (None: the mode is off): the solo's, or a greedy one's in the batch (batch_drafting.py);
+        """A request's drafting (None: the mode is off): the solo's, or a row's in the batch (batch_drafting.py);
         neither takes logits processors."""
         if self.mode == "off":
             return None
