@@ -4,6 +4,7 @@
     python -m bench.speculative --model DIR --modes off,prompt-lookup,draft [--draft DIR] --out F.json
     python -m bench.speculative --model DIR --oracle 1-16 --out F.json          # the ceiling: the oracle's curve
     python -m bench.speculative --model DIR --oracle 1-8 --streams 4 --out F.json  # ... of 4 streams drafting together
+    python -m bench.speculative --model DIR --oracle 4 --streams 8 --wrong 7 --out F.json  # rows keeping their own counts
 
 A code-editing request (the model is shown a code block and asked to give it back with one name changed, as a
 coding agent's edit asks), greedy, one stream, on the product's Engine driven by submit/step (no sockets: the
@@ -130,14 +131,22 @@ def one(engine: object, msg: object) -> dict:
             "drafted": fin.drafted_tokens if fin else 0, "accepted": fin.accepted_tokens if fin else 0, "ids": ids}
 
 
-def many(engine: object, msg: Any, streams: int) -> dict:
+def many(engine: object, msg: Any, streams: int, records: list[list[int]] | None = None) -> dict:
     """`streams` copies of `msg` decoding together (batch drafting: batch_drafting.py), as `one` reports one: the time
-    per step after the first token (a stream's ms/token), drafts summed; `ids`: the streams' own, where all agree."""
+    per step after the first token (a stream's ms/token), drafts summed; `ids`: the streams' own, where all agree.
+    `records`: with the oracle, each stream's own record to propose (its drafter replaced once all are in)."""
     from dataclasses import replace
+
+    from worker.mlx_engine.speculative import Oracle
 
     t0 = time.perf_counter()
     for i in range(streams):
         engine.submit(replace(msg, rid=f"r{i}"))  # type: ignore[attr-defined]
+    if records is not None and engine.speculation.mode == "oracle":  # type: ignore[attr-defined]
+        for i, record in enumerate(records):
+            row = engine.batch_drafts.rows.get(engine._by_rid[f"r{i}"].uid)  # type: ignore[attr-defined]
+            if row is not None:
+                row.drafter = Oracle(record)
     ids: dict[str, list[int]] = {}
     first = last = None
     drafted = accepted = 0
@@ -207,18 +216,26 @@ def write(out: Path, result: dict) -> None:
     out.with_suffix(".md").write_text(markdown(result))
 
 
-def oracle_sweep(engine: object, msg: object, ks: list[int], rounds: int, streams: int = 1) -> dict:
+def oracle_sweep(engine: object, msg: object, ks: list[int], rounds: int, streams: int = 1, wrong: int = 0) -> dict:
     """Plain decoding and the oracle at each draft length, interleaved over rounds: the mechanism's ceiling; with
-    `streams` > 1, that many identical streams drafting together in the batch."""
+    `streams` > 1, that many identical streams drafting together in the batch. `wrong`: stream i's record has every
+    `wrong`-th generated token changed, at offset i, so the rows reject drafts at different places and each keeps
+    its own count (the ids stay plain decoding's)."""
     from worker.mlx_engine.draft_pricing import measure
     from worker.mlx_engine.speculative import Speculation
 
+    records: list[list[int]] | None = None
+
     def run(msg: object) -> dict:
-        return one(engine, msg) if streams == 1 else many(engine, msg, streams)
+        return one(engine, msg) if streams == 1 else many(engine, msg, streams, records)
 
     plain = engine.speculation  # type: ignore[attr-defined]
     record = run(msg)["ids"]  # also the warm-up: first kernels, the decode graph's first trace
     sequence = engine.tokenize(msg) + record  # type: ignore[attr-defined]
+    if wrong:
+        start = len(sequence) - len(record)
+        records = [[t + 1 if j > start and (j + i) % wrong == 0 else t for j, t in enumerate(sequence)]
+                   for i in range(streams)]
     specs = {"off": plain} | {k: Speculation("oracle", k, oracle=sequence) for k in ks}
     for k in ks:  # a verification's first trace at each length, out of the timed rounds
         engine.speculation = specs[k]  # type: ignore[attr-defined]
@@ -250,7 +267,7 @@ def oracle_sweep(engine: object, msg: object, ks: list[int], rounds: int, stream
             curve[str(name)]["priced"] = {"plain_ms": round(c.plain_s * 1e3, 4), "verify_ms": round(c.verify_s * 1e3, 4),
                                           "break_even": round(c.break_even(c.k), 3)}
     parity = all(x[name]["ids"] == record for x in runs for name in specs)
-    accepted_all = all(x[k]["drafted"] == x[k]["accepted"] > 0 for x in runs for k in ks)
+    accepted_all = all(x[k]["drafted"] == x[k]["accepted"] > 0 for x in runs for k in ks) if not wrong else None
     best = max(ks, key=lambda k: curve[str(k)]["speedup_vs_off_p50"] or 0)
     return {"curve": curve, "parity": parity, "every_draft_kept": accepted_all, "best_k": best,
             "best_speedup_p50": curve[str(best)]["speedup_vs_off_p50"]}
@@ -300,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the oracle's sweep over draft lengths (\"1-16\" or \"1,4,8\") instead of --modes")
     p.add_argument("--streams", type=int, default=1,
                    help="--oracle with this many identical streams decoding (and drafting) together in the batch")
+    p.add_argument("--wrong", type=int, default=0, metavar="N",
+                   help="--oracle --streams: each stream's record wrong at every N-th token, at its own offset")
     p.add_argument("--hot-cache", type=int, default=0, metavar="BYTES",
                    help="the engines' hot prompt cache (0: none): every run after a mode's first reads the prompt "
                         "from it, where a CPU would prefill it for longer than it decodes (ids and decode unchanged)")
@@ -318,12 +337,13 @@ def main(argv: list[str] | None = None) -> int:
         engine = Engine(model, solo=args.solo, cache=cache)
         ask = Submit(rid="r", max_tokens=args.tokens, messages=[{"role": "user", "content": ASK}], temperature=0.0,
                      ignore_eos=True)
-        sweep = oracle_sweep(engine, ask, lengths(args.oracle), args.rounds, args.streams)
+        sweep = oracle_sweep(engine, ask, lengths(args.oracle), args.rounds, args.streams, args.wrong)
         result = {"model": str(model), "solo": args.solo, "hot_cache": args.hot_cache, "streams": args.streams,
+                  "wrong": args.wrong,
                   "graph": engine.graph is not None, "rounds": args.rounds, "tokens": args.tokens} | sweep
         write(args.out, result)
         print(json.dumps(result, indent=2))
-        return 0 if sweep["parity"] and sweep["every_draft_kept"] else 1
+        return 0 if sweep["parity"] and sweep["every_draft_kept"] is not False else 1
     modes = args.modes.split(",")
     if "draft" in modes and args.draft is None:
         args.draft = made_draft(model, args.draft_preset, args.work)

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Issue 30, session 13: one device call each, after bench/gpu_run.sh's set-up, on the 1b preset (EOS unreachable);
+# results in $OUT/s13-MODE:
+#     bash bench/gpu_run.sh -- bash bench/gpu_s13.sh MODE
+#   targets: the profile's throughput section at 1, 8 and 32 clients, ROUNDS (7) interleaved rounds, servers on
+#            CPUs 0-3 (the profile's pinning): issue 30's three targets in one run
+#   extra:   the single stream with the servers on CPUs 0-7 (3 rounds: is the daemon's extra ITL its processes'
+#            share of 4 CPUs?), then batch drafting on CUDA: the oracle at k=4 with 8 streams, identical (every
+#            draft kept) and each stream's record wrong at every 7th token at its own offset (rows keeping their
+#            own counts), 3 rounds each
+set -u
+MODE=${1:?targets or extra}
+W=/tmp/bw R=$OUT/s13-$MODE M=/tmp/bw/models/bench-1b S=/tmp/bw/source/1b
+mkdir -p "$R"
+[ -e "$M/model.safetensors" ] || rm -rf "$M"
+[ -d "$M" ] || python3 -c "
+from pathlib import Path
+from bench.model import make_never_eos_view, make_source_model
+make_never_eos_view(make_source_model(Path('$S'), '1b', 0), Path('$M'))" > /dev/null || exit 6
+echo "model at ${SECONDS}s"
+tables() { sed -n '/^| clients | side/,/^$/p;/^| clients | mlxsup \/ in-process/,/^$/p;/^| clients | ITL/,/^$/p' "$1"; }
+case $MODE in
+  targets)
+    rm -rf "$W/state-throughput"
+    timeout 560 python3 -m bench --profile gpu --out "$R/gpu" --work "$W" --deadline "${TP_DEADLINE:-500}" \
+      --sections throughput --concurrency 1,8,32 --rounds "${ROUNDS:-7}" > "$R/log.txt" 2>&1
+    echo "bench exit $? at ${SECONDS}s"; tables "$R/gpu/results.md" ;;
+  extra)
+    rm -rf "$W/state-throughput"
+    timeout 200 python3 -m bench --profile gpu --out "$R/cpus8" --work "$W" --deadline 150 --sections throughput \
+      --concurrency 1 --rounds 3 --server-cpus 0-7 > "$R/log-cpus8.txt" 2>&1
+    echo "cpus 0-7: bench exit $? at ${SECONDS}s"; tables "$R/cpus8/results.md"
+    for wrong in 0 7; do
+      timeout 150 python3 -m bench.speculative --model "$S" --oracle 4 --streams 8 --wrong $wrong --rounds 3 \
+        --tokens 256 --out "$R/oracle-streams8-wrong$wrong.json" > "$R/oracle-wrong$wrong.log" 2>&1
+      echo "oracle 8 streams wrong=$wrong: exit $? at ${SECONDS}s"
+      python3 -c "import json; d=json.load(open('$R/oracle-streams8-wrong$wrong.json')); print({k: (round(v['speedup_vs_off_p50'], 3), v['acceptance']) for k, v in d['curve'].items()}, 'parity', d['parity'])"
+    done ;;
+  *) echo "unknown mode $MODE"; exit 2 ;;
+esac
