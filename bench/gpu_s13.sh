@@ -3,7 +3,7 @@
 # results in $OUT/s13-MODE:
 #     bash bench/gpu_run.sh -- bash bench/gpu_s13.sh MODE
 #   targets: the profile's throughput section at 1, 8 and 32 clients, ROUNDS (7) interleaved rounds, servers on
-#            CPUs 0-3 (the profile's pinning): issue 30's three targets in one run
+#            CPUs 0-3 (the profile's pinning; SERVER_CPUS=0-7: on 8): issue 30's three targets in one run
 #   extra:   the single stream with the servers on CPUs 0-7 (3 rounds: is the daemon's extra ITL its processes'
 #            share of 4 CPUs?), then batch drafting on CUDA: the oracle at k=4 with 8 streams, identical (every
 #            draft kept) and each stream's record wrong at every 7th token at its own offset (rows keeping their
@@ -23,7 +23,8 @@ case $MODE in
   targets)
     rm -rf "$W/state-throughput"
     timeout 560 python3 -m bench --profile gpu --out "$R/gpu" --work "$W" --deadline "${TP_DEADLINE:-500}" \
-      --sections throughput --concurrency 1,8,32 --rounds "${ROUNDS:-7}" > "$R/log.txt" 2>&1
+      --sections throughput --concurrency 1,8,32 --rounds "${ROUNDS:-7}" --server-cpus "${SERVER_CPUS:-auto}" \
+      > "$R/log.txt" 2>&1
     echo "bench exit $? at ${SECONDS}s"; tables "$R/gpu/results.md" ;;
   extra)
     rm -rf "$W/state-throughput"
