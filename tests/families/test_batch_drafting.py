@@ -8,7 +8,8 @@ where a trim undoes rejected drafts (llama), where the sliding window is full (g
 recurrent layers cannot go back (qwen3_5), with every draft kept (the oracle) and with rejections at places that
 differ from row to row (a partly wrong oracle, prompt lookup); every finishing row hands the prompt caches exactly
 the tokens it emitted. Seeded sampled rows draft too and give plain seeded decoding's ids; unseeded sampled rows
-draft. A grammar request in the batch makes its steps plain; a batch where drafting does not pay never drafts.
+draft. A JSON-constrained request drafts within its grammar (a draft it forbids ends the draft); a request with a
+repetition penalty makes the batch's steps plain; a batch where drafting does not pay never drafts.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from mlx_lm.generate import StopSequences
 
@@ -23,6 +25,7 @@ from protocol.messages import Finished, Submit
 from worker.mlx_engine import batch_drafting
 from worker.mlx_engine.draft_pricing import Costs
 from worker.mlx_engine.engine import Engine
+from worker.mlx_engine.guided import GrammarProcessor
 from worker.mlx_engine.prompt_cache import CacheOptions
 from worker.mlx_engine.speculative import Oracle, Speculation
 
@@ -66,15 +69,16 @@ class Run:
 
 
 def together(engine: Engine, records: Records | None = None, rids: str = "abc", stopping: str = "",
-             constrained: str = "", **options: Any) -> Run:
+             constrained: str = "", penalised: str = "", **options: Any) -> Run:
     """The first request alone for 3 steps (the solo), then the second joins (the solo goes into the batch), and 6
     steps later the third; to the end. `records`: each request's own oracle (the target's output after its prompt,
     as recorded); the first started alone, with the engine's. `stopping`: the request that the EOS stops;
-    `constrained`: the one whose output is JSON (a grammar: logits processors); `options`: each Submit's others."""
+    `constrained`: the one whose output is JSON (a grammar: logits processors); `penalised`: the one with a
+    repetition penalty (a logits processor that no drafting step applies); `options`: each Submit's others."""
     run = Run(engine)
     for rid, after in zip(rids, [3, 6][:len(rids) - 1] + [None]):
         engine.submit(greedy(rid, ignore_eos=rid != stopping, constraint=JSON if rid == constrained else None,
-                             **options))
+                             repetition_penalty=1.3 if rid == penalised else 1.0, **options))
         if records is not None and rid != rids[0]:
             engine.batch_drafts.rows[engine._by_rid[rid].uid].drafter = Oracle(records[rid])
         run.steps(after)
@@ -226,18 +230,99 @@ def test_prompt_lookup_drafts_in_the_batch_and_gives_plain_decoding_s_ids(drafti
     exact_caches(run)
 
 
-def test_a_grammar_request_in_the_batch_makes_its_steps_plain(drafting: dict[str, Engine],
-                                                              plain: dict[str, Engine]) -> None:
-    """A constrained request (logits processors) joins two drafting ones: no step drafts while it is in the batch,
-    and every request's ids are plain's; the others draft before it comes and after it ends."""
+@pytest.fixture
+def consumed(monkeypatch: pytest.MonkeyPatch) -> dict[int, int]:
+    """Tokens each grammar's matcher consumed, net of those taken back (by the processor's id)."""
+    counts: dict[int, int] = {}
+    call, along, back = GrammarProcessor.__call__, GrammarProcessor.along, GrammarProcessor.back
+
+    def called(self: GrammarProcessor, tokens: Any, logits: Any) -> Any:
+        counts[id(self)] = counts.get(id(self), 0) + int(self._started and self.failure is None)
+        return call(self, tokens, logits)
+
+    def taken(self: GrammarProcessor, y: int, drafts: list[int]) -> Any:
+        masks, n = along(self, y, drafts)
+        counts[id(self)] = counts.get(id(self), 0) + (n + 1 if masks is not None else 0)
+        return masks, n
+
+    def given_back(self: GrammarProcessor, n: int) -> None:
+        counts[id(self)] -= max(n, 0)
+        back(self, n)
+
+    monkeypatch.setattr(GrammarProcessor, "__call__", called)
+    monkeypatch.setattr(GrammarProcessor, "along", taken)
+    monkeypatch.setattr(GrammarProcessor, "back", given_back)
+    return counts
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_5"])
+def test_a_constrained_request_drafts_within_its_grammar_and_gives_plain_decoding_s_ids(
+        drafting: dict[str, Engine], plain: dict[str, Engine], keeps: list[list[int]], consumed: dict[int, int],
+        name: str) -> None:
+    """A JSON-constrained request drafts with two others: its drafts go as far as its grammar allows them and are
+    verified against its masked logits, and its matcher is left as plain steps leave it: having consumed exactly the
+    tokens emitted. Its record of plain constrained decoding (every draft kept), then a partly wrong one: the ids
+    are plain decoding's."""
+    engine, off = drafting[name], drafting[name].speculation
+    want = together(plain[name], rids="abg", constrained="g").ids
+    records = {rid: PROMPTS[rid] + want[rid] for rid in "abg"}
+    accepted = []
+    try:
+        for kind in ("kept", "rejected"):
+            if kind == "rejected":  # a wrong draft is forbidden (the draft ends there) or verified and rejected
+                records = {rid: partly_wrong(r, len(PROMPTS[rid])) for rid, r in records.items()}
+            oracle(engine, records)
+            keeps.clear()
+            consumed.clear()
+            run = together(engine, records, rids="abg", constrained="g")
+            assert run.ids == want
+            assert list(consumed.values()) == [len(want["g"])]  # the matcher: exactly the tokens emitted
+            g = run.finished["g"]
+            assert g.accepted_tokens > 0 and (g.drafted_tokens == g.accepted_tokens or kind == "rejected")
+            assert any(len(k) > 1 for k in keeps)  # g, constrained, never runs alone: it drafted in the batch
+            accepted.append(g.accepted_tokens)
+        assert accepted[1] < accepted[0]
+    finally:
+        engine.speculation = off
+
+
+def test_a_draft_the_grammar_forbids_ends_the_draft(plain: dict[str, Engine]) -> None:
+    """A constrained request's matcher, taken along a draft: it stops at the first token the grammar forbids, and
+    what it consumed goes back out, leaving the request to decode on as plain decoding does."""
+    engine = plain["llama"]
+    want = together(engine, rids="g", constrained="g").ids["g"]
+    engine.submit(greedy("g", constraint=JSON))
+    got: list[int] = []
+    while len(got) < 3:
+        chunks, _ = engine.step()
+        got += [t for c in chunks for t in c[3]]
+    g = engine._by_rid["g"].grammar
+    y = int(engine.gen._generation_batch._next_tokens[0].item())
+    assert g is not None and g.drafts_ready()
+    allowed = g.along(y, [])[0]
+    assert allowed is not None
+    g.back(1)
+    forbidden = int(np.flatnonzero(allowed[0] == 0)[0])
+    masks, consumed = g.along(y, [forbidden, forbidden])
+    assert masks is not None and consumed == 0 and masks.shape[0] == 1  # the draft ends at the forbidden token
+    g.back(1)
+    run = Run(engine)
+    run.steps()
+    assert got + run.ids["g"] == want
+
+
+def test_a_penalised_request_in_the_batch_makes_its_steps_plain(drafting: dict[str, Engine],
+                                                                plain: dict[str, Engine]) -> None:
+    """A request with a repetition penalty (a logits processor no drafting step applies) joins two drafting ones: no
+    step drafts while it is in the batch, and every request's ids are plain's; the others draft before it comes."""
     engine = drafting["llama"]
-    want = together(plain["llama"], rids="abg", constrained="g").ids
+    want = together(plain["llama"], rids="abg", penalised="g").ids
 
     def uids() -> set[int]:
         return set(engine.gen._generation_batch.uids)
 
     draft = engine.batch_drafts._draft
-    seen: list[bool] = []  # for each drafting step: whether the grammar request was in the batch
+    seen: list[bool] = []  # for each drafting step: whether the penalised request was in the batch
 
     def watched(*args: object) -> list | None:
         g = engine._by_rid.get("g")
@@ -246,7 +331,7 @@ def test_a_grammar_request_in_the_batch_makes_its_steps_plain(drafting: dict[str
 
     engine.batch_drafts._draft = watched  # type: ignore[method-assign,assignment]
     try:
-        run = together(engine, rids="abg", constrained="g")
+        run = together(engine, rids="abg", penalised="g")
     finally:
         del engine.batch_drafts._draft
     assert run.ids == want and run.finished["g"].drafted_tokens == 0

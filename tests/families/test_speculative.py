@@ -335,15 +335,16 @@ def test_the_costs_are_measured_once_per_worker(plain: dict) -> None:
         engine.speculation = off
 
 
-def test_a_grammar_request_goes_to_the_batch_undrafted_and_exact(family_models: Path, plain: dict) -> None:
-    """A constrained request takes logits processors, which only the batch runs: no drafting, plain's ids."""
+def test_a_grammar_request_goes_to_the_batch_and_drafts_there_exactly(family_models: Path, plain: dict) -> None:
+    """A constrained request takes logits processors, which only the batch runs: alone there, it drafts within its
+    grammar (batch_drafting.py), and its ids are plain's."""
     json_only = {"type": "json", "schema": None}
     expected, _ = run(plain["llama"], greedy(n=30, constraint=json_only))
     engine = drafting(family_models / "llama", speculative="prompt-lookup")
     engine.submit(greedy(n=30, constraint=json_only))
     assert engine._solo is None  # in the batch
     got, fin = drive(engine, "a")
-    assert got == expected and fin is not None and fin.drafted_tokens == 0
+    assert got == expected and fin is not None and fin.drafted_tokens > 0
 
 
 def test_a_resumed_request_drafts_and_continues_plain_decoding_exactly(family_models: Path, plain: dict) -> None:

@@ -2,8 +2,9 @@
 row keeping its own count.
 
 The solo (solo.py) drafts for a request alone. When the batch is decoding (no prompt chunk pending), every row has
-its drafter (speculative.py's `Drafting`) and no logits processors, the caches can take tokens back and there are
-at most MAX_DRAFT_BATCH rows, an engine step may draft instead of calling `gen.next()`. It reads the tokens in hand
+its drafter (speculative.py's `Drafting`) and no logits processors but a grammar (guided.GrammarProcessor), the
+caches can take tokens back and there are at most MAX_DRAFT_BATCH rows, an engine step may draft instead of calling
+`gen.next()`. It reads the tokens in hand
 y_i (GenerationBatch's `_next_tokens`: sampled, not fed yet), each row proposes up to k drafts after its history and
 y_i, and the model runs once on [B, n + 1] = [y_i, drafts_i], n the longest proposal (a shorter one padded: its
 padding is never kept). Each row verifies its own drafts by its own rule: a greedy row keeps the drafts equal to
@@ -13,6 +14,13 @@ first a_i drafts and emits y_i and them, each through its stop matcher and max_t
 the token in hand afterwards is the target's token after them, with its logprobs: a following step, plain or
 drafted, continues seamlessly. Greedy ids are therefore plain decoding's, token for token, and seeded ids plain
 seeded decoding's.
+
+A constrained row's matcher is taken along its drafts before the verification (`GrammarProcessor.along`): it
+consumes y and the drafts its grammar allows, and the first draft it forbids ends the row's draft; the masks after
+each are applied to that row's logits at those positions, as its processor masks a plain step's, so verification,
+`after` and the logprobs emitted are those of constrained decoding. The drafts rejected go back out of the matcher
+(`back`): after the step it has consumed exactly the tokens emitted, and the next plain step's processor consumes
+the token in hand, as it would have.
 
 A row's proposal stops at the first token at which it would finish (a stop token, its max_tokens) or, with reply
 snapshots, reach a block's end: a finishing row ends at its last kept token, its extracted cache and all_tokens
@@ -43,10 +51,12 @@ from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.generate import BatchGenerator, GenerationBatch
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache
 
 from worker.mlx_engine.draft_pricing import Costs, Pricing
+from worker.mlx_engine.guided import GrammarProcessor
 from worker.mlx_engine.speculative import Drafting, Oracle, leading
 
 MAX_DRAFT_BATCH = 8  # past this many rows a step is compute-bound: a verification costs what plain steps do
@@ -74,6 +84,15 @@ def mark(cache: list, n: int) -> dict[int, Any] | None:
             keys, values, offset, left_padding, *rest = c.state
             marked[i] = (keys, values, _copied(offset), _copied(left_padding), *rest)
     return marked or None
+
+
+def grammar(processors: list | None) -> GrammarProcessor | None | bool:
+    """A row's grammar, where its only logits processor is one that can draft (its masks taken along the drafts);
+    None: no processors; False: processors a drafting step cannot apply (penalties, a reasoning budget)."""
+    if not processors:
+        return None
+    p = processors[0]
+    return p if len(processors) == 1 and isinstance(p, GrammarProcessor) and p.drafts_ready() else False
 
 
 def undoable(cache: list) -> bool:
@@ -118,6 +137,20 @@ def undo(model: Callable[..., object], cache: list, ids: mx.array, keep: list[in
     return most
 
 
+def masked(logits: mx.array, masks: dict[int, np.ndarray | None]) -> mx.array:
+    """`logits` (B, n + 1, width) with each constrained row's masks (positions, vocab) applied from its first position
+    on: what its grammar forbids is -inf, as its processor makes it in a plain step (past the tokenizer's vocabulary
+    too); other rows and positions as they are."""
+    b, n, width = logits.shape
+    allow = np.ones((b, n, width), np.bool_)
+    for i, m in masks.items():
+        if m is not None:
+            k = min(m.shape[1], width)
+            allow[i, :m.shape[0], :k] = m[:, :k].astype(np.bool_)
+            allow[i, :m.shape[0], k:] = False
+    return mx.where(mx.array(allow), logits, mx.array(-np.inf, dtype=logits.dtype))
+
+
 class BatchDrafting:
     """The batch's rows that may draft (their `Drafting`, by the generator's uid), and the lockstep drafting step."""
 
@@ -145,7 +178,9 @@ class BatchDrafting:
         if gen._unprocessed_sequences or len(gen._prompt_batch) or not 0 < len(batch) <= MAX_DRAFT_BATCH:
             return None
         rows = [self.rows.get(uid) for uid in batch.uids]
-        if any(d is None for d in rows) or any(batch.logits_processors) or not undoable(batch.prompt_cache):
+        if any(d is None for d in rows) or not undoable(batch.prompt_cache):
+            return None
+        if any(grammar(ps) is False for ps in batch.logits_processors or []):  # penalties, a budget: plain steps
             return None
         return cast(list[Drafting], rows)
 
@@ -200,10 +235,22 @@ class BatchDrafting:
             proposed.append(p)
             qs.append(None if q is None else q[:len(p)])
         pace.proposed(any(proposed), self.decoded)  # no row with anything to propose: no drafting step for a while
+        # a constrained row's drafts run as far as its grammar allows them, its masks taken along (its matcher
+        # consumes y and them; what verification rejects goes back out after it)
+        grammars = [cast(GrammarProcessor | None, grammar(ps)) for ps in batch.logits_processors or [[]] * len(rows)]
+        masks: dict[int, np.ndarray | None] = {}
+        if any(proposed):
+            for i, g in enumerate(grammars):
+                if g is not None:
+                    masks[i], allowed = g.along(ys[i], proposed[i])
+                    proposed[i] = proposed[i][:allowed]
+                    qs[i] = None if qs[i] is None else cast(mx.array, qs[i])[:allowed]
         n = max(len(p) for p in proposed)
         if n < 1:
             for i, d in enumerate(rows):
                 d.drafter.keep(len(batch.tokens[i]))  # a draft model fed its drafts: taken back
+                if (g := grammars[i]) is not None and i in masks:
+                    g.back(1 if masks[i] is not None else 0)  # y: the plain step's processor consumes it
             return None
         # a row proposing fewer than n is padded with its last token: a position past its own drafts is never kept
         fed = [[ys[i], *p] for i, p in enumerate(proposed)]
@@ -211,8 +258,14 @@ class BatchDrafting:
         cache = batch.prompt_cache
         marked = mark(cache, n + 1)
         logits = self.model(ids, cache=cache)
+        if any(m is not None for m in masks.values()):
+            logits = masked(logits, masks)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         kept, after = self._verify(rows, logprobs, proposed, qs)
+        for i, g in enumerate(grammars):
+            if g is not None and masks.get(i) is not None:
+                g.back(len(proposed[i]) - kept[i])
+                batch._token_context[i].update_and_fetch(mx.array(fed[i][:kept[i] + 1], mx.int32))
         refed = undo(self.model, cache, ids, [a + 1 for a in kept], marked)
         pace.observe(n, sum(kept) / len(kept), self.decoded, refed)
         self.decoded += max(kept) + 1

@@ -182,7 +182,7 @@ class Engine:
                                   self.graph, drafting, frozenset(points), self.batch_drafts.boundary)
         else:
             self._solo_to_batch()
-            drafting = self.speculation.drafting(msg) if not d.processors else None
+            drafting = self.speculation.drafting(msg) if not d.processors or d.processors == [d.grammar] else None
             (uid,) = self.gen.insert_segments(
                 [[tokens[cached + a:cached + b] for a, b in zip(cuts, cuts[1:]) if b > a]],  # prefill stops at each point
                 max_tokens=[max_tokens],

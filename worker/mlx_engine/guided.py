@@ -135,6 +135,38 @@ class GrammarProcessor:
         return mx.where(mx.array(allowed.astype(np.bool_)), logits, mx.array(-np.inf, dtype=logits.dtype))
 
 
+    def drafts_ready(self) -> bool:
+        """Whether a drafting step may take this row's grammar along (batch_drafting.py): past its first token, its
+        matcher sound."""
+        return self._started and self._first is None and self.failure is None
+
+    def along(self, y: int, drafts: list[int]) -> tuple[np.ndarray | None, int]:
+        """For a drafting step: consume the token in hand and then the drafts the grammar allows, in order, up to the
+        first it forbids (a forbidden draft ends the draft). The masks after y and after each draft consumed, shape
+        (1 + consumed, vocab), and how many drafts were consumed; (None, 0) where the matcher failed at y. The
+        caller takes the drafts verification rejects back out (`back`), so that, as after plain steps, the matcher
+        has consumed exactly the tokens emitted and the next call consumes the token in hand."""
+        self.matcher.consume_token(y)
+        if self.matcher.is_error():
+            self.failure = error_summary(self.matcher.get_error())
+            return None, 0
+        masks = [self._allowed()]
+        for d in drafts:
+            if d >= len(masks[-1]) or not masks[-1][d]:
+                break
+            self.matcher.consume_token(d)
+            if self.matcher.is_error():  # not expected of an allowed token: the draft stops before it
+                self.matcher.rollback(1)
+                break
+            masks.append(self._allowed())
+        return np.stack(masks), len(masks) - 1
+
+    def back(self, n: int) -> None:
+        """Take the last n tokens consumed back out of the matcher."""
+        if n > 0:
+            self.matcher.rollback(n)
+
+
 def penalty_processors(presence: float, frequency: float, repetition: float,
                        logit_bias: list | None) -> list[Callable]:
     bias = {int(t): float(b) for t, b in logit_bias} if logit_bias else None
