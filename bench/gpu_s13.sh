@@ -8,6 +8,9 @@
 #            share of 4 CPUs?), then batch drafting on CUDA: the oracle at k=4 with 8 streams, identical (every
 #            draft kept) and each stream's record wrong at every 7th token at its own offset (rows keeping their
 #            own counts), 3 rounds each
+#   split:   the single stream's time split, servers' CPUs 0-3, 10 rounds: bench.diagnose engine (stream_generate, the
+#            Engine by submit/step, the same plus msgpack + ZeroMQ send and poll) and worker (stream_generate in a
+#            subprocess, a worker subprocess over bare ZeroMQ): where the worker's extra time a token goes
 set -u
 MODE=${1:?targets or extra}
 W=/tmp/bw R=$OUT/s13-$MODE M=/tmp/bw/models/bench-1b S=/tmp/bw/source/1b
@@ -37,5 +40,18 @@ case $MODE in
       echo "oracle 8 streams wrong=$wrong: exit $? at ${SECONDS}s"
       python3 -c "import json; d=json.load(open('$R/oracle-streams8-wrong$wrong.json')); print({k: (round(v['speedup_vs_off_p50'], 3), v['acceptance']) for k, v in d['curve'].items()}, 'parity', d['parity'])"
     done ;;
+  split)
+    DIAG_ENGINE_VARIANTS=S_mlx_lm_stream_generate,B_engine_submit_step,D_engine_plus_zmq_msgpack timeout 520 \
+      taskset -c 0-3 python3 -m bench.diagnose --model "$M" --out "$R/split.json" --parts engine,worker \
+      --worker-variants W_plain --rounds "${ROUNDS:-10}" > "$R/split.log" 2>&1
+    echo "split exit $? at ${SECONDS}s"
+    python3 -c "
+import json; d = json.load(open('$R/split.json'))
+for part in ('engine', 'worker'):
+    x = d.get(part, {})
+    print(part, json.dumps(x.get('itl_p50_ms_median') or {k: v.get('itl_p50_ms_median') if isinstance(v, dict) else v for k, v in x.items() if k != 'tokens'}))
+    print(part, 'per round', json.dumps(x.get('itl_p50_ms_per_round') or {k: v.get('itl_p50_ms_per_round') for k, v in x.items() if isinstance(v, dict)}))
+    print(part, 'perf', json.dumps(x.get('solo_per_token_ms') or {k: v.get('solo_per_token_ms') for k, v in x.items() if isinstance(v, dict)})[:1500])
+" ;;
   *) echo "unknown mode $MODE"; exit 2 ;;
 esac

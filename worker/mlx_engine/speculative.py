@@ -444,8 +444,8 @@ class Speculation:
         self.record = Record()
 
     def drafting(self, msg: Submit) -> Drafting | None:
-        """A request's drafting (None: the mode is off): the solo's, or a row's in the batch (batch_drafting.py);
-        neither takes logits processors."""
+        """A request's drafting (None: the mode is off): the solo's (a request without logits processors), or a row's
+        in the batch (batch_drafting.py: no logits processors but a grammar)."""
         if self.mode == "off":
             return None
         drafter: Drafter = (Oracle(self.oracle) if self.oracle is not None else PromptLookup() if self.draft is None
