@@ -140,15 +140,20 @@ def undo(model: Callable[..., object], cache: list, ids: mx.array, keep: list[in
 def masked(logits: mx.array, masks: dict[int, np.ndarray | None]) -> mx.array:
     """`logits` (B, n + 1, width) with each constrained row's masks (positions, vocab) applied from its first position
     on: what its grammar forbids is -inf, as its processor makes it in a plain step (past the tokenizer's vocabulary
-    too); other rows and positions as they are."""
-    b, n, width = logits.shape
-    allow = np.ones((b, n, width), np.bool_)
-    for i, m in masks.items():
-        if m is not None:
-            k = min(m.shape[1], width)
-            allow[i, :m.shape[0], :k] = m[:, :k].astype(np.bool_)
-            allow[i, :m.shape[0], k:] = False
-    return mx.where(mx.array(allow), logits, mx.array(-np.inf, dtype=logits.dtype))
+    too); other rows and positions as they are. Only the constrained rows' masks go to the device."""
+    _, n, width = logits.shape
+    rows = []
+    for i in range(logits.shape[0]):
+        m = masks.get(i)
+        if m is None:
+            rows.append(logits[i])
+            continue
+        allow = np.ones((n, width), np.bool_)
+        k = min(m.shape[1], width)
+        allow[:m.shape[0], :k] = m[:, :k].astype(np.bool_)
+        allow[:m.shape[0], k:] = False
+        rows.append(mx.where(mx.array(allow), logits[i], mx.array(-np.inf, dtype=logits.dtype)))
+    return mx.stack(rows)
 
 
 class BatchDrafting:
