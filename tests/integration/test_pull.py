@@ -133,8 +133,10 @@ def test_a_pull_cut_mid_file_is_never_served_and_resumes_where_it_stopped(
     digest = sha256(made["tiny"] / WEIGHTS)
     part = store.repo_folder(cache, repo) / "blobs" / f"{digest}.incomplete"
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("MLXSUP_", "HF_"))}
+    # the hub holds the connection at the cut until released: the pull's read must not time out (huggingface_hub's
+    # 10 s) and resume before the Ctrl-C, however slowly this machine gets through the checks in between
     proc = subprocess.Popen([*MLXSUP, "pull", repo], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**clean, **env})
+                            env={**clean, **env, "HF_HUB_DOWNLOAD_TIMEOUT": "600"})
     try:
         wait_for(lambda: part.exists() and part.stat().st_size == cut, 60, what="the cut to be on disk")
         with pytest.raises(openai.APIStatusError) as downloading:
