@@ -3,7 +3,8 @@
 # results in $OUT/s13-MODE:
 #     bash bench/gpu_run.sh -- bash bench/gpu_s13.sh MODE
 #   targets: the profile's throughput section at 1, 8 and 32 clients, ROUNDS (7) interleaved rounds, servers on
-#            CPUs 0-3 (the profile's pinning; SERVER_CPUS=0-7: on 8): issue 30's three targets in one run
+#            CPUs 0-3 (the profile's pinning; SERVER_CPUS=0-7: on 8; CONC, ROUNDS: other clients, rounds): issue 30's
+#            three targets in one run
 #   extra:   the single stream with the servers on CPUs 0-7 (3 rounds: is the daemon's extra ITL its processes'
 #            share of 4 CPUs?), then batch drafting on CUDA: the oracle at k=4 with 8 streams, identical (every
 #            draft kept) and each stream's record wrong at every 7th token at its own offset (rows keeping their
@@ -11,6 +12,8 @@
 #   split:   the single stream's time split, servers' CPUs 0-3, 10 rounds: bench.diagnose engine (stream_generate, the
 #            Engine by submit/step, the same plus msgpack + ZeroMQ send and poll) and worker (stream_generate in a
 #            subprocess, a worker subprocess over bare ZeroMQ): where the worker's extra time a token goes
+#   nossd:   32 clients, ROUNDS (12) rounds: mlxsup as configured by default against the same tree with the SSD
+#            cache off (mlxsup_b, MLXSUP_CONFIG with [cache] ssd = false): is the later rounds' slowdown the writer?
 set -u
 MODE=${1:?targets or extra}
 W=/tmp/bw R=$OUT/s13-$MODE M=/tmp/bw/models/bench-1b S=/tmp/bw/source/1b
@@ -26,7 +29,7 @@ case $MODE in
   targets)
     rm -rf "$W/state-throughput"
     timeout 560 python3 -m bench --profile gpu --out "$R/gpu" --work "$W" --deadline "${TP_DEADLINE:-500}" \
-      --sections throughput --concurrency 1,8,32 --rounds "${ROUNDS:-7}" --server-cpus "${SERVER_CPUS:-auto}" \
+      --sections throughput --concurrency "${CONC:-1,8,32}" --rounds "${ROUNDS:-7}" --server-cpus "${SERVER_CPUS:-auto}" \
       > "$R/log.txt" 2>&1
     echo "bench exit $? at ${SECONDS}s"; tables "$R/gpu/results.md" ;;
   extra)
@@ -52,6 +55,19 @@ for part in ('engine', 'worker'):
     print(part, json.dumps(x.get('itl_p50_ms_median') or {k: v.get('itl_p50_ms_median') if isinstance(v, dict) else v for k, v in x.items() if k != 'tokens'}))
     print(part, 'per round', json.dumps(x.get('itl_p50_ms_per_round') or {k: v.get('itl_p50_ms_per_round') for k, v in x.items() if isinstance(v, dict)}))
     print(part, 'perf', json.dumps(x.get('solo_per_token_ms') or {k: v.get('solo_per_token_ms') for k, v in x.items() if isinstance(v, dict)})[:1500])
+" ;;
+  nossd)
+    printf '[cache]\nssd = false\n' > /tmp/nossd.toml
+    rm -rf "$W/state-throughput" "$W/state-throughput-b"
+    timeout 560 python3 -m bench --profile gpu --out "$R/gpu" --work "$W" --deadline 480 --sections throughput \
+      --concurrency 32 --rounds "${ROUNDS:-12}" --mlxsup-b "$PWD" --mlxsup-b-env MLXSUP_CONFIG=/tmp/nossd.toml \
+      > "$R/log.txt" 2>&1
+    echo "bench exit $? at ${SECONDS}s"; tables "$R/gpu/results.md"
+    sed -n '/^| clients | tok\/s mlxsup \/ mlxsup_b/,/^$/p' "$R/gpu/results.md"
+    python3 -c "
+import json; d = json.load(open('$R/gpu/results.json'))
+for side in ('inproc', 'mlxsup', 'mlxsup_b'):
+    print(side, [(r['round'], round(r['itl_p50_s'] * 1e3, 2), round(r['tok_s'])) for r in d['throughput']['runs'] if r['side'] == side])
 " ;;
   *) echo "unknown mode $MODE"; exit 2 ;;
 esac
