@@ -134,9 +134,15 @@ def test_a_pull_cut_mid_file_is_never_served_and_resumes_where_it_stopped(
     part = store.repo_folder(cache, repo) / "blobs" / f"{digest}.incomplete"
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("MLXSUP_", "HF_"))}
     # the hub holds the connection at the cut until released: the pull's read must not time out (huggingface_hub's
-    # 10 s) and resume before the Ctrl-C, however slowly this machine gets through the checks in between
-    proc = subprocess.Popen([*MLXSUP, "pull", repo], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**clean, **env, "HF_HUB_DOWNLOAD_TIMEOUT": "600"})
+    # 10 s) and resume before the Ctrl-C, however slowly this machine gets through the checks in between. And the
+    # pull must hear Ctrl-C even where this run ignores SIGINT (a background job's shell sets SIG_IGN, which exec
+    # keeps): a handler here is reset to the default in the child, where Python makes it KeyboardInterrupt again
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen([*MLXSUP, "pull", repo], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**clean, **env, "HF_HUB_DOWNLOAD_TIMEOUT": "600"})
+    finally:
+        signal.signal(signal.SIGINT, previous)
     try:
         wait_for(lambda: part.exists() and part.stat().st_size == cut, 60, what="the cut to be on disk")
         with pytest.raises(openai.APIStatusError) as downloading:

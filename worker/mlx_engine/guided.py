@@ -134,7 +134,6 @@ class GrammarProcessor:
             allowed = np.pad(allowed, (0, max(0, width - len(allowed))))[:width]
         return mx.where(mx.array(allowed.astype(np.bool_)), logits, mx.array(-np.inf, dtype=logits.dtype))
 
-
     def drafts_ready(self) -> bool:
         """Whether a drafting step may take this row's grammar along (batch_drafting.py): past its first token, its
         matcher sound."""
