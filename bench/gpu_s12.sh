@@ -13,15 +13,9 @@
 #               step shapes against seen ones) under MLX CUDA settings given as SHAPE_ENVS="name:K=V,K=V;..."
 set -u
 MODE=${1:?throughput, ramp or shapes}
-W=/tmp/bw R=$OUT/s12-$MODE M=/tmp/bw/models/bench-1b
+R=$OUT/s12-$MODE
 mkdir -p "$R"
-[ -e "$M/model.safetensors" ] || rm -rf "$M"
-[ -d "$M" ] || python3 -c "
-from pathlib import Path
-from bench.model import make_never_eos_view, make_source_model
-make_never_eos_view(make_source_model(Path('$W/source/1b'), '1b', 0), Path('$M'))" > /dev/null || exit 6
-echo "model at ${SECONDS}s"
-tables() { sed -n '/^| clients | side/,/^$/p;/^| clients | mlxsup \/ in-process/,/^$/p;/^| clients | ITL/,/^$/p' "$1"; }
+source "$(dirname "$0")/gpu_1b.sh"
 case $MODE in
   throughput)
     rm -rf "$W/state-throughput"

@@ -15,16 +15,10 @@
 #   nossd:   32 clients, ROUNDS (12) rounds: mlxsup as configured by default against the same tree with the SSD
 #            cache off (mlxsup_b, MLXSUP_CONFIG with [cache] ssd = false): is the later rounds' slowdown the writer?
 set -u
-MODE=${1:?targets or extra}
-W=/tmp/bw R=$OUT/s13-$MODE M=/tmp/bw/models/bench-1b S=/tmp/bw/source/1b
+MODE=${1:?targets, extra, split or nossd}
+R=$OUT/s13-$MODE
 mkdir -p "$R"
-[ -e "$M/model.safetensors" ] || rm -rf "$M"
-[ -d "$M" ] || python3 -c "
-from pathlib import Path
-from bench.model import make_never_eos_view, make_source_model
-make_never_eos_view(make_source_model(Path('$S'), '1b', 0), Path('$M'))" > /dev/null || exit 6
-echo "model at ${SECONDS}s"
-tables() { sed -n '/^| clients | side/,/^$/p;/^| clients | mlxsup \/ in-process/,/^$/p;/^| clients | ITL/,/^$/p' "$1"; }
+source "$(dirname "$0")/gpu_1b.sh"
 case $MODE in
   targets)
     rm -rf "$W/state-throughput"
