@@ -20,6 +20,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.models.cache import ArraysCache, CacheList, RotatingKVCache
 
@@ -50,12 +51,14 @@ def trim(cache: list, n: int) -> None:
             c.trim(n)
 
 
-def mark(cache: list, n: int) -> dict[int, Any] | None:
-    """Before feeding n (at least 2) tokens to an `undoable` cache: the marked layers' state, by layer (None: a
-    trim undoes them)."""
+def mark(cache: list, n: int, copies: bool = False) -> dict[int, Any] | None:
+    """Before feeding n tokens to an `undoable` cache: the marked layers' state, by layer (None: a trim undoes them).
+    References hold it where the feed is of at least 2 tokens; `copies` for feeds of one token at a time (a draft
+    model's), which a RotatingKVCache writes into its arrays in place."""
     if room(cache) >= n:
         return None
-    return {i: tree_map(lambda leaf: leaf, c.state) for i, c in enumerate(cache) if isinstance(c, MARKED)}
+    keep = (lambda leaf: mx.array(leaf) if isinstance(leaf, mx.array) else leaf) if copies else (lambda leaf: leaf)
+    return {i: tree_map(keep, c.state) for i, c in enumerate(cache) if isinstance(c, MARKED)}
 
 
 def restore(cache: list, marked: dict[int, Any], n: int) -> None:

@@ -58,7 +58,6 @@ from typing import Any, Protocol, cast
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_map
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
@@ -66,7 +65,7 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 from protocol.messages import Submit
 from worker.mlx_engine.decode_graph import DecodeGraph
 from worker.mlx_engine.draft_pricing import Costs, Pricing
-from worker.mlx_engine.rollback import MARKED, restore, room, trim, undoable
+from worker.mlx_engine.rollback import mark, restore, room, trim, undoable
 
 MODES = ("off", "prompt-lookup", "draft")  # the config's and the worker's; "oracle" is a hook for tests and the bench
 DEFAULT_DRAFT_TOKENS = 4
@@ -271,9 +270,8 @@ class ModelDrafter:
                 self.model(mx.array(behind[:n])[None], cache=self.cache)
                 mx.eval([c.state for c in self.cache])
                 behind, self.fed = behind[n:], self.fed + n
-            self._mark = None if room(self.cache) >= k else (self.fed, {
-                i: tree_map(lambda a: mx.array(a) if isinstance(a, mx.array) else a, c.state)
-                for i, c in enumerate(self.cache) if isinstance(c, MARKED)}, [y])
+            marked = mark(self.cache, k, copies=True)  # y and k - 1 drafts are fed after it, one at a time
+            self._mark = None if marked is None else (self.fed, marked, [y])
             ids = mx.array(behind, mx.uint32)
             drafts, qs = [], []
             for i in range(k):
