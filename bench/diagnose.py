@@ -424,10 +424,25 @@ WORKER_VARIANTS = {
     # a sliding-window or recurrent model's lone request with caches on: the solo (its prefill stopping at snapshot
     # points), or the BatchGenerator at batch 1, where such a request always went before
     "W_caches_solo_off": ["--hot-cache-bytes", str(2 * 2**30), "--ssd-cache-root", "{tmp}/ssd", "--solo", "off"],
+    # its main (decoding) thread alone on CPU 0, every other thread (ZeroMQ's I/O thread, CUDA's, the lifeline) on
+    # 1-3: does another thread's work on the decoding thread's CPU (a wake-up per message) cost its ITL?
+    "W_main_alone": ["PIN:0:1-3"],
 }
-# "ENV:K=V" entries are the worker's environment, not arguments. --worker-variants or DIAG_WORKER_VARIANTS
+# "ENV:K=V" entries are the worker's environment, not arguments; "PIN:MAIN:REST" pins the worker's main thread to
+# CPUs MAIN and its other threads to REST once it is ready. --worker-variants or DIAG_WORKER_VARIANTS
 # (W_plain,W_daemon_caches) picks some (default: the first five); DIAG_PYSPY=DIR records each one's measured rounds
 # with py-spy (attached after Ready) into DIR/<variant>.txt
+
+
+def pin_apart(pid: int, main: str, rest: str) -> None:
+    """The main thread of `pid` onto CPUs `main`, its other threads onto `rest` (lists like '0' or '1-3')."""
+    import psutil
+
+    def cpus(spec: str) -> set[int]:
+        return {c for part in spec.split(",") for c in range(int(part.split("-")[0]), int(part.split("-")[-1]) + 1)}
+
+    for t in psutil.Process(pid).threads():
+        os.sched_setaffinity(t.id, cpus(main) if t.id == pid else cpus(rest))
 
 
 def perf_lines(text: str) -> list[dict]:
@@ -466,7 +481,7 @@ class BareWorker:
     """A worker subprocess over bare ZeroMQ (no daemon, no HTTP), as the harness that times its Tokens messages."""
 
     def __init__(self, model_dir: str, log: Path, extra: list[str] | tuple[str, ...] = (), env: dict | None = None,
-                 cpus: str | None = None) -> None:
+                 cpus: str | None = None, main: list[str] | None = None) -> None:
         import zmq
 
         from protocol.codec import decode, encode
@@ -475,7 +490,7 @@ class BareWorker:
         self.sock = self.ctx.socket(zmq.ROUTER)
         port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         self.log = log
-        self.proc = subprocess.Popen([*(["taskset", "-c", cpus] if cpus else []), sys.executable, "-m", "worker",
+        self.proc = subprocess.Popen([*(["taskset", "-c", cpus] if cpus else []), sys.executable, *(main or ["-m", "worker"]),
                                       "--model-path", model_dir, "--model-id", "m", "--endpoint",
                                       f"tcp://127.0.0.1:{port}", "--identity", "w", "--warm-batch-shapes", "off",
                                       *extra], cwd=REPO, env=env, stderr=open(log, "wb"))
@@ -625,11 +640,14 @@ def part_worker(model_dir: str, tokens: int, rounds: int, words: int = 24, varia
         extra = WORKER_VARIANTS[name]
         env = dict(os.environ, **dict(a[4:].split("=", 1) for a in extra if a.startswith("ENV:")))
         tmp = tempfile.mkdtemp(prefix="diagw-")
-        extra = [a.format(tmp=tmp) for a in extra if not a.startswith("ENV:")]
+        pin = next((a[4:].split(":") for a in extra if a.startswith("PIN:")), None)
+        extra = [a.format(tmp=tmp) for a in extra if not a.startswith(("ENV:", "PIN:"))]
         worker = BareWorker(model_dir, Path(tmp) / "worker.log", ["--log-level", "DEBUG", *extra], env)
         spy = None
         try:
             worker.ready()
+            if pin is not None:
+                pin_apart(worker.proc.pid, *pin)
             worker.one(prompts("ew", 1, words, 0)[0], "warm", tokens)
             if os.environ.get("DIAG_PYSPY") and (exe := find_pyspy()) is not None:
                 spy = Spy(exe, worker.proc.pid, Path(os.environ["DIAG_PYSPY"]) / f"{name}.txt", rate=500)
@@ -661,6 +679,60 @@ def part_worker(model_dir: str, tokens: int, rounds: int, words: int = 24, varia
                     spy.proc.kill()
             worker.stop()
     return {"tokens": tokens, **out}
+
+
+def part_isolate(model_dir: str, tokens: int, rounds: int, words: int = 24) -> dict:
+    """The single stream's ITL, rounds interleaved: stream_generate in a process on CPUs 0-3 and one on CPU 0 alone, a
+    worker over bare ZeroMQ on 0-3 (W_plain), and a worker whose main thread is alone on CPU 0, its other threads
+    on 1-3 (W_main_alone): is the worker's extra time per token its other threads' work on the decoding CPU?"""
+    from bench.cpu_siblings import CHILD
+    from bench.prompts import prompts
+
+    streams = {}
+    for name, cpus in (("S_cpus0-3", "0-3"), ("S_cpu0", "0")):
+        streams[name] = subprocess.Popen(["taskset", "-c", cpus, sys.executable, "-c", CHILD, model_dir], cwd=REPO,
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    tmp = tempfile.mkdtemp(prefix="diagiso-")
+    workers = {name: BareWorker(model_dir, Path(tmp) / f"{name}.log", ["--log-level", "INFO"], cpus="0-3")
+               for name in ("W_plain", "W_main_alone")}
+    out: dict = {k: [] for k in [*streams, *workers]}
+    try:
+        for p in streams.values():
+            assert p.stdout is not None
+            while p.stdout.readline().strip() != "ready":
+                if p.poll() is not None:
+                    raise RuntimeError("a stream_generate child did not start")
+        for w in workers.values():
+            w.ready()
+        pin_apart(workers["W_main_alone"].proc.pid, "0", "1-3")
+
+        def side(name: str, r: int) -> float:
+            if name in streams:
+                p = streams[name]
+                assert p.stdin is not None and p.stdout is not None
+                p.stdin.write(f"{tokens}\n")
+                p.stdin.flush()
+                return round(float(p.stdout.readline()), 3)
+            return itl_ms(workers[name].one(prompts(f"i{r}", 1, words, 0)[0], f"r{r}", tokens)[0])
+
+        names = list(out)
+        for name in names:
+            side(name, -1)  # warm-up
+        for r in range(rounds):
+            order = names[r % len(names):] + names[:r % len(names)]
+            for name in (order if r % 2 == 0 else order[::-1]):
+                out[name].append(side(name, r))
+    finally:
+        for p in streams.values():
+            if p.stdin is not None:
+                p.stdin.close()
+            p.wait(30)
+        for w in workers.values():
+            w.stop()
+    med = {k: percentile(v, 50) for k, v in out.items()}
+    ratio = {k: round(percentile([a / b for a, b in zip(v, out["S_cpus0-3"])], 50), 3) for k, v in out.items()}
+    return {"tokens": tokens, "itl_p50_ms_per_round": out, "itl_p50_ms_median": med,
+            "ratio_to_S_cpus0-3_median": ratio}
 
 
 def part_store(model_dir: str, n: int, tokens: int, rounds: int) -> dict:
@@ -826,6 +898,8 @@ def main() -> int:
             elif part == "worker":
                 res[part] = part_worker(args.model, 256, max(3, args.rounds), args.words,
                                         args.worker_variants.split(",") if args.worker_variants else None)
+            elif part == "isolate":
+                res[part] = part_isolate(args.model, 256, max(3, args.rounds), args.words)
             elif part == "store":
                 res[part] = part_store(args.model, 32, 8, args.rounds)
             elif part == "chains":

@@ -13,8 +13,6 @@
 #               step shapes against seen ones) under MLX CUDA settings given as SHAPE_ENVS="name:K=V,K=V;..."
 set -u
 MODE=${1:?throughput, ramp or shapes}
-R=$OUT/s12-$MODE
-mkdir -p "$R"
 source "$(dirname "$0")/gpu_1b.sh"
 case $MODE in
   throughput)

@@ -16,8 +16,6 @@
 #            cache off (mlxsup_b, MLXSUP_CONFIG with [cache] ssd = false): is the later rounds' slowdown the writer?
 set -u
 MODE=${1:?targets, extra, split or nossd}
-R=$OUT/s13-$MODE
-mkdir -p "$R"
 source "$(dirname "$0")/gpu_1b.sh"
 case $MODE in
   targets)
