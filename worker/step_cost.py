@@ -106,9 +106,11 @@ class NonNegativeFit:
         self.moment = [0.0] * features  # sum w * x_j * y
         self.syy = 0.0
         self.n = 0
+        self._coef: dict[tuple[int, ...], tuple[float, ...] | None] = {}  # coef() by `use`, until the next add
 
     def add(self, *observation: float) -> None:
         """One observation: its `features` values, then y."""
+        self._coef.clear()
         *x, y = observation
         f = self.forgetting
         for i in range(self.features):
@@ -122,6 +124,11 @@ class NonNegativeFit:
         """The fitted coefficients, or None before any informative observation; features not in `use`
         (all by default) are held at 0."""
         use = tuple(range(self.features)) if use is None else use
+        if use not in self._coef:  # a plan asks many times between two observations (its chunk is bisected)
+            self._coef[use] = self._fit(use)
+        return self._coef[use]
+
+    def _fit(self, use: tuple[int, ...]) -> tuple[float, ...] | None:
         trace = sum(self.gram[j][j] for j in use)
         if trace <= 0:
             return None

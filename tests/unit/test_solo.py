@@ -17,7 +17,7 @@ from mlx_lm import load, stream_generate
 from protocol.messages import Submit
 from tests.unit import mlx_streams
 from worker.mlx_engine.decode_graph import solo_modes
-from worker.mlx_engine.engine import Engine
+from worker.mlx_engine.engine import DECODE_PLAN_STEPS, Engine
 from worker.mlx_engine.prompt_cache import CacheOptions
 
 LONG = [(i * 7919) % 1000 + 3 for i in range(150)]
@@ -157,3 +157,23 @@ def test_a_solo_evaluates_on_the_generation_stream(model_dir: Path, reference, s
     collect(engine, got)
     assert got["a"] == reference(LONG, 6)
     assert len(seen) >= 6 and set(seen) == {mlx_streams.generation()}
+
+
+def test_a_batch_decode_step_reuses_its_plan_for_the_same_work_and_every_step_still_teaches_the_fits(
+        model_dir: Path) -> None:
+    engine = Engine(model_dir / "tiny", solo="off")
+    for rid in ("a", "b"):
+        submit(engine, rid, OTHER, 40)
+    made, observed = [], []
+    plan, observe = engine.cost.plan, engine.cost.observe
+    engine.cost.plan = lambda work: (made.append(work), plan(work))[1]  # type: ignore[method-assign]
+    engine.cost.observe = lambda p, s: (observed.append(p), observe(p, s))  # type: ignore[method-assign]
+    steps = 0
+    while len(engine):
+        engine.plan_step()
+        engine.step()
+        steps += 1
+    decode = [w for w in made if not w.prefill]
+    # 2 decoding (1 in flight after the first decode step, then 2): a plan made once per DECODE_PLAN_STEPS steps
+    assert 1 <= sum(w.decoding == 2 and w.in_flight == 2 for w in decode) <= -(-steps // DECODE_PLAN_STEPS) + 1
+    assert len(made) < steps and len(observed) == steps  # fewer plans made than steps; each step observed

@@ -65,6 +65,24 @@ def test_fit_recovers_known_coefficients_and_keeps_them_non_negative() -> None:
     assert NonNegativeFit().coef() is None
 
 
+def test_a_fit_is_solved_once_between_two_observations_and_afresh_after_one() -> None:
+    fit = NonNegativeFit(forgetting=1.0)
+    fit.add(16, 1, 0.04)
+    fit.add(64, 40, 0.15)
+    solved: list[tuple[int, ...]] = []
+    solve = fit._fit
+    fit._fit = lambda use: (solved.append(use), solve(use))[1]  # type: ignore[method-assign]
+    first = [fit.coef() for _ in range(5)] + [fit.coef((1,)) for _ in range(3)]
+    assert solved == [(0, 1), (1,)] and len(set(first[:5])) == 1  # a plan's bisection asks again and again
+    fit.add(128, 300, 0.4)
+    after = fit.coef()
+    assert solved == [(0, 1), (1,), (0, 1)] and after != first[0]
+    fresh = NonNegativeFit(forgetting=1.0)
+    for x1, x2, y in [(16, 1, 0.04), (64, 40, 0.15), (128, 300, 0.4)]:
+        fresh.add(x1, x2, y)
+    assert after == fresh.coef()  # what it returns is the fit of every observation so far
+
+
 def test_first_chunk_is_small_before_any_measurement() -> None:
     model = StepCostModel(target_s=0.25, max_chunk=2048, seed_token_s=0.005)
     plan = model.plan(StepWork(0, (PrefillSeq(10_000, 0),)))
