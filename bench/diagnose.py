@@ -683,20 +683,46 @@ def part_worker(model_dir: str, tokens: int, rounds: int, words: int = 24, varia
 
 def part_isolate(model_dir: str, tokens: int, rounds: int, words: int = 24) -> dict:
     """The single stream's ITL, rounds interleaved: stream_generate in a process on CPUs 0-3 and one on CPU 0 alone, a
-    worker over bare ZeroMQ on 0-3 (W_plain), and a worker whose main thread is alone on CPU 0, its other threads
-    on 1-3 (W_main_alone): is the worker's extra time per token its other threads' work on the decoding CPU?"""
+    worker over bare ZeroMQ on 0-3 (W_plain), a worker whose main thread is alone on CPU 0, its other threads on 1-3
+    (W_main_alone), one with the daemon's default prompt caches (W_daemon_caches), and `mlxsup serve` on 0-3 over HTTP
+    as configured by default (D_http) and with its caches off (D_http_nocache), each worker's batch-shape warm-up
+    awaited: is the worker's extra time per token its other threads' work on the decoding CPU, or its caches', and
+    what does the daemon add? This
+    harness runs on the CPUs outside 0-3, as the throughput section's client does."""
+    import asyncio
+
+    from bench import servers
+    from bench.client import chat_body, stream_chat
     from bench.cpu_siblings import CHILD
     from bench.prompts import prompts
 
+    if hasattr(os, "sched_setaffinity") and (rest := os.sched_getaffinity(0) - {0, 1, 2, 3}):
+        os.sched_setaffinity(0, rest)
+    sides = ["S_cpus0-3", *[v for v in os.environ.get("DIAG_ISOLATE_SIDES", "").split(",") if v]] if \
+        os.environ.get("DIAG_ISOLATE_SIDES") else None  # some of them (default: all)
+
+    def wanted(name: str) -> bool:
+        return sides is None or name in sides
+
     streams = {}
-    for name, cpus in (("S_cpus0-3", "0-3"), ("S_cpu0", "0")):
+    for name, cpus in [x for x in (("S_cpus0-3", "0-3"), ("S_cpu0", "0")) if wanted(x[0])]:
         streams[name] = subprocess.Popen(["taskset", "-c", cpus, sys.executable, "-c", CHILD, model_dir], cwd=REPO,
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     tmp = tempfile.mkdtemp(prefix="diagiso-")
-    workers = {name: BareWorker(model_dir, Path(tmp) / f"{name}.log", ["--log-level", "INFO"], cpus="0-3")
-               for name in ("W_plain", "W_main_alone")}
-    out: dict = {k: [] for k in [*streams, *workers]}
+    workers = {name: BareWorker(model_dir, Path(tmp) / f"{name}.log", ["--log-level", "INFO", *[
+        a.format(tmp=f"{tmp}/{name}") for a in WORKER_VARIANTS[name] if not a.startswith("PIN:")]], cpus="0-3")
+        for name in ("W_plain", "W_main_alone", "W_daemon_caches") if wanted(name)}
+    servers.SERVER_CPUS = servers.parse_cpus("0-3")
+    (Path(tmp) / "nocache.toml").write_text("[cache]\nhot_budget = 0\nssd = false\n")
+    daemons = {"D_http": servers.Mlxsup(Path(model_dir).parent, Path(tmp) / "daemon"),
+               "D_http_nocache": servers.Mlxsup(Path(model_dir).parent, Path(tmp) / "daemon-nocache",
+                                                args=["--config", str(Path(tmp) / "nocache.toml")])}
+    daemons = {k: v for k, v in daemons.items() if wanted(k)}
+    model_id = Path(model_dir).name
+    out: dict = {k: [] for k in [*streams, *workers, *daemons]}
     try:
+        for d in daemons.values():
+            asyncio.run(d.start())
         for p in streams.values():
             assert p.stdout is not None
             while p.stdout.readline().strip() != "ready":
@@ -704,20 +730,28 @@ def part_isolate(model_dir: str, tokens: int, rounds: int, words: int = 24) -> d
                     raise RuntimeError("a stream_generate child did not start")
         for w in workers.values():
             w.ready()
-        pin_apart(workers["W_main_alone"].proc.pid, "0", "1-3")
+        if "W_main_alone" in workers:
+            pin_apart(workers["W_main_alone"].proc.pid, "0", "1-3")
 
         def side(name: str, r: int) -> float:
+            msgs = prompts(f"i{r}", 1, words, 0)[0]
             if name in streams:
                 p = streams[name]
                 assert p.stdin is not None and p.stdout is not None
                 p.stdin.write(f"{tokens}\n")
                 p.stdin.flush()
                 return round(float(p.stdout.readline()), 3)
-            return itl_ms(workers[name].one(prompts(f"i{r}", 1, words, 0)[0], f"r{r}", tokens)[0])
+            if name in daemons:
+                rec = asyncio.run(stream_chat(daemons[name].chat_url, chat_body(model_id, msgs, tokens,
+                                                                                {"ignore_eos": True}), 120))
+                return itl_ms(rec["times"])
+            return itl_ms(workers[name].one(msgs, f"r{r}", tokens)[0])
 
         names = list(out)
         for name in names:
             side(name, -1)  # warm-up
+        for d in daemons.values():  # each worker's idle warm-up (a GPU's) is over
+            asyncio.run(d.warmed_up(model_id, timeout=90))
         for r in range(rounds):
             order = names[r % len(names):] + names[:r % len(names)]
             for name in (order if r % 2 == 0 else order[::-1]):
@@ -729,10 +763,13 @@ def part_isolate(model_dir: str, tokens: int, rounds: int, words: int = 24) -> d
             p.wait(30)
         for w in workers.values():
             w.stop()
+        for d in daemons.values():
+            asyncio.run(d.stop())
     med = {k: percentile(v, 50) for k, v in out.items()}
     ratio = {k: round(percentile([a / b for a, b in zip(v, out["S_cpus0-3"])], 50), 3) for k, v in out.items()}
+    fast = {k: round(percentile(v, 25), 3) for k, v in out.items()}  # the host's fast speed: a side's faster rounds
     return {"tokens": tokens, "itl_p50_ms_per_round": out, "itl_p50_ms_median": med,
-            "ratio_to_S_cpus0-3_median": ratio}
+            "ratio_to_S_cpus0-3_median": ratio, "itl_p50_ms_p25_of_rounds": fast}
 
 
 def part_store(model_dir: str, n: int, tokens: int, rounds: int) -> dict:

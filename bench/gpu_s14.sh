@@ -8,7 +8,8 @@
 #   siblings: bench.cpu_siblings: stream_generate pinned to CPU 0 (then CPU 8), a numpy spinner pinned to each other
 #            CPU in turn: which vCPUs share a physical core (the VM says one thread per core)
 #   isolate: bench.diagnose isolate, ROUNDS (12) interleaved rounds: the single stream's ITL of stream_generate on
-#            CPUs 0-3 and on CPU 0, a worker on 0-3, and a worker with its main thread alone on CPU 0 (others on 1-3)
+#            CPUs 0-3 and on CPU 0, a worker on 0-3, a worker with its main thread alone on CPU 0 (others on 1-3), and
+#            (from 6e3989d on) mlxsup serve over HTTP on 0-3, the harness on the other CPUs
 #   targets: the profile's throughput section at 1, 8 and 32 clients, ROUNDS (7) interleaved rounds, servers on
 #            CPUs 0-3, the harness on CLIENT_CPUS (default: every other CPU); with B=DIR (a checkout of another commit, carried in the tree) as mlxsup_b in the same rounds
 set -u
@@ -26,7 +27,7 @@ case $MODE in
       echo "cpu $c: exit $? at ${SECONDS}s"; tail -1 "$R/log-cpu$c.txt"
     done ;;
   isolate)
-    timeout 520 python3 -m bench.diagnose --model "$M" --out "$R/isolate.json" --parts isolate \
+    DIAG_ISOLATE_SIDES=${SIDES:-} timeout 520 python3 -m bench.diagnose --model "$M" --out "$R/isolate.json" --parts isolate \
       --rounds "${ROUNDS:-12}" > "$R/log.txt" 2>&1
     echo "isolate exit $? at ${SECONDS}s"; tail -c 1500 "$R/log.txt" ;;
   targets)
