@@ -685,7 +685,8 @@ def part_isolate(model_dir: str, tokens: int, rounds: int, words: int = 24) -> d
     """The single stream's ITL, rounds interleaved: stream_generate in a process on CPUs 0-3 and one on CPU 0 alone, a
     worker over bare ZeroMQ on 0-3 (W_plain), a worker whose main thread is alone on CPU 0, its other threads on 1-3
     (W_main_alone), one with the daemon's default prompt caches (W_daemon_caches), and `mlxsup serve` on 0-3 over HTTP
-    as configured by default (D_http) and with its caches off (D_http_nocache), each worker's batch-shape warm-up
+    as configured by default (D_http), with its caches off (D_http_nocache), and with the daemon on CPUs 4-7 and only
+    its worker on 0-3 (D_http_apart), each worker's batch-shape warm-up
     awaited: is the worker's extra time per token its other threads' work on the decoding CPU, or its caches', and
     what does the daemon add? This
     harness runs on the CPUs outside 0-3, as the throughput section's client does."""
@@ -717,11 +718,15 @@ def part_isolate(model_dir: str, tokens: int, rounds: int, words: int = 24) -> d
     daemons = {"D_http": servers.Mlxsup(Path(model_dir).parent, Path(tmp) / "daemon"),
                "D_http_nocache": servers.Mlxsup(Path(model_dir).parent, Path(tmp) / "daemon-nocache",
                                                 args=["--config", str(Path(tmp) / "nocache.toml")])}
+    if wanted("D_http_apart"):  # the daemon on CPUs 4-7, its worker's threads moved to 0-3 once it serves
+        daemons["D_http_apart"] = servers.Mlxsup(Path(model_dir).parent, Path(tmp) / "daemon-apart")
     daemons = {k: v for k, v in daemons.items() if wanted(k)}
     model_id = Path(model_dir).name
     out: dict = {k: [] for k in [*streams, *workers, *daemons]}
     try:
-        for d in daemons.values():
+        for name, d in daemons.items():
+            servers.SERVER_CPUS = servers.parse_cpus(os.environ.get("DIAG_ISOLATE_APART", "4-7")
+                                                     if name == "D_http_apart" else "0-3")
             asyncio.run(d.start())
         for p in streams.values():
             assert p.stdout is not None
@@ -752,6 +757,11 @@ def part_isolate(model_dir: str, tokens: int, rounds: int, words: int = 24) -> d
             side(name, -1)  # warm-up
         for d in daemons.values():  # each worker's idle warm-up (a GPU's) is over
             asyncio.run(d.warmed_up(model_id, timeout=90))
+        if "D_http_apart" in daemons and (pid := daemons["D_http_apart"].pid) is not None:
+            import psutil
+            for child in psutil.Process(pid).children(recursive=True):
+                if "--model-path" in child.cmdline():  # the serving worker, not the spare
+                    pin_apart(child.pid, "0-3", "0-3")
         for r in range(rounds):
             order = names[r % len(names):] + names[:r % len(names)]
             for name in (order if r % 2 == 0 else order[::-1]):
