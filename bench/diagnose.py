@@ -438,11 +438,10 @@ def pin_apart(pid: int, main: str, rest: str) -> None:
     """The main thread of `pid` onto CPUs `main`, its other threads onto `rest` (lists like '0' or '1-3')."""
     import psutil
 
-    def cpus(spec: str) -> set[int]:
-        return {c for part in spec.split(",") for c in range(int(part.split("-")[0]), int(part.split("-")[-1]) + 1)}
+    from bench.servers import parse_cpus
 
     for t in psutil.Process(pid).threads():
-        os.sched_setaffinity(t.id, cpus(main) if t.id == pid else cpus(rest))
+        os.sched_setaffinity(t.id, parse_cpus(main if t.id == pid else rest) or set())
 
 
 def perf_lines(text: str) -> list[dict]:
@@ -686,10 +685,9 @@ def part_isolate(model_dir: str, tokens: int, rounds: int, words: int = 24) -> d
     worker over bare ZeroMQ on 0-3 (W_plain), a worker whose main thread is alone on CPU 0, its other threads on 1-3
     (W_main_alone), one with the daemon's default prompt caches (W_daemon_caches), and `mlxsup serve` on 0-3 over HTTP
     as configured by default (D_http), with its caches off (D_http_nocache), and with the daemon on CPUs 4-7 and only
-    its worker on 0-3 (D_http_apart), each worker's batch-shape warm-up
-    awaited: is the worker's extra time per token its other threads' work on the decoding CPU, or its caches', and
-    what does the daemon add? This
-    harness runs on the CPUs outside 0-3, as the throughput section's client does."""
+    its worker on 0-3 (D_http_apart), each worker's batch-shape warm-up awaited: is the worker's extra time per token
+    its other threads' work on the decoding CPU, or its caches', and what does the daemon add? This harness runs on
+    the CPUs outside 0-3, as the throughput section's client does."""
     import asyncio
 
     from bench import servers
