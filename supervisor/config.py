@@ -91,7 +91,7 @@ class Settings:
     prefill_step_size: int = 2048  # the most prompt tokens of a sequence one engine step prefills
     step_target_s: float = 0.25  # an engine step's target duration: prefill chunks are sized to it
     warm_batch_shapes: str = "auto"  # idle workers run each batch size once (after Ready, a step at a time): auto (GPU only), on, off
-    cpu_split: str = "auto"  # the daemon on a CPU of its own, GPU workers on the rest (supervisor/placement.py): auto, on, off
+    cpu_split: str = "auto"  # GPU workers leave a CPU to the daemon (supervisor/placement.py): auto, on, off
     worker_placement: list[str] = field(default_factory=list)  # set at start by placement.place_daemon, not read
     crash_limit: int = 3  # crashes within crash_window_s mark the model failed
     crash_window_s: float = 60.0

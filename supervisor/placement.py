@@ -1,12 +1,14 @@
 """Where the daemon and its workers run: `[server] cpu_split` (protocol/placement.py says why).
 
-"auto": where this process may run on at least AUTO_MIN_CPUS CPUs and can pin (Linux), the daemon keeps the last one
-(two from 16 on) and a worker whose MLX computes on a GPU gets the others; a worker on the CPU backend keeps them
-all, since it computes on them. "on": split wherever there are two CPUs, and every worker takes its share whatever
-its device (tests, CPU hosts that want the daemon apart). "off": nothing is pinned.
+"auto": where this process may run on at least AUTO_MIN_CPUS CPUs and can pin (Linux), a worker whose MLX computes on
+a GPU runs on all of them but the last (two from 16 on), which are left to the daemon; the daemon itself stays free to
+use every CPU, so under many streams its relay can spread out (pinned to one CPU of four, it held 32 streams back on
+an H200: bench/results/gpu/itl-s15). A worker on the CPU backend keeps them all, since it computes on them. "on": the
+daemon is pinned to its share as well, and every worker takes the rest whatever its device, from two CPUs on (tests,
+hosts that want them strictly apart). "off": nothing is pinned.
 
-A worker inherits the daemon's affinity at its exec, so it is always told where to go: `--cpus` (all the daemon may
-use, or the workers' share with "on") and `--gpu-cpus` (the workers' share, where it differs).
+With "on" the daemon is pinned before it starts a worker, which inherits that at its exec: so every worker is told
+its share by `--cpus`. With "auto" only a worker on a GPU moves, by `--gpu-cpus`.
 """
 
 from __future__ import annotations
@@ -43,8 +45,11 @@ def place_daemon(mode: str) -> list[str]:
     parts = split(allowed, mode) if allowed else None
     if allowed is None or parts is None:
         return []
-    pin_process(parts.daemon)
-    log.info("[start] cpu_split=%s: the daemon on CPU(s) %s, workers on %s%s", mode, format_cpus(parts.daemon),
-             format_cpus(parts.workers), " (on a GPU; a CPU-backend worker on all)" if mode == "auto" else "")
     workers = format_cpus(parts.workers)
-    return ["--cpus", workers] if mode == "on" else ["--cpus", format_cpus(allowed), "--gpu-cpus", workers]
+    if mode == "on":
+        pin_process(parts.daemon)
+        log.info("[start] cpu_split=on: the daemon on CPU(s) %s, workers on %s", format_cpus(parts.daemon), workers)
+        return ["--cpus", workers]
+    log.info("[start] cpu_split=auto: GPU workers on CPU(s) %s, leaving %s to the daemon", workers,
+             format_cpus(parts.daemon))
+    return ["--gpu-cpus", workers]

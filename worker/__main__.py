@@ -189,7 +189,7 @@ def name_process(model_id: str | None, argv: list[str]) -> None:
 
 
 def place(args: argparse.Namespace, log: logging.Logger) -> None:
-    """Onto the CPUs the supervisor gave (it started this process on its own), before the threads multiply."""
+    """Onto the CPUs the supervisor gave, before the threads multiply (supervisor/placement.py)."""
     cpus = args.cpus
     if args.gpu_cpus is not None:
         import mlx.core as mx

@@ -43,3 +43,22 @@ def test_cpu_split_on_puts_the_daemon_and_its_workers_apart(daemon_factory, mode
     worker_threads = cpus_of(worker)
     assert len(worker_threads) > 1 and all(c == worker_cpus for c in worker_threads.values()), worker_threads
     assert "cpu_split=on" in (d.state_dir / "daemon.log").read_text()
+
+
+PLACE = """
+import argparse, logging, os, sys
+from worker.__main__ import place
+place(argparse.Namespace(cpus=None, gpu_cpus={int(sys.argv[1])}), logging.getLogger())
+print(sorted(os.sched_getaffinity(0)))
+"""
+
+
+def test_with_auto_a_worker_on_the_cpu_backend_keeps_every_cpu() -> None:
+    """--gpu-cpus moves a worker only where MLX computes on a GPU; here MLX runs on the CPU, which needs them all."""
+    import subprocess
+    import sys
+
+    allowed = sorted(os.sched_getaffinity(0))
+    out = subprocess.run([sys.executable, "-c", PLACE, str(allowed[0])], capture_output=True, text=True, timeout=120,
+                         check=True)
+    assert out.stdout.strip() == str(allowed)
