@@ -684,11 +684,10 @@ def part_isolate(model_dir: str, tokens: int, rounds: int, words: int = 24) -> d
     """The single stream's ITL, rounds interleaved: stream_generate in a process on CPUs 0-3 and one on CPU 0 alone, a
     worker over bare ZeroMQ on 0-3 (W_plain), a worker whose main thread is alone on CPU 0, its other threads on 1-3
     (W_main_alone), one with the daemon's default prompt caches (W_daemon_caches), and `mlxsup serve` on 0-3 over HTTP
-    as configured by default (D_http: on Linux the daemon keeps CPU 3, its GPU worker 0-2), with cpu_split off
-    (D_http_nosplit), with its caches off (D_http_nocache), and with the daemon on CPUs 4-7 and only its worker on 0-3
-    (D_http_apart), each worker's batch-shape warm-up awaited: is the worker's extra time per token its other threads'
-    work on the decoding CPU, or its caches', and what does the daemon add? This harness runs on the CPUs outside
-    0-3, as the throughput section's client does."""
+    as configured by default (D_http), with its caches off (D_http_nocache), and with the daemon on CPUs 4-7 and only
+    its worker on 0-3 (D_http_apart), each worker's batch-shape warm-up awaited: is the worker's extra time per token
+    its other threads' work on the decoding CPU, or its caches', and what does the daemon add? This harness runs on
+    the CPUs outside 0-3, as the throughput section's client does."""
     import asyncio
 
     from bench import servers
@@ -714,10 +713,7 @@ def part_isolate(model_dir: str, tokens: int, rounds: int, words: int = 24) -> d
         for name in ("W_plain", "W_main_alone", "W_daemon_caches") if wanted(name)}
     servers.SERVER_CPUS = servers.parse_cpus("0-3")
     (Path(tmp) / "nocache.toml").write_text("[cache]\nhot_budget = 0\nssd = false\n")
-    (Path(tmp) / "nosplit.toml").write_text('[server]\ncpu_split = "off"\n')
     daemons = {"D_http": servers.Mlxsup(Path(model_dir).parent, Path(tmp) / "daemon"),
-               "D_http_nosplit": servers.Mlxsup(Path(model_dir).parent, Path(tmp) / "daemon-nosplit",
-                                                args=["--config", str(Path(tmp) / "nosplit.toml")]),
                "D_http_nocache": servers.Mlxsup(Path(model_dir).parent, Path(tmp) / "daemon-nocache",
                                                 args=["--config", str(Path(tmp) / "nocache.toml")])}
     if wanted("D_http_apart"):  # the daemon on CPUs 4-7, its worker's threads moved to 0-3 once it serves

@@ -12,10 +12,8 @@
 #            (from 6e3989d on) mlxsup serve over HTTP on 0-3, the harness on the other CPUs
 #   targets: the profile's throughput section at 1, 8 and 32 clients, ROUNDS (7) interleaved rounds, servers on
 #            CPUs 0-3, the harness on CLIENT_CPUS (default: every other CPU); with B=DIR (a checkout of another commit, carried in the tree) as mlxsup_b in the same rounds
-#   split:   (session 15) targets, with this tree's mlxsup as mlxsup_b too, its cpu_split off (the daemon and its
-#            worker sharing CPUs 0-3, as before cpu_split; mlxsup itself keeps CPU 3, its GPU worker 0-2)
 set -u
-MODE=${1:?cpu, siblings, isolate, targets or split}
+MODE=${1:?cpu, siblings, isolate or targets}
 source "$(dirname "$0")/gpu_1b.sh"
 case $MODE in
   cpu)
@@ -32,13 +30,11 @@ case $MODE in
     DIAG_ISOLATE_SIDES=${SIDES:-} timeout 520 python3 -m bench.diagnose --model "$M" --out "$R/isolate.json" --parts isolate \
       --rounds "${ROUNDS:-12}" > "$R/log.txt" 2>&1
     echo "isolate exit $? at ${SECONDS}s"; tail -c 1500 "$R/log.txt" ;;
-  targets|split)
+  targets)
     rm -rf "$W/state-throughput" "$W/state-throughput-b"
-    if [ "$MODE" = split ]; then printf '[server]\ncpu_split = "off"\n' > /tmp/nosplit.toml; B=.; fi
     timeout 560 python3 -m bench --profile gpu --out "$R/gpu" --work "$W" --deadline "${TP_DEADLINE:-500}" \
       --sections throughput --concurrency "${CONC:-1,8,32}" --rounds "${ROUNDS:-7}" \
-      ${CLIENT_CPUS:+--client-cpus "$CLIENT_CPUS"} ${B:+--mlxsup-b "$B"} \
-      $( [ "$MODE" = split ] && echo --mlxsup-b-env MLXSUP_CONFIG=/tmp/nosplit.toml ) > "$R/log.txt" 2>&1
+      ${CLIENT_CPUS:+--client-cpus "$CLIENT_CPUS"} ${B:+--mlxsup-b "$B"} > "$R/log.txt" 2>&1
     echo "bench exit $? at ${SECONDS}s"; tables "$R/gpu/results.md"
     sed -n '/^| clients | tok\/s mlxsup \/ mlxsup_b/,/^$/p' "$R/gpu/results.md" ;;
   *) echo "unknown mode $MODE"; exit 2 ;;

@@ -22,7 +22,6 @@ import httpx
 import psutil
 
 from bench.common import REPO
-from protocol import placement
 
 
 def free_port() -> int:
@@ -72,7 +71,11 @@ def parse_cpus(spec: str) -> set[int] | None:
     if spec == "auto":
         n = os.cpu_count() or 1
         return set(range(min(n, max(4, n // 4))))
-    return placement.parse_cpus(spec)
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        a, _, b = part.partition("-")
+        cpus.update(range(int(a), int(b or a) + 1))
+    return cpus
 
 
 def _pin() -> None:  # in the child, before exec

@@ -91,8 +91,6 @@ class Settings:
     prefill_step_size: int = 2048  # the most prompt tokens of a sequence one engine step prefills
     step_target_s: float = 0.25  # an engine step's target duration: prefill chunks are sized to it
     warm_batch_shapes: str = "auto"  # idle workers run each batch size once (after Ready, a step at a time): auto (GPU only), on, off
-    cpu_split: str = "auto"  # GPU workers leave a CPU to the daemon (supervisor/placement.py): auto, on, off
-    worker_placement: list[str] = field(default_factory=list)  # set at start by placement.place_daemon, not read
     crash_limit: int = 3  # crashes within crash_window_s mark the model failed
     crash_window_s: float = 60.0
     crash_cooldown_s: float = 60.0  # a failed model is tried again after this, or on an explicit load
@@ -172,7 +170,7 @@ _SERVER_KEYS: dict[str, type | tuple[type, ...]] = {
     "crash_cooldown_s": (int, float), "restart_backoff_s": (int, float), "restart_backoff_max_s": (int, float),
     "api_key": str, "sse_keepalive_s": (int, float), "hf_cache": str, "spare_workers": int,
     "allowed_hosts": list, "allowed_origins": list, "step_target_s": (int, float),
-    "warm_batch_shapes": str, "cpu_split": str,
+    "warm_batch_shapes": str,
     "max_resumes": int, "resume_timeout_s": (int, float),
     "model_aliases": dict, "default_model": str, "response_store_count": int, "response_store_bytes": int,
     "insecure_no_key": bool, "strict_context": bool, "strict_fields": bool,
@@ -226,8 +224,8 @@ def load_file(path: Path, settings: Settings) -> Settings:
             value = [Path(v).expanduser() for v in cast(list, value)]
         elif key in ("allowed_hosts", "allowed_origins"):
             value = _web_names(key, cast(list, value), path)
-        elif key in ("warm_batch_shapes", "cpu_split") and value not in ("auto", "on", "off"):
-            raise ConfigError(f"{path}: server.{key}: expected 'auto', 'on' or 'off', got {value!r}")
+        elif key == "warm_batch_shapes" and value not in ("auto", "on", "off"):
+            raise ConfigError(f"{path}: server.warm_batch_shapes: expected 'auto', 'on' or 'off', got {value!r}")
         elif key == "model_aliases" and not all(isinstance(v, str) and v for v in cast(dict, value).values()):
             raise ConfigError(f"{path}: server.model_aliases: expected {{pattern = model id}}, got {value!r}")
         setattr(settings, key, value)

@@ -39,7 +39,6 @@ from supervisor.effects import SystemClock, WorkerHandle
 from supervisor.gateway.app import build_app
 from supervisor.gateway.metrics import Metrics
 from supervisor.group import GroupProcess, GroupSpec
-from supervisor.placement import place_daemon
 from supervisor.process import WorkerProcess, reap_stale
 from supervisor.registry import ModelSpec, Registry, is_model_dir, weights_bytes
 from supervisor.router import Router
@@ -145,7 +144,6 @@ async def serve(settings: Settings) -> int:
     settings.state_dir.mkdir(parents=True, exist_ok=True)
     settings.log_dir.mkdir(parents=True, exist_ok=True)
     claim_state_dir(settings)
-    settings.worker_placement = place_daemon(settings.cpu_split)  # before the router's ZeroMQ threads start
     registry = build_registry(settings)
     listener = listen(settings.host, settings.port)
     run_dir = runtime_dir(settings.state_dir)

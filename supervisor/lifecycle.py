@@ -182,7 +182,7 @@ class Lifecycle:
         if spec.group is not None:  # a group's ranks start together, never on the spare
             self._spawned += 1
             identity = f"{spec.id}#{self._spawned}".encode()
-            argv = self._argv(identity, args)
+            argv = worker_argv(self.transport.endpoint, identity.decode(), st.heartbeat_s, args, st.log_level)
             process = self.spawn(spec.id, argv, log_path, group=spec.group)
         elif spare is not None:
             self.spare = None
@@ -191,7 +191,7 @@ class Lifecycle:
         else:
             self._spawned += 1
             identity = f"{spec.id}#{self._spawned}".encode()
-            argv = self._argv(identity, args)
+            argv = worker_argv(self.transport.endpoint, identity.decode(), st.heartbeat_s, args, st.log_level)
             process = self.spawn(spec.id, argv, log_path)
         worker = Worker(spec, identity, process, asyncio.get_running_loop().create_future(), self.clock.monotonic())
         worker.ready.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved by design
@@ -204,11 +204,6 @@ class Lifecycle:
         self._replenish_spare()  # at most one spawn per load: a spare that keeps dying cannot loop
         background(self._run(worker, spawned=spare is None), name=f"run[{spec.id}]")
         return worker
-
-    def _argv(self, identity: bytes, args: list[str]) -> list[str]:
-        st = self.settings
-        return worker_argv(self.transport.endpoint, identity.decode(), st.heartbeat_s, args, st.log_level,
-                           st.worker_placement)
 
     async def _run(self, worker: Worker, spawned: bool) -> None:
         """Start a freshly spawned worker's process (a spare's runs already), then wait for its end."""
@@ -226,7 +221,9 @@ class Lifecycle:
             return
         self._spawned += 1
         identity = f"spare#{self._spawned}".encode()
-        spare = Spare(identity, self.spawn("spare", self._argv(identity, ["--spare"]), self.settings.worker_log("spare")))
+        argv = worker_argv(self.transport.endpoint, identity.decode(), self.settings.heartbeat_s, ["--spare"],
+                           self.settings.log_level)
+        spare = Spare(identity, self.spawn("spare", argv, self.settings.worker_log("spare")))
         self.spare = spare
         background(self._run_spare(spare), name="run[spare]")
 

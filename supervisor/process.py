@@ -332,12 +332,11 @@ def reap_stale(pid_dir: Path, timeout_s: float = 5.0) -> list[int]:
 
 
 def worker_argv(endpoint: str, identity: str, heartbeat_s: float, model_args: list[str],
-                log_level: str = "info", placement: list[str] | None = None) -> list[str]:
-    """A worker's command line: how it reaches the supervisor, its log level (the daemon's), its CPUs
-    (placement.place_daemon's arguments), then `model_args` (or ["--spare"])."""
+                log_level: str = "info") -> list[str]:
+    """A worker's command line: how it reaches the supervisor, its log level (the daemon's), then `model_args`
+    (or ["--spare"])."""
     return [sys.executable, "-m", "worker", "--endpoint", endpoint, "--identity", identity,
-            "--heartbeat-s", str(heartbeat_s), "--log-level", log_level.upper(), "--lifeline", *(placement or []),
-            *model_args]
+            "--heartbeat-s", str(heartbeat_s), "--log-level", log_level.upper(), "--lifeline", *model_args]
 
 
 def model_args(model_path: Path, model_id: str, max_batch_size: int, prefill_step_size: int,

@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING
 
 from protocol.messages import DUMP_STACKS_SIGNAL, EXIT_CRASHED, EXIT_LOAD_FAILED, EXIT_OK
 from protocol.modelkind import EMBEDDING, RERANK, VISION, model_kind
-from protocol.placement import format_cpus, parse_cpus, pin_process
 from worker.faults import FAULTS, Faults
 from worker.shutdown import Shutdown, install_signal_handlers, leave, watch_lifeline
 
@@ -84,9 +83,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--draft", type=Path, default=None, help="the draft model's folder (the same tokenizer)")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="the most tokens drafted per verification")
     p.add_argument("--lifeline", action="store_true", help="exit when stdin reaches EOF")
-    p.add_argument("--cpus", type=parse_cpus, default=None,
-                   help="run on these CPUs (a list like 0-2,5; the supervisor's placement, supervisor/placement.py)")
-    p.add_argument("--gpu-cpus", type=parse_cpus, default=None, help="... or on these where MLX computes on a GPU")
     p.add_argument("--hot-cache-bytes", type=int, default=0, help="hot prefix cache budget (0: off)")
     p.add_argument("--ssd-cache-root", type=Path, default=None,
                    help="SSD cache root; blocks go to ROOT/<model fingerprint> (absent: off)")
@@ -129,7 +125,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     name_process(args.model_id if not args.group_rank else f"{args.model_id} rank {args.group_rank}", argv)
     log = logging.getLogger("worker")
-    place(args, log)
     # Evidence before a kill: the supervisor asks a worker it declares hung for every thread's Python
     # stack; faulthandler writes it from the signal itself (no GIL, no loop needed) to stderr, its log.
     faulthandler.register(DUMP_STACKS_SIGNAL, file=sys.stderr, all_threads=True)
@@ -186,21 +181,6 @@ def name_process(model_id: str | None, argv: list[str]) -> None:
     except ImportError:  # an install without it: the plain command line
         return
     setproctitle(f"mlxsup-worker {model_id or '(spare)'}: python -m worker {' '.join(argv)}")
-
-
-def place(args: argparse.Namespace, log: logging.Logger) -> None:
-    """Onto the CPUs the supervisor gave, before the threads multiply (supervisor/placement.py)."""
-    cpus = args.cpus
-    if args.gpu_cpus is not None:
-        import mlx.core as mx
-
-        if mx.default_device() == mx.gpu:
-            cpus = args.gpu_cpus
-    if cpus is not None:
-        if pin_process(cpus):
-            log.info("[start] on CPU(s) %s", format_cpus(cpus))
-        else:
-            log.warning("[start] could not move onto CPU(s) %s: running where started", format_cpus(cpus))
 
 
 def vision_installed() -> bool:
