@@ -2,13 +2,13 @@
 # Issue 30's single stream, session 11: one device call each, after bench/gpu_run.sh's set-up, on the 1b preset (EOS
 # unreachable), everything interleaved in rounds and pinned to CPUs 0-3; results in $OUT/s11-MODE:
 #     bash bench/gpu_run.sh -- bash bench/gpu_s11.sh MODE
-#   split:  bench.itl_split (stream_generate; the daemon over HTTP, its threads apart, no spare; a bare worker)
+#   (split, bench.itl_split, was removed in session 15: bench.diagnose's isolate part replaces it)
 #   engine: bench.diagnose engine (stream_generate on either model and attention; the Engine's solo) and affinity
 #   env:    bench.mlx_env (stream_generate under MLX CUDA's graph settings)
 #   loads:  bench.diagnose loads (the weights as mlx_lm.load and the worker load them), then engine again
 #   solo:   bench.solo_vs_sg (generate_step, the Solo alone, the Engine; COMPILED=1: its compiled decode too)
 set -u
-MODE=${1:?split, engine, env, loads or solo}
+MODE=${1:?engine, env, loads or solo}
 P=${PRESET:-1b} W=/tmp/bw R=$OUT/s11-$MODE
 M=$W/models/bench-$P
 mkdir -p "$R"
@@ -25,9 +25,6 @@ diag() {  # bench.diagnose PART ROUNDS, its JSON's keys printed
 }
 ENGINE=S_mlx_lm_stream_generate,S_stream_generate_engine_model,S_stream_generate_fast_attention,B_engine_submit_step,B_engine_fast_attention
 case $MODE in
-  split) timeout 420 python3 -m bench.itl_split --model "$M" --out "$R" --rounds "${ROUNDS:-10}" --tokens 256 \
-           --server-cpus 0-3 --apart-cpus 4-7 > "$R/log.txt" 2>&1
-         echo "itl_split exit $? at ${SECONDS}s"; tail -n 12 "$R/log.txt" ;;
   engine) DIAG_ENGINE_VARIANTS=$ENGINE diag engine 8
           DIAG_AFFINITY_SETS=c0:0,c1:1,c2:2,c3:3,q:0-3,c8:8 diag affinity 3 ;;
   env) timeout 300 python3 -m bench.mlx_env --model "$M" --out "$R" --rounds "${ROUNDS:-10}" --cpus 0-3 \
