@@ -8,7 +8,9 @@ bench.diagnose's `worker` part drives it) runs with its loop's, engine's and out
 thread CPU time and wall time summed, and MLX's `async_eval` / `eval` too (the launch of the next token's kernels,
 with the GIL released). The same wrapping measures `mlx_lm.stream_generate` in a process of its own. Reported per
 token (1 stream) or per step (N streams): which functions cost what, and how much of the step the GIL is free
-(inside async_eval), which a second thread could use.
+(inside async_eval), which a second thread could use. Beside the sums, the tail of the loop's steps (`WorkerLoop._step`
+wall time: p50, p95, p99, max) and the interpreter's garbage collections in the same period (count and wall time per
+generation, from gc.callbacks): are the slow steps that put a worker's p95 ITL above in-process's the collector's?
 """
 
 from __future__ import annotations
@@ -36,9 +38,13 @@ WRAPPED = [
     ("worker.mlx_engine.solo", "Solo", "_step"), ("worker.mlx_engine.solo", "Solo", "_feed"),
     ("worker.mlx_engine.solo", "Solo", "_out"), ("worker.request_output", "RequestOutput", "push"),
     ("worker.request_output", "RequestOutput", "take"), ("mlx_lm.generate", "BatchGenerator", "next"),
+    ("worker.mlx_engine.engine", "Engine", "_store"), ("worker.mlx_engine.engine", "Engine", "_hand_off"),
 ]
 
 _ACC: dict[str, list] = collections.defaultdict(lambda: [0.0, 0.0, 0])
+TAILS = ("WorkerLoop._step",)  # the wall time of each of their calls is kept, for percentiles
+_WALLS: dict[str, list[float]] = collections.defaultdict(list)
+_GC: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])  # generation -> [collections, wall s]
 
 
 def _timed(fn: Any, key: str) -> Any:
@@ -50,9 +56,37 @@ def _timed(fn: Any, key: str) -> Any:
         finally:
             e = _ACC[key]
             e[0] += time.thread_time() - c0
-            e[1] += time.perf_counter() - t0
+            wall = time.perf_counter() - t0
+            e[1] += wall
             e[2] += 1
+            if key in TAILS:
+                _WALLS[key].append(wall)
     return wrapper
+
+
+def _watch_gc() -> None:
+    import gc
+    began = [0.0]
+
+    def callback(phase: str, info: dict) -> None:
+        if phase == "start":
+            began[0] = time.perf_counter()
+        else:
+            g = _GC[str(info["generation"])]
+            g[0] += 1
+            g[1] += time.perf_counter() - began[0]
+
+    gc.callbacks.append(callback)
+
+
+def _tails() -> dict:
+    out = {}
+    for k, v in _WALLS.items():
+        if v:
+            q = sorted(v)
+            out[k] = {"n": len(q), **{f"p{p}_us": round(q[min(len(q) - 1, int(len(q) * p / 100))] * 1e6, 1)
+                                      for p in (50, 95, 99)}, "max_us": round(q[-1] * 1e6, 1)}
+    return out
 
 
 def _wrap_mlx() -> None:
@@ -72,6 +106,7 @@ def worker_child(argv: list[str]) -> None:
     import runpy
 
     _wrap_mlx()
+    _watch_gc()
     for mod, cls, name in WRAPPED:
         m = importlib.import_module(mod)
         owner = getattr(m, cls) if cls else m
@@ -83,9 +118,12 @@ def worker_child(argv: list[str]) -> None:
 
     def dump(*_: Any) -> None:
         body = {"main_thread": {"cpu_s": time.thread_time() - start[0], "wall_s": time.perf_counter() - start[1]},
-                "sums": {k: list(v) for k, v in _ACC.items()}}
+                "sums": {k: list(v) for k, v in _ACC.items()}, "tails": _tails(),
+                "gc": {g: {"collections": n, "wall_ms": round(w * 1e3, 2)} for g, (n, w) in sorted(_GC.items())}}
         Path(os.environ["WORKER_CPU_OUT"]).write_text(json.dumps(body))
         _ACC.clear()
+        _WALLS.clear()
+        _GC.clear()
         start[:] = [time.thread_time(), time.perf_counter()]
 
     signal.signal(signal.SIGUSR2, dump)
@@ -116,7 +154,8 @@ def stream_child(model_dir: str, tokens: int, rounds: int) -> None:
                       "per_token": _stats(n)}))
 
 
-def measure(model_dir: str, streams: list[int], tokens: int, rounds: int, out: Path) -> dict:
+def measure(model_dir: str, streams: list[int], tokens: int, rounds: int, out: Path,
+            worker_args: list[str] | None = None) -> dict:
     import subprocess
     import tempfile
 
@@ -130,7 +169,8 @@ def measure(model_dir: str, streams: list[int], tokens: int, rounds: int, out: P
     res["stream_generate"] = json.loads(lines[-1]) if lines else {"error": p.stderr[-1500:]}
     tmp = Path(tempfile.mkdtemp(prefix="workercpu-"))
     dump = tmp / "sums.json"
-    w = BareWorker(model_dir, tmp / "worker.log", ["--log-level", "INFO"], env={**os.environ, "WORKER_CPU_OUT": str(dump)},
+    w = BareWorker(model_dir, tmp / "worker.log", ["--log-level", "INFO", *[a.format(tmp=tmp) for a in worker_args or []]],
+                   env={**os.environ, "WORKER_CPU_OUT": str(dump)},
                    main=["-m", "bench.worker_cpu", "worker-child"])
     try:
         w.ready()
@@ -152,7 +192,7 @@ def measure(model_dir: str, streams: list[int], tokens: int, rounds: int, out: P
             _ACC.update({k: v for k, v in body["sums"].items()})
             res[f"worker_{n}"] = {"steps": units, "main_thread": {"cpu_us": round(mt["cpu_s"] / units * 1e6, 2),
                                                                   "wall_us": round(mt["wall_s"] / units * 1e6, 2)},
-                                  "per_step": _stats(units)}
+                                  "per_step": _stats(units), "step_tails": body["tails"], "gc": body["gc"]}
     finally:
         w.stop()
     out.write_text(json.dumps(res, indent=1))
@@ -181,8 +221,11 @@ def main() -> int:
     ap.add_argument("--streams", default="1,32")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--caches", action="store_true",
+                    help="the worker with the daemon's default prompt caches (hot 1 GiB, an SSD cache in a temp folder)")
     args = ap.parse_args()
-    res = measure(args.model, [int(x) for x in args.streams.split(",")], args.tokens, args.rounds, args.out)
+    extra = ["--hot-cache-bytes", str(2**30), "--ssd-cache-root", "{tmp}/ssd"] if args.caches else []
+    res = measure(args.model, [int(x) for x in args.streams.split(",")], args.tokens, args.rounds, args.out, extra)
     for k, v in res.items():
         if isinstance(v, dict) and "main_thread" in v:
             top = sorted(((s["cpu_us"], s["wall_us"], name) for name, s in (v.get("per_step") or v.get("per_token")).items()),
@@ -190,6 +233,8 @@ def main() -> int:
             print(f"[worker_cpu] {k}: main thread per unit {v['main_thread']}", file=sys.stderr)
             for c, wall, name in top:
                 print(f"[worker_cpu]   {name:32s} cpu {c:9.2f} us  wall {wall:9.2f} us", file=sys.stderr)
+            if "step_tails" in v:
+                print(f"[worker_cpu]   steps {v['step_tails']}  gc {v['gc']}", file=sys.stderr)
     return 0
 
 
