@@ -274,6 +274,9 @@ class EmbeddingEngine:
     def step(self) -> tuple[list[list], list[Finished | Failed]]:
         return [], []
 
+    def after_send(self) -> None:
+        pass
+
     def warm_step(self) -> bool:
         return False
 

@@ -96,6 +96,10 @@ class EngineApi(Protocol):
         """Run the planned step: text chunks [[rid, text, n_tokens], ...] and the requests that ended."""
         ...
 
+    def after_send(self) -> None:
+        """Work the last step left for after its messages were sent (the loop calls it before reading any)."""
+        ...
+
     def fail_all(self, code: str, message: str) -> Sequence[Message]:
         """Remove every request in flight; the Failed (an embedder: Embedded, Reranked) each client is owed."""
         ...

@@ -305,6 +305,7 @@ class WorkerLoop:
             self.send(Tokens(chunks))
         for done in finished:
             self.send(done)
+        self.engine.after_send()  # the finished sequences' caches are stored once their clients have the end
         self.shutdown.note_finished(len(finished))
         if self._warming:  # once the idle work is over, the per-token path reads no clock for it
             self._busy_at = self.clock()

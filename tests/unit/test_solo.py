@@ -177,3 +177,18 @@ def test_a_batch_decode_step_reuses_its_plan_for_the_same_work_and_every_step_st
     # 2 decoding (1 in flight after the first decode step, then 2): a plan made once per DECODE_PLAN_STEPS steps
     assert 1 <= sum(w.decoding == 2 and w.in_flight == 2 for w in decode) <= -(-steps // DECODE_PLAN_STEPS) + 1
     assert len(made) < steps and len(observed) == steps  # fewer plans made than steps; each step observed
+
+
+def test_with_deferred_stores_a_finished_cache_is_stored_by_after_send(model_dir: Path) -> None:
+    """Engine(defer_stores=True), as the worker builds it: the step that finishes a request returns without storing
+    its cache (its client's last message goes first), after_send stores it, and the next request reuses it."""
+    engine = Engine(model_dir / "tiny", cache=CacheOptions(hot_bytes=1 << 28), defer_stores=True)
+    assert engine.caches is not None
+    submit(engine, "a", LONG, 4)
+    got: dict[str, list[int]] = {}
+    collect(engine, got)
+    assert got["finished"] == ["a"] and engine.caches.stats().hot_entries == 0
+    engine.after_send()
+    assert engine.caches.stats().hot_entries > 0  # its blocks
+    submit(engine, "b", LONG + got["a"][:2], 2)
+    assert engine._by_rid["b"].cached_tokens >= len(LONG) - 64

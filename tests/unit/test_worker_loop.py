@@ -410,3 +410,17 @@ def test_without_an_admit_window_the_loop_steps_after_the_first_submit() -> None
     r.engine.after_step = {1: lambda: r.channel.put(sub("c", 1))}
     assert r.loop.run() == EXIT_OK
     assert [chunk[0] for chunk in r.sent(Tokens)[0].chunks] == ["a"]
+
+
+def test_a_steps_deferred_work_runs_after_its_messages_and_before_the_next_submit_is_read() -> None:
+    """engine.after_send (the finished sequences' cache stores) runs once the step's Tokens and Finished are sent, and
+    before the loop reads another message: a next turn's lookup finds what the last turn stored."""
+    r = rig(sub("a", 2))
+    seen: list[tuple[int, list[str]]] = []
+    r.engine.on_after_send = lambda: seen.append((len(r.sent(Finished)), list(r.engine.calls)))
+    r.engine.after_step[1] = lambda: r.channel.put(sub("b", 1))  # arrives during step 1
+    r.engine.after_step[2] = lambda: r.channel.put(Evict("drain", 10))
+    assert r.loop.run() == EXIT_OK
+    assert r.engine.after_sends == r.engine.steps == 2
+    assert seen[0] == (0, ["submit a"])  # after step 1: "b" not read yet
+    assert seen[1] == (2, ["submit a", "submit b"])  # after step 2: both Finished already sent

@@ -112,6 +112,8 @@ class FakeEngine:
     calls: list[str] = field(default_factory=list)
     steps: int = 0
     warm_steps: int = 0  # idle work left (warm_step)
+    after_sends: int = 0
+    on_after_send: Callable[[], None] = lambda: None
 
     @property
     def rids(self) -> list[str]:
@@ -168,6 +170,10 @@ class FakeEngine:
         if self.steps in self.after_step:
             self.after_step[self.steps]()
         return chunks, finished
+
+    def after_send(self) -> None:
+        self.after_sends += 1
+        self.on_after_send()
 
     def warm_step(self) -> bool:
         if self.warm_steps and not self.left:

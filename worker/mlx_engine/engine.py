@@ -74,7 +74,7 @@ class Engine:
                  cache: CacheOptions | None = None, model_id: str = "", step_target_s: float = 0.25,
                  warm: str = "auto", warm_budget_s: float = 10.0, solo: str = "auto", attention: str = "auto",
                  strict_context: bool = False, speculative: str = "off", draft: Path | None = None,
-                 num_draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+                 num_draft_tokens: int = DEFAULT_DRAFT_TOKENS, defer_stores: bool = False,
                  loader: Callable[[Path, Callable[[str, float], None]], tuple] = load_with_progress) -> None:
         t0 = time.perf_counter()
         self.attention_routed = attention_route(attention)  # short prefills unfused on CUDA (mlx_engine/attention.py)
@@ -124,6 +124,11 @@ class Engine:
         self.generated_tokens = 0
         self.peak_batch_size = 0
         self.caches = PromptCaches(self.model, model_path, cache, model_id) if cache else None
+        # the worker's loop sends a step's messages first, then has `after_step` store its finished sequences' caches
+        # (~1 ms each: 32 streams ending together waited ~30 ms for their last message); direct callers of step()
+        # get them stored within it
+        self.defer_stores = defer_stores
+        self._stores: list[tuple[list[int], list, dict]] = []
         self.snapshots = Snapshots(self.caches, self.gen, self.lane, self._by_uid) if self.caches is not None else None
         # greedy batches of a few rows draft in lockstep (batch_drafting.py), meeting each reply-snapshot boundary
         self.batch_drafts = BatchDrafting(self.model, self.gen, self.caches.block if self.caches is not None
@@ -390,10 +395,25 @@ class Engine:
                 cache, tokens = r.prompt_cache, r.all_tokens
             if req.keys is not None and tokens is not None:  # the caches know an image by its pixels, not its ids
                 tokens = [*req.keys, *list(tokens)[len(req.keys):]]
-            self._store(tokens, cache, req.snapshots)
-        if not self._by_rid:
+            if self.defer_stores:
+                if self.caches is not None and tokens and cache:
+                    self._stores.append((list(tokens), cache, req.snapshots))
+            else:
+                self._store(tokens, cache, req.snapshots)
+        if not self._by_rid and not self._stores:
             self._hand_off()  # idle next: no step would hand them off, and none is in flight to wait for
         return chunks, finished
+
+    def after_send(self) -> None:
+        """The finished sequences' prompt-cache stores that the step left for after its messages were sent (a
+        later request's lookup finds them: the loop reads no message before this), then, idle, their hand-off."""
+        if not self._stores:
+            return
+        stores, self._stores = self._stores, []
+        for tokens, cache, snapshots in stores:
+            self._store(tokens, cache, snapshots)
+        if not self._by_rid:
+            self._hand_off()
 
     def _grammar_failures(self) -> list[Failed | Finished]:
         """End the requests whose grammar failed in this step: what they sample now is no longer constrained."""
