@@ -57,7 +57,10 @@ def test_a_request_alone_never_enters_the_batch_and_matches_mlx_lm(model_dir: Pa
     engine = Engine(model_dir / "tiny", cache=CacheOptions(hot_bytes=1 << 28))
     got: dict[str, list[int]] = {}
     submit(engine, "a", LONG, 20)
-    collect(engine, got, steps=3)
+    for _ in range(100):  # its prefill's chunks are sized to the measured speed: a loaded machine takes more steps
+        collect(engine, got, steps=1)
+        if len(got.get("a", [])) >= 2:
+            break
     assert engine.batch_size() == 1 and len(engine.gen._generation_batch) == 0  # decoding, outside the generator
     collect(engine, got)
     assert got["a"] == reference(LONG, 20)

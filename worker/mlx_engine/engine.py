@@ -124,11 +124,11 @@ class Engine:
         self.generated_tokens = 0
         self.peak_batch_size = 0
         self.caches = PromptCaches(self.model, model_path, cache, model_id) if cache else None
-        # the worker's loop sends a step's messages first, then has `after_step` store its finished sequences' caches
-        # (~1 ms each: 32 streams ending together waited ~30 ms for their last message); direct callers of step()
-        # get them stored within it
+        # the worker's loop sends a step's messages first, then has `after_send` store its finished sequences' caches
+        # (~1 ms each here: 32 streams ending together waited for all 32 before their last message); direct callers
+        # of step() get them stored within it
         self.defer_stores = defer_stores
-        self._stores: list[tuple[list[int], list, dict]] = []
+        self._stores: list[tuple[list[int] | None, list | None, dict]] = []
         self.snapshots = Snapshots(self.caches, self.gen, self.lane, self._by_uid) if self.caches is not None else None
         # greedy batches of a few rows draft in lockstep (batch_drafting.py), meeting each reply-snapshot boundary
         self.batch_drafts = BatchDrafting(self.model, self.gen, self.caches.block if self.caches is not None
@@ -395,9 +395,8 @@ class Engine:
                 cache, tokens = r.prompt_cache, r.all_tokens
             if req.keys is not None and tokens is not None:  # the caches know an image by its pixels, not its ids
                 tokens = [*req.keys, *list(tokens)[len(req.keys):]]
-            if self.defer_stores:
-                if self.caches is not None and tokens and cache:
-                    self._stores.append((list(tokens), cache, req.snapshots))
+            if self.defer_stores and self.caches is not None:
+                self._stores.append((tokens, cache, req.snapshots))
             else:
                 self._store(tokens, cache, req.snapshots)
         if not self._by_rid and not self._stores:
