@@ -80,13 +80,8 @@ def _watch_gc() -> None:
 
 
 def _tails() -> dict:
-    out = {}
-    for k, v in _WALLS.items():
-        if v:
-            q = sorted(v)
-            out[k] = {"n": len(q), **{f"p{p}_us": round(q[min(len(q) - 1, int(len(q) * p / 100))] * 1e6, 1)
-                                      for p in (50, 95, 99)}, "max_us": round(q[-1] * 1e6, 1)}
-    return out
+    return {k: {"n": len(v), **{f"p{q}_us": round((percentile(v, q) or 0.0) * 1e6, 1) for q in (50, 95, 99, 100)}}
+            for k, v in _WALLS.items() if v}
 
 
 def _wrap_mlx() -> None:
