@@ -251,7 +251,7 @@ def serve_model(args: argparse.Namespace, sock: zmq.Socket, shutdown: Shutdown, 
                                    prefill_step_size=args.prefill_step_size, model_id=args.model_id,
                                    step_target_s=args.step_target_s, warm=args.warm_batch_shapes,
                                    warm_budget_s=args.warm_budget_s, attention=args.attention,
-                                   strict_context=args.strict_context, defer_stores=True)
+                                   strict_context=args.strict_context, defer_stores=True, text_thread=True)
         elif args.group_rank is not None:  # rank 0 of a group: its engine shares each step's schedule
             from worker.group_main import leader_engine
 
@@ -263,7 +263,8 @@ def serve_model(args: argparse.Namespace, sock: zmq.Socket, shutdown: Shutdown, 
                             warm=args.warm_batch_shapes, warm_budget_s=args.warm_budget_s, solo=args.solo,
                             attention=args.attention, strict_context=args.strict_context,
                             speculative=args.speculative, num_draft_tokens=args.num_draft_tokens,
-                            draft=args.draft if args.speculative == "draft" else None, defer_stores=True)
+                            draft=args.draft if args.speculative == "draft" else None, defer_stores=True,
+                            text_thread=True)
     except Exception as exc:
         log.error("[load] model=%s path=%s failed: %s", args.model_id, args.model_path, exc)
         return EXIT_LOAD_FAILED

@@ -33,6 +33,11 @@ class RequestOutput:
         """A stop string ended the text."""
         return self.text.stopped
 
+    @property
+    def threadable(self) -> bool:
+        """Its pushes may run on another thread (worker/text_thread.py): no logprobs, which read MLX arrays."""
+        return self._logprobs is None
+
     def push(self, token: int, logprobs: Any = None) -> None:
         """One generated (counted) token and, when the request asked for them, its logprobs vector."""
         self._tokens += 1

@@ -38,6 +38,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
@@ -60,6 +61,7 @@ from worker.mlx_engine.solo import Solo, SoloLane
 from worker.mlx_engine.speculative import DEFAULT_DRAFT_TOKENS, DraftCounts, Speculation, load_draft
 from worker.mlx_engine.warmup import Warmed, WarmUp, wants_warm_up
 from worker.step_cost import PrefillSeq, StepCostModel, StepPlan, StepWork
+from worker.text_thread import TextThread
 
 # a batch's decode step reuses its plan for this many steps of the same work: its prediction moves slowly, and making
 # it solves the step cost model's fits, ~0.09 ms a step at 32 streams on the GPU host (bench.worker_cpu)
@@ -74,7 +76,7 @@ class Engine:
                  cache: CacheOptions | None = None, model_id: str = "", step_target_s: float = 0.25,
                  warm: str = "auto", warm_budget_s: float = 10.0, solo: str = "auto", attention: str = "auto",
                  strict_context: bool = False, speculative: str = "off", draft: Path | None = None,
-                 num_draft_tokens: int = DEFAULT_DRAFT_TOKENS, defer_stores: bool = False,
+                 num_draft_tokens: int = DEFAULT_DRAFT_TOKENS, defer_stores: bool = False, text_thread: bool = False,
                  loader: Callable[[Path, Callable[[str, float], None]], tuple] = load_with_progress) -> None:
         t0 = time.perf_counter()
         self.attention_routed = attention_route(attention)  # short prefills unfused on CUDA (mlx_engine/attention.py)
@@ -129,6 +131,10 @@ class Engine:
         # of step() get them stored within it
         self.defer_stores = defer_stores
         self._stores: list[tuple[list[int] | None, list | None, dict]] = []
+        # the worker's batch rows' text is made on a thread of its own, during the next step's launch (text_thread.py)
+        self.text = TextThread() if text_thread else None
+        self._lagged: list[tuple[Request, list[int]]] = []  # rows' tokens for the text thread, at the next step
+        self._making: list[tuple[Request, list[int]]] = []  # ... and those it is making text of now
         self.snapshots = Snapshots(self.caches, self.gen, self.lane, self._by_uid) if self.caches is not None else None
         # greedy batches of a few rows draft in lockstep (batch_drafting.py), meeting each reply-snapshot boundary
         self.batch_drafts = BatchDrafting(self.model, self.gen, self.caches.block if self.caches is not None
@@ -328,9 +334,13 @@ class Engine:
 
     def step(self) -> tuple[list[list], list[Finished | Failed]]:
         """One BatchGenerator step: text chunks [[rid, text, n]] and the requests that ended (Failed: its grammar
-        failed mid-request)."""
+        failed mid-request). With a text thread, a batch row's text comes a step later (`_lag`)."""
         plan = self._plan or self.plan_step()
         self._plan = None
+        if self._lagged:  # the last step's rows' text is made while this step's kernels launch
+            assert self.text is not None
+            self.text.start([(req.out, tokens) for req, tokens in self._lagged])
+            self._making, self._lagged = self._lagged, []
         t0 = time.perf_counter()
         lane = self.lane
         drafted = self.batch_drafts.step() if lane.solo is None else None  # None: no drafting this step
@@ -355,10 +365,23 @@ class Engine:
             self.snapshots.of_replies()
         self.peak_batch_size = max(self.peak_batch_size, len({r.uid for r in responses}))  # a solo's drafts: one
         chunks: list[list] = []
-        finished: list[Finished | Failed] = self._grammar_failures()
+        finished: list[Finished | Failed] = []
+        lag = self.text is not None and lane.solo is None
+        ending = {r.uid: r for r in responses if r.finish_reason is not None} if lag or self.text_started else {}
+        if self.text_started:  # before this step's tokens and any grammar failure: each row's text in order
+            self._collect(ending, chunks, finished)
+        finished += self._grammar_failures()
+        lagged: dict[str, tuple[Request, list[int]]] = {}
         for r in responses:
             req = self._by_uid.get(r.uid)
             if req is None:
+                continue
+            if lag and r.uid not in ending and req.out.threadable:  # its text on the text thread, next step
+                row = lagged.get(req.rid)
+                if row is None:
+                    lagged[req.rid] = (req, [r.token])
+                else:
+                    row[1].append(r.token)
                 continue
             reason = r.finish_reason
             if not (reason == "stop" and r.token in self._eos):
@@ -373,35 +396,63 @@ class Engine:
                     chunks.append([req.rid, chunk[0], chunk[1], req.unsent, *chunk[2:]])
                     req.unsent = []
                 continue
-            text, extra, reason = req.out.finish(reason)
-            if reason == "length" and req.clamped:
-                reason = CONTEXT_WINDOW
-            finished.append(Finished(req.rid, text, reason, req.prompt_tokens, req.completion_tokens,
-                                     req.cached_tokens, req.unsent, extra, req.drafts.drafted, req.drafts.accepted,
-                                     req.cache_written))
-            log.info("[usage] rid=%s prompt=%d cached=%d prefilled=%d", req.rid, req.prompt_tokens, req.cached_tokens,
-                     req.position - req.start)  # the generator's own progress, not the lookup's arithmetic
-            del self._by_uid[req.uid]
-            del self._by_rid[req.rid]
-            self._prefilling.pop(req.rid, None)
-            self.batch_drafts.drop(req.uid)
-            if (solo := lane.solo) is not None and solo.uid == req.uid:
-                log.info("[perf] solo rid=%s tokens=%d per_token_ms=%s", req.rid, solo.times.tokens,
-                         solo.times.per_token_ms())
-                cache, tokens = lane.finish(r)
-            elif r.finish_reason is None:  # a stop string ended it: the generator still runs it
-                cache, tokens = self.gen.remove([req.uid], return_prompt_caches=True).get(req.uid, (None, None))
-            else:
-                cache, tokens = r.prompt_cache, r.all_tokens
-            if req.keys is not None and tokens is not None:  # the caches know an image by its pixels, not its ids
-                tokens = [*req.keys, *list(tokens)[len(req.keys):]]
-            if self.defer_stores and self.caches is not None:
-                self._stores.append((tokens, cache, req.snapshots))
-            else:
-                self._store(tokens, cache, req.snapshots)
+            self._end(req, r, reason, finished)
+        self._lagged = list(lagged.values())
         if not self._by_rid and not self._stores:
             self._hand_off()  # idle next: no step would hand them off, and none is in flight to wait for
         return chunks, finished
+
+    @property
+    def text_started(self) -> bool:
+        return self.text is not None and self.text.pending
+
+    def _collect(self, ending: dict, chunks: list[list], finished: list[Finished | Failed]) -> None:
+        """The text thread's chunks for the rows of the last step; a row its stop string ended finishes now (the
+        token this step made for it is dropped, uncounted, and the generator lets it go)."""
+        assert self.text is not None
+        rows, self._making = self._making, []
+        for (req, tokens), (chunk, pushed, stopped) in zip(rows, self.text.collect(), strict=True):
+            if self._by_rid.get(req.rid) is not req:
+                continue  # aborted meanwhile
+            req.completion_tokens += pushed
+            self.generated_tokens += pushed
+            req.unsent += tokens[:pushed]
+            if stopped:
+                self._end(req, ending.get(req.uid), "stop", finished)
+            elif chunk is not None:
+                chunks.append([req.rid, chunk[0], chunk[1], req.unsent, *chunk[2:]])
+                req.unsent = []
+
+    def _end(self, req: Request, r: Any, reason: str, finished: list[Finished | Failed]) -> None:
+        """A request ends: its Finished, and its cache to the prompt caches. `r`: its response that ended it, if the
+        generator (or the solo) ended it; None: the generator still runs it."""
+        text, extra, reason = req.out.finish(reason)
+        if reason == "length" and req.clamped:
+            reason = CONTEXT_WINDOW
+        finished.append(Finished(req.rid, text, reason, req.prompt_tokens, req.completion_tokens,
+                                 req.cached_tokens, req.unsent, extra, req.drafts.drafted, req.drafts.accepted,
+                                 req.cache_written))
+        log.info("[usage] rid=%s prompt=%d cached=%d prefilled=%d", req.rid, req.prompt_tokens, req.cached_tokens,
+                 req.position - req.start)  # the generator's own progress, not the lookup's arithmetic
+        del self._by_uid[req.uid]
+        del self._by_rid[req.rid]
+        self._prefilling.pop(req.rid, None)
+        self.batch_drafts.drop(req.uid)
+        if (solo := self.lane.solo) is not None and solo.uid == req.uid:
+            assert r is not None
+            log.info("[perf] solo rid=%s tokens=%d per_token_ms=%s", req.rid, solo.times.tokens,
+                     solo.times.per_token_ms())
+            cache, tokens = self.lane.finish(r)
+        elif r is None or r.finish_reason is None:  # a stop string ended it: the generator still runs it
+            cache, tokens = self.gen.remove([req.uid], return_prompt_caches=True).get(req.uid, (None, None))
+        else:
+            cache, tokens = r.prompt_cache, r.all_tokens
+        if req.keys is not None and tokens is not None:  # the caches know an image by its pixels, not its ids
+            tokens = [*req.keys, *list(tokens)[len(req.keys):]]
+        if self.defer_stores and self.caches is not None:
+            self._stores.append((tokens, cache, req.snapshots))
+        else:
+            self._store(tokens, cache, req.snapshots)
 
     def after_send(self) -> None:
         """The finished sequences' prompt-cache stores that the step left for after its messages were sent (a
@@ -448,6 +499,8 @@ class Engine:
     def settle(self) -> int:
         """Release what MLX holds in its buffer cache; return the process footprint left."""
         self.lane.close()
+        if self.text is not None:
+            self.text.close()
         if self.warmer is not None:
             self.warmer.close()
             self.warmer = None
