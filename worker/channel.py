@@ -9,7 +9,7 @@ never queued behind the loop's back.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, cast
 
 import zmq
 
@@ -50,4 +50,6 @@ class ZmqChannel:
             return None
 
     def wait(self, timeout_ms: int) -> bool:
+        if timeout_ms <= 0:  # the busy loop's check, once a step: the socket's state, not a poll (~30 us on a GPU host)
+            return bool(cast(int, self.sock.get(zmq.EVENTS)) & zmq.POLLIN)
         return bool(self._poller.poll(timeout_ms))

@@ -111,8 +111,9 @@ def test_with_the_text_thread_every_request_says_and_counts_what_it_does_without
     lagged = Engine(model_dir / "tiny", solo="off", text_thread=True)
     try:
         assert run(lagged, submits) == want
-        # on the main thread: logprobs (they read MLX arrays), and a row's last token where the generator ended it
-        assert threads == {("plain", "mlxsup-text"): 10 - 1 + want["stop"]["end"][1], ("plain", "MainThread"): 1,
+        # on the main thread: logprobs (they read MLX arrays), a reply's first token, and its last where the generator
+        # ended it (the "long" row's)
+        assert threads == {("plain", "mlxsup-text"): 10 - 2 + want["stop"]["end"][1] - 1, ("plain", "MainThread"): 3,
                            ("lp", "MainThread"): 6}
         assert lagged.generated_tokens == sync.generated_tokens - len(first["ids"])
     finally:

@@ -376,7 +376,8 @@ class Engine:
             req = self._by_uid.get(r.uid)
             if req is None:
                 continue
-            if lag and r.uid not in ending and req.out.threadable:  # its text on the text thread, next step
+            # its text on the text thread, out a step later; a reply's first token not (its client waits for it)
+            if lag and r.uid not in ending and req.completion_tokens and req.out.threadable:
                 row = lagged.get(req.rid)
                 if row is None:
                     lagged[req.rid] = (req, [r.token])
