@@ -1,4 +1,5 @@
-"""The worker's loop: frames in, engine steps, frames out, all on the main thread.
+"""The worker's loop: frames in, engine steps, frames out, all on the main thread (the engine has a batch's text
+made on a thread of its own, worker/text_thread.py, and returns it from a later step).
 
 One thread owns the channel and the engine, so nothing here needs a lock. Each turn asks the
 shutdown first (`while self._handle_shutdown()`, worker/shutdown.py: it acts on signals and

@@ -63,12 +63,13 @@ class TextThread:
             raise result
         return result
 
-    def close(self) -> None:
-        """End the thread (a job in flight is finished first, its result dropped)."""
+    def close(self, timeout_s: float = 5.0) -> None:
+        """End the thread (a job in flight is finished first, its result dropped); a job that does not end within
+        timeout_s is left to the process's exit (the thread is a daemon)."""
         thread, self._thread = self._thread, None
         if thread is not None:
             self._jobs.put(None)
-            thread.join()
+            thread.join(timeout_s)
         self._results = queue.SimpleQueue()  # a dropped result is not the next job's
         self.pending = False
 

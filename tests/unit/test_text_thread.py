@@ -57,6 +57,30 @@ def test_a_push_that_raises_is_raised_by_collect_and_close_ends_the_thread() -> 
     assert text._thread is None and not any(t.name == "mlxsup-text" for t in threading.enumerate())
 
 
+def test_close_does_not_wait_past_its_timeout_for_a_job_that_hangs() -> None:
+    release = threading.Event()
+
+    class Stuck(Detok):
+        def add_token(self, token: int) -> None:
+            release.wait(30)
+            super().add_token(token)
+
+    text = TextThread()
+    text.start([(RequestOutput(TextStream(Stuck(), []), PlainParser()), [0])])
+    thread = text._thread
+    closer = threading.Thread(target=text.close, kwargs={"timeout_s": 0.1})
+    closer.start()
+    closer.join(10)
+    try:
+        assert not closer.is_alive()  # close returned; the stuck job's thread is left to the exit
+        assert thread is not None and thread.is_alive() and text._thread is None
+    finally:
+        release.set()
+        assert thread is not None
+        thread.join(10)
+    assert not thread.is_alive()
+
+
 def run(engine: Engine, submits: list[Submit], abort_at: tuple[str, int] | None = None) -> dict:
     """Step until idle; per request its text, ids, chunks' logprobs and Finished; `abort_at`: abort (rid, at step)."""
     for msg in submits:
