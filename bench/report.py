@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from bench.bands import SAME_DECODE
 from bench.bound import bound_lines
 from bench.prefill_itl import markdown as prefill_itl_markdown
 from bench.resume_pause import markdown as resume_markdown
@@ -125,6 +126,7 @@ def markdown(res: dict) -> str:
                          f"{_f(ir.get('mlxsup/mlxsup_b', {}).get('median_of_round_ratios'), 3)} | "
                          f"{_f(ir.get('mlxsup_b/inproc', {}).get('median_of_round_ratios'), 3)} | "
                          f"{_f(cs.get('steady_ratios', {}).get('mlxsup_b/inproc'), 3)} |")
+        L.extend(_wall_and_bands(tp["summary"]))
         L.append("\nsteady tok/s: tokens arriving while every request of the run is past its first token and none has "
                  "finished, over that window: decode speed without the admission/prefill ramp. Ratios are medians "
                  "of per-round ratios.")
@@ -252,6 +254,24 @@ def markdown(res: dict) -> str:
     L.append(f"Every process started was stopped and checked gone: **{'yes' if meta.get('all_processes_gone') else 'NO'}** "
              f"({sum(len(c['pids']) for c in cleanup.values())} pids across {len(cleanup)} servers).")
     return "\n".join(L) + "\n"
+
+
+def _wall_and_bands(summary: dict) -> list[str]:
+    """Where each side's wall goes beside its steady state (ramp: to the last first token; tail: from the first
+    request's end), and the host's fast and slow rounds (bench/bands.py): each side's count and ITL p50 in each."""
+    L = ["", "| clients | side | ramp / tail (medians) | fast rounds | ITL p50 in fast / slow rounds |",
+         "| --- | --- | --- | --- | --- |"]
+    for c, cs in summary.items():
+        bands = (cs.get("bands") or {}).get("sides", {})
+        for side in SIDE_ORDER:
+            s, b = cs.get(side), bands.get(side)
+            if not s:
+                continue
+            one = "bands" in cs and cs["bands"] is None and side in SAME_DECODE  # computed, and no gap found
+            fast = f"{b['fast']} of {b['rounds']}" if b else "one band" if one else ""
+            itl = f"{_f(b['fast_itl_p50_s'], 2, 1e3)} / {_f(b['slow_itl_p50_s'], 2, 1e3)} ms" if b else ""
+            L.append(f"| {c} | {side} | {_f(s.get('ramp_s'), 0, 1e3)} / {_f(s.get('tail_s'), 0, 1e3)} ms | {fast} | {itl} |")
+    return L
 
 
 def chart(res: dict, path: Path) -> bool:

@@ -31,6 +31,7 @@ import psutil
 
 from bench import client as cl
 from bench import prefill_itl, resume_pause, servers
+from bench.bands import speed_bands
 from bench.bound import bandwidth_gb_s, bound_lines, decode_bound, weight_bytes
 from bench.common import REPO, machine, median, now, percentile, ratio, rnd, write_json
 from bench.model import make_never_eos_view, make_source_model
@@ -82,6 +83,8 @@ def summarize(records: list[dict], expected: int) -> dict:
     in_window = sum(1 for r in ok for t in r["times"] if w0 < r["start"] + t <= w1)
     out.update(
         steady_tok_s=in_window / (w1 - w0) if w1 - w0 > 0 and in_window else None,
+        ramp_s=w0 - t0,  # from the first request to the last first token
+        tail_s=t1 - w1,  # from the first request's last token to the last one's
         ttft_p50_s=percentile(ttft, 50),
         itl_p50_s=percentile(itl, 50),
         wall_s=t1 - t0,
@@ -655,6 +658,7 @@ def summarize_throughput(runs: list[dict], p: Params) -> dict:
                 "tok_s_min": min(r["tok_s"] for r in rs),
                 "tok_s_max": max(r["tok_s"] for r in rs),
                 "steady_tok_s": median([r.get("steady_tok_s") for r in rs]),
+                "ramp_s": median([r.get("ramp_s") for r in rs]), "tail_s": median([r.get("tail_s") for r in rs]),
                 "ttft_p50_s": percentile(ttft, 50), "ttft_p95_s": percentile(ttft, 95),
                 "itl_p50_s": percentile(itl, 50), "itl_p95_s": percentile(itl, 95),
                 "exact_all_rounds": all(r.get("exact") for r in rs),
@@ -693,6 +697,7 @@ def summarize_throughput(runs: list[dict], p: Params) -> dict:
             return {"median_of_round_ratios": median(per_round), "per_round": [rnd(x, 4) for x in per_round]}
 
         cs["itl_ratios"] = {"mlxsup/inproc": itl_paired("mlxsup", "inproc")}
+        cs["bands"] = speed_bands(runs, c)  # the host's fast and slow rounds, per side (bench/bands.py)
         if B_SIDE in cs:
             cs["ratios"][f"{B_SIDE}/inproc"] = paired(B_SIDE, "inproc")
             cs["ratios"][f"mlxsup/{B_SIDE}"] = paired("mlxsup", B_SIDE)
