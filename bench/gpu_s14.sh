@@ -13,7 +13,7 @@
 #   targets: the profile's throughput section at 1, 8 and 32 clients, ROUNDS (7) interleaved rounds, servers on
 #            CPUs 0-3, the harness on CLIENT_CPUS (default: every other CPU); with B=DIR (a checkout of another commit, carried in the tree) as mlxsup_b in the same rounds
 set -u
-MODE=${1:?cpu, siblings, isolate or targets}
+MODE=${1:?cpu, siblings, isolate, targets or ramp}
 source "$(dirname "$0")/gpu_1b.sh"
 case $MODE in
   cpu)
@@ -37,5 +37,13 @@ case $MODE in
       ${CLIENT_CPUS:+--client-cpus "$CLIENT_CPUS"} ${B:+--mlxsup-b "$B"} > "$R/log.txt" 2>&1
     echo "bench exit $? at ${SECONDS}s"; tables "$R/gpu/results.md"
     sed -n '/^| clients | tok\/s mlxsup \/ mlxsup_b/,/^$/p' "$R/gpu/results.md" ;;
+  ramp)  # session 16: the 32-client ramp as the worker saw it (its [admit] and [step] lines at DEBUG), 3 rounds
+    rm -rf "$W/state-throughput"
+    timeout 400 python3 -m bench --profile gpu --out "$R/gpu" --work "$W" --deadline "${TP_DEADLINE:-300}" \
+      --sections throughput --concurrency 32 --rounds "${ROUNDS:-3}" --mlxsup-env MLXSUP_LOG_LEVEL=debug > "$R/log.txt" 2>&1
+    echo "bench exit $? at ${SECONDS}s"; tables "$R/gpu/results.md"
+    sed -n '/^| clients | side | ramp/,/^$/p' "$R/gpu/results.md"
+    cp "$W"/state-throughput/logs/worker-*.log "$R/" 2>/dev/null
+    grep -h '\[admit\]\|\[step\]' "$R"/worker-*.log | tail -60 ;;
   *) echo "unknown mode $MODE"; exit 2 ;;
 esac

@@ -195,3 +195,36 @@ def test_with_deferred_stores_a_finished_cache_is_stored_by_after_send(model_dir
     assert engine.caches.stats().hot_entries > 0  # its blocks
     submit(engine, "b", LONG + got["a"][:2], 2)
     assert engine._by_rid["b"].cached_tokens >= len(LONG) - 64
+
+
+def test_while_others_decode_a_finished_cache_waits_for_the_next_lookup_or_idle_and_a_clear_drops_it(
+        model_dir: Path) -> None:
+    """A store stalls every stream still decoding: with deferred stores, after_send leaves a finished sequence's cache
+    while other requests decode; the next submit's lookup stores it first (the conversation's next turn still hits),
+    an idle engine stores it, and a clear of the caches in between drops it."""
+    engine = Engine(model_dir / "tiny", cache=CacheOptions(hot_bytes=1 << 28), defer_stores=True, solo="off")
+    assert engine.caches is not None
+    submit(engine, "a", LONG, 2)
+    submit(engine, "long", OTHER, 400)
+    got: dict[str, list[int]] = {}
+    while "finished" not in got:
+        collect(engine, got, steps=1)
+        engine.after_send()
+    assert got["finished"] == ["a"] and len(engine) == 1 and engine.caches.stats().hot_entries == 0  # deferred
+    submit(engine, "a2", LONG + got["a"], 2)  # the next turn: its lookup stores "a" first
+    assert engine._by_rid["a2"].cached_tokens >= len(LONG) - 64 and not engine._stores
+
+    while "a2" in engine._by_rid:
+        collect(engine, got, steps=1)
+        engine.after_send()
+    assert "a2" in got["finished"] and "long" in engine._by_rid and len(engine._stores) == 1  # ended while "long" decodes
+    engine.caches.clear("hot")  # what finished before the clear is not stored after it; "long", ending after, is
+    collect(engine, got)
+    engine.after_send()
+    assert len(engine) == 0 and not engine._stores
+    assert engine.caches.lookup(LONG + got["a"] + got["a2"])[0] == 0 and engine.caches.lookup(OTHER + got["long"])[0] > 0
+
+    submit(engine, "b", OTHER, 2)
+    collect(engine, got)
+    engine.after_send()  # idle: stored at once
+    assert engine.caches.stats().hot_entries > 0

@@ -63,6 +63,9 @@ from worker.mlx_engine.warmup import Warmed, WarmUp, wants_warm_up
 from worker.step_cost import PrefillSeq, StepCostModel, StepPlan, StepWork
 from worker.text_thread import TextThread
 
+# finished sequences whose prompt-cache stores wait, while other requests decode, for an idle engine or the next lookup
+# (a store stalls every stream: ~70 ms a step when 8 of 32 ended together on the GPU host); past this, stored at once
+DEFERRED_STORES_MAX = 32
 # a batch's decode step reuses its plan for this many steps of the same work: its prediction moves slowly, and making
 # it solves the step cost model's fits, ~0.09 ms a step at 32 streams on the GPU host (bench.worker_cpu)
 DECODE_PLAN_STEPS = 16
@@ -127,10 +130,11 @@ class Engine:
         self.peak_batch_size = 0
         self.caches = PromptCaches(self.model, model_path, cache, model_id) if cache else None
         # the worker's loop sends a step's messages first, then has `after_send` store its finished sequences' caches
-        # (~1 ms each here: 32 streams ending together waited for all 32 before their last message); direct callers
-        # of step() get them stored within it
+        # (~1 ms each here: 32 streams ending together waited for all 32 before their last message), or, while other
+        # requests decode, leave them for an idle engine or the next lookup (`_flush_stores`); direct callers of step()
+        # get them stored within it
         self.defer_stores = defer_stores
-        self._stores: list[tuple[list[int] | None, list | None, dict]] = []
+        self._stores: list[tuple[list[int] | None, list | None, dict, int]] = []  # ..., the caches' clears then
         # the worker's batch rows' text is made on a thread of its own, during the next step's launch (text_thread.py)
         self.text = TextThread() if text_thread else None
         self._lagged: list[tuple[Request, list[int]]] = []  # rows' tokens for the text thread, at the next step
@@ -177,6 +181,8 @@ class Engine:
         tokens, prompt_tokens, max_tokens = self.prompts.admit(msg)
         d = self.decoding.setup(msg, tokens[:prompt_tokens])
         keys = self.cache_keys(tokens) if self.cache_keys is not None else tokens
+        if self._stores:  # a conversation's next turn finds its last one's cache
+            self._flush_stores()
         cached, prefix, hit = self._lookup(msg.rid, tokens, keys)
         marked = 0  # the end of the last breakpoint's prefix: Anthropic's usage counts a cache write up to there only
         if self.caches is not None:
@@ -451,18 +457,24 @@ class Engine:
         if req.keys is not None and tokens is not None:  # the caches know an image by its pixels, not its ids
             tokens = [*req.keys, *list(tokens)[len(req.keys):]]
         if self.defer_stores and self.caches is not None:
-            self._stores.append((tokens, cache, req.snapshots))
+            self._stores.append((tokens, cache, req.snapshots, self.caches.clears))
         else:
             self._store(tokens, cache, req.snapshots)
 
     def after_send(self) -> None:
-        """The finished sequences' prompt-cache stores that the step left for after its messages were sent (a
-        later request's lookup finds them: the loop reads no message before this), then, idle, their hand-off."""
-        if not self._stores:
-            return
+        """The finished sequences' prompt-cache stores that the steps left for after their messages were sent, once the
+        engine is idle (or DEFERRED_STORES_MAX wait): none stalls the streams still decoding. A lookup stores them
+        first (`submit`), so a later request finds them as if they had been stored at once."""
+        if self._stores and (not self._by_rid or len(self._stores) >= DEFERRED_STORES_MAX):
+            self._flush_stores()
+
+    def _flush_stores(self) -> None:
+        """Store every deferred finished sequence's cache (one from before a clear of the caches is dropped), then,
+        idle, hand their blocks off."""
         stores, self._stores = self._stores, []
-        for tokens, cache, snapshots in stores:
-            self._store(tokens, cache, snapshots)
+        for tokens, cache, snapshots, clears in stores:
+            if self.caches is not None and clears == self.caches.clears:
+                self._store(tokens, cache, snapshots)
         if not self._by_rid:
             self._hand_off()
 
@@ -494,6 +506,8 @@ class Engine:
         return False
 
     def close_caches(self) -> None:
+        if self._stores:
+            self._flush_stores()
         if self.caches is not None:
             self.caches.close()
 

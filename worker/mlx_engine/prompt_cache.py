@@ -80,6 +80,7 @@ class PromptCaches:
         self.every_blocks = options.snapshot_every // self.block if options.snapshot_every >= self.block else 0
         self.hits_ssd = self.misses_ssd = self.hit_tokens_ssd = 0
         self.matched = 0  # tokens of the last looked-up prompt in the hot tier's blocks, with a snapshot or not
+        self.clears = 0  # tiers cleared so far: a store deferred from before a clear is dropped (engine.py)
         self.layout = CacheLayout.of(make_prompt_cache(model), options.kv_bits)
         self.hot = HotCache(options.hot_bytes)
         self.ssd: SsdCache | None = None
@@ -272,6 +273,7 @@ class PromptCaches:
 
     def clear(self, which: str) -> tuple[int, int]:
         """Empty one tier ('hot' or 'ssd'); return (entries, bytes) actually given back."""
+        self.clears += 1
         if which == "hot":
             released = self.hot.clear()
             mx.clear_cache()  # hand the freed buffers back to the OS, not to MLX's buffer cache
