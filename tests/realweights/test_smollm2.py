@@ -128,7 +128,10 @@ def test_tools_for_a_template_without_a_tool_format_are_written_by_the_worker(sm
     """SmolLM2's template writes no tools: the worker writes them into the prompt itself (worker/tool_fallback.py),
     so a required call comes back as a call in its format, on every API, never with the tools silently dropped."""
     c = openai_client(smollm)
-    params = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}
+    # closed to other keys: with them open, the constrained JSON may run on to the token cap inside the arguments, as
+    # one CI run's greedy path did (prefill chunks are sized to the machine's speed, and the numerics with them)
+    params = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+              "additionalProperties": False}
     tool = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                              "parameters": params}}
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]

@@ -340,7 +340,7 @@ class Engine:
 
     def step(self) -> tuple[list[list], list[Finished | Failed]]:
         """One BatchGenerator step: text chunks [[rid, text, n]] and the requests that ended (Failed: its grammar
-        failed mid-request). With a text thread, a batch row's text comes a step later (`_lag`)."""
+        failed mid-request). With a text thread, a batch row's text comes a step later (text_thread.py)."""
         plan = self._plan or self.plan_step()
         self._plan = None
         if self._lagged:  # the last step's rows' text is made while this step's kernels launch
