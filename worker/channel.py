@@ -50,6 +50,6 @@ class ZmqChannel:
             return None
 
     def wait(self, timeout_ms: int) -> bool:
-        if timeout_ms <= 0:  # the busy loop's check, once a step: the socket's state, not a poll (~30 us on a GPU host)
+        if timeout_ms <= 0:  # the busy loop's check, once a step: the socket's state, no poll (which releases the GIL)
             return bool(cast(int, self.sock.get(zmq.EVENTS)) & zmq.POLLIN)
         return bool(self._poller.poll(timeout_ms))

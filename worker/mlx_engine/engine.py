@@ -373,8 +373,8 @@ class Engine:
         chunks: list[list] = []
         finished: list[Finished | Failed] = []
         lag = self.text is not None and lane.solo is None
-        ending = {r.uid: r for r in responses if r.finish_reason is not None} if lag or self.text_started else {}
-        if self.text_started:  # before this step's tokens and any grammar failure: each row's text in order
+        ending = {r.uid: r for r in responses if r.finish_reason is not None} if lag or self._making else {}
+        if self._making:  # before this step's tokens and any grammar failure: each row's text in order
             self._collect(ending, chunks, finished)
         finished += self._grammar_failures()
         lagged: dict[str, tuple[Request, list[int]]] = {}
@@ -408,10 +408,6 @@ class Engine:
         if not self._by_rid and not self._stores:
             self._hand_off()  # idle next: no step would hand them off, and none is in flight to wait for
         return chunks, finished
-
-    @property
-    def text_started(self) -> bool:
-        return self.text is not None and self.text.pending
 
     def _collect(self, ending: dict, chunks: list[list], finished: list[Finished | Failed]) -> None:
         """The text thread's chunks for the rows of the last step; a row its stop string ended finishes now (the
