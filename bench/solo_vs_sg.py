@@ -1,5 +1,6 @@
 """Issue 30: stream_generate's generate_step, the worker's Solo driven alone, and the whole Engine (submit/step), on one
 model in one process, in interleaved rounds: is a lone request's extra time per token the Solo's or the Engine's?
+Each of Solo and Engine also with its next decode graph built ahead on a thread (`--solo ahead`, solo.py's Ahead).
 
     python -m bench.solo_vs_sg --model DIR [--rounds 10] [--tokens 256]
 """
@@ -21,7 +22,7 @@ from bench.diagnose import itl_ms
 from bench.prompts import prompts
 from protocol.messages import Submit
 from worker.mlx_engine.engine import Engine
-from worker.mlx_engine.solo import Solo
+from worker.mlx_engine.solo import Ahead, Solo
 
 
 def main() -> int:
@@ -32,7 +33,8 @@ def main() -> int:
     p.add_argument("--compiled", action="store_true", help="also an Engine whose solo decodes compiled (--solo compiled)")
     args = p.parse_args()
     n = args.tokens
-    eng = Engine(Path(args.model), max_batch_size=32, prefill_step_size=512, cache=None)
+    eng = Engine(Path(args.model), max_batch_size=32, prefill_step_size=512, cache=None, solo="plain")
+    ahead_eng = Engine(Path(args.model), max_batch_size=32, prefill_step_size=512, cache=None, solo="ahead")
     compiled = Engine(Path(args.model), max_batch_size=32, prefill_step_size=512, cache=None,
                       solo="compiled") if args.compiled else None
     model, tok = load(args.model)
@@ -40,8 +42,10 @@ def main() -> int:
     def sg(ids: list[int], _: str) -> list[float]:
         return [time.perf_counter() for _ in generate_step(mx.array(ids), model, max_tokens=n)]
 
-    def solo(ids: list[int], _: str) -> list[float]:
-        s, ts = Solo(model, 0, ids, 0, None, n, None, None), []
+    ahead = Ahead()
+
+    def solo(ids: list[int], _: str, ahead: Ahead | None = None) -> list[float]:
+        s, ts = Solo(model, 0, ids, 0, None, n, None, None, ahead=ahead), []
         while True:
             out = s.step(512)
             if out:
@@ -58,7 +62,8 @@ def main() -> int:
                 ts.append(time.perf_counter())
         return ts
 
-    variants = {"generate_step": sg, "solo": solo, "engine": engine}
+    variants = {"generate_step": sg, "solo": solo, "solo_ahead": lambda ids, rid: solo(ids, rid, ahead),
+                "engine": engine, "engine_ahead": lambda ids, rid: engine(ids, rid, ahead_eng)}
     if compiled is not None:
         variants["engine_compiled"] = lambda ids, rid: engine(ids, rid, compiled)
     out: dict[str, list[float]] = {k: [] for k in variants}
