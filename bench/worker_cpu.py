@@ -36,7 +36,9 @@ WRAPPED = [
     ("worker.channel", "ZmqChannel", "send"), ("worker.channel", "ZmqChannel", "wait"),
     ("worker.mlx_engine.engine", "Engine", "step"), ("worker.mlx_engine.engine", "Engine", "plan_step"),
     ("worker.mlx_engine.solo", "Solo", "_step"), ("worker.mlx_engine.solo", "Solo", "_feed"),
-    ("worker.mlx_engine.solo", "Solo", "_out"), ("worker.request_output", "RequestOutput", "push"),
+    ("worker.mlx_engine.solo", "Solo", "_out"), ("worker.mlx_engine.solo", "Solo", "_take_ahead"),
+    ("worker.mlx_engine.solo", "Solo", "_build"),  # on the Ahead thread (--solo ahead), but for the first tokens
+    ("worker.request_output", "RequestOutput", "push"),
     ("worker.request_output", "RequestOutput", "take"), ("mlx_lm.generate", "BatchGenerator", "next"),
     ("worker.mlx_engine.engine", "Engine", "_store"), ("worker.mlx_engine.engine", "Engine", "_hand_off"),
 ]
