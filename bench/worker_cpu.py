@@ -11,6 +11,8 @@ token (1 stream) or per step (N streams): which functions cost what, and how muc
 (inside async_eval), which a second thread could use. Beside the sums, the tail of the loop's steps (`WorkerLoop._step`
 wall time: p50, p95, p99, max) and the interpreter's garbage collections in the same period (count and wall time per
 generation, from gc.callbacks): are the slow steps that put a worker's p95 ITL above in-process's the collector's?
+A function that runs on another thread is summed with that thread's times: `Solo._build`, which `--solo ahead` (auto on
+CUDA) runs on its Ahead thread but for a request's first tokens, and `RequestOutput.push` on the text thread.
 """
 
 from __future__ import annotations

@@ -30,8 +30,10 @@ class JobThread:
 
     def start(self, fn: Callable[..., Any], *args: Any) -> None:
         assert not self.pending, "one job at a time"
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        if self._thread is None:  # each thread has queues of its own: one left to a hung job keeps its own
+            self._jobs, self._results = queue.SimpleQueue(), queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._run, args=(self._jobs, self._results), name=self.name,
+                                            daemon=True)
             self._thread.start()
         self.pending = True
         self._jobs.put((fn, args))
@@ -51,14 +53,13 @@ class JobThread:
         if thread is not None:
             self._jobs.put(None)
             thread.join(timeout_s)
-        self._results = queue.SimpleQueue()  # a dropped result is not the next job's
         self.pending = False
 
-    def _run(self) -> None:
-        results = self._results  # close() gives the next thread a queue of its own
-        while (job := self._jobs.get()) is not None:
+    @staticmethod
+    def _run(jobs: queue.SimpleQueue[Job | None], results: queue.SimpleQueue[tuple[bool, Any]]) -> None:
+        while (job := jobs.get()) is not None:
             fn, args = job
             try:
                 results.put((True, fn(*args)))
-            except Exception as exc:  # the collector raises it, where the work would have
+            except BaseException as exc:  # the collector raises it, where the work would have; it never waits forever
                 results.put((False, exc))

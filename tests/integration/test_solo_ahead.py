@@ -17,9 +17,9 @@ from tests.conftest import wait_for
 ASK = [{"role": "user", "content": "Tell me about the sea."}]
 
 
-def chat(d, model: str, messages: list, stream: bool = False) -> tuple[str, dict]:
+def chat(d, model: str, messages: list, stream: bool = False, stop: str | None = None) -> tuple[str, dict]:
     body = {"model": model, "messages": messages, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
-            "stream": stream}
+            "stream": stream, **({"stop": [stop]} if stop else {})}
     if not stream:
         r = httpx.post(d.v1 + "/chat/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
@@ -49,9 +49,13 @@ def test_a_worker_building_each_graph_ahead_serves_what_plain_decoding_does(daem
     assert said["ahead"][0] == said["plain"][0] and said["ahead"][1]["completion_tokens"] == 24
     assert chat(d, "ahead", ASK, stream=True)[0] == said["plain"][0]
 
-    # the next turn: the first turn's finished cache (stored with the build ahead undone) is found, and what the
-    # reply says is what plain decoding says after it
-    turn = [*ASK, {"role": "assistant", "content": said["plain"][0]}, {"role": "user", "content": "And the sky?"}]
+    # a stop string ends the first turn mid-decode, a graph built ahead: undone before its cache is stored; the next
+    # turn finds as many cached tokens, and says what plain decoding says after it
+    text = said["plain"][0]
+    stop = next(text[i:i + 3] for i in range(8, len(text) - 3) if text[i:i + 3] not in text[:i + 2])
+    first = {model: chat(d, model, ASK, stop=stop) for model in ("plain", "ahead")}
+    assert first["ahead"] == first["plain"] and first["plain"][1]["completion_tokens"] < 22
+    turn = [*ASK, {"role": "assistant", "content": first["plain"][0]}, {"role": "user", "content": "And the sky?"}]
     nxt = {model: chat(d, model, turn) for model in ("plain", "ahead")}
     assert nxt["ahead"][0] == nxt["plain"][0]
     cached = nxt["ahead"][1].get("prompt_tokens_details", {}).get("cached_tokens", 0)

@@ -295,6 +295,15 @@ def test_ahead_a_solo_ended_by_an_eos_or_aborted_leaves_its_cache_as_plain_decod
             assert pending is not None and cache is not None
             handed.append((pending.token, cache[0].offset, len(fed), rest))
         assert handed[0] == handed[1] and handed[0][1] == handed[0][2]
+        released = []
+        for maker in (None, ahead):  # ended by a stop string (the engine's release) with the next graph built ahead
+            solo = Solo(model, 0, LONG, 0, None, 30, None, None, ahead=maker)
+            while solo.generated < 5:
+                solo.step(512)
+            assert (solo._saved is not None) == (maker is not None)
+            cache, fed = solo.release()
+            released.append((cache[0].offset, len(fed), fed))
+        assert released[0] == released[1] and released[0][0] == released[0][1]
     finally:
         ahead.close()
 

@@ -30,8 +30,9 @@ from too, so its stream stays where plain decoding's would be (and goes on so in
 On CUDA (`--solo ahead`, auto there) the graph of the next decode step is built ahead, on a thread of its own
 (`Ahead`), while the main thread launches the step before it: one stream is bound by the main thread's CPU, which
 builds a token's graph in Python (~40% of a token on the GPU host) and then launches it in `mx.async_eval`, which
-releases the GIL. The build ahead feeds the token in flight (lazy) to the cache; the main thread takes the built
-graph at its next step, as if it had fed it then. It runs only where it can be undone exactly: plain steps (not
+releases the GIL. The build ahead feeds the token in flight (lazy) to the cache; the main thread waits for it as the
+launch returns (so the thread never runs beside the main thread's other MLX work) and takes the built graph at its
+next step, as if it had fed it then. It runs only where it can be undone exactly: plain steps (not
 compiled, no drafts, no reply snapshots) on caches that are all KVCache, for a request that is not seeded (an undone
 build would have drawn from its sampler's stream). `settle` undoes it (the caches' offsets put back; what it wrote
 lies past them, as after a trim) before anything reads or hands on the cache: an EOS or a stop string ends the
@@ -161,7 +162,8 @@ class Solo:
         self.stops = sorted(stops)  # prompt positions where its prefill stops for a cache snapshot (the engine's)
         self.boundary = boundary  # reply snapshots are taken where the cache fills a multiple of it (0: none)
         self.ahead = ahead  # where the graph after the one launched is built meanwhile (None: never)
-        self._saved: list[tuple[mx.array, mx.array, int]] | None = None  # the cache before that build, while it runs
+        self._saved: list[tuple[mx.array, mx.array, int]] | None = None  # the cache before that build, until taken
+        self._built: tuple[mx.array, mx.array] | None = None  # that build's graph: its token and logprobs
 
     @property
     def prefill_left(self) -> int:
@@ -201,32 +203,40 @@ class Solo:
             return False
         return True
 
-    def _build_ahead(self, token: mx.array) -> None:
-        """Build the graph that feeds `token` (launched, not evaluated) on the ahead thread, while this thread
-        launches the graph that makes it."""
+    def _launch_with_build_ahead(self, token: mx.array, built_too: tuple[mx.array, mx.array]) -> None:
+        """Launch `built_too` (the graph that makes `token`) while the Ahead thread builds the graph that feeds
+        `token`, and wait for that build before going on: the Ahead thread runs inside the launch's release of the
+        GIL only, never beside the main thread's other MLX work."""
         assert self.ahead is not None
         self._saved = [(c.keys, c.values, c.offset) for c in self.cache]
         self.ahead.build(self._build, token)
+        mx.async_eval(*built_too)
+        try:
+            self._built = self.ahead.collect()
+        except Exception:
+            self._restore()
+            raise
 
     def _take_ahead(self) -> tuple[mx.array, mx.array]:
-        assert self.ahead is not None
-        self._saved = None
-        built = self.ahead.collect()
+        """The graph built ahead, which fed the token now in hand: from here on as if this step had fed it."""
+        built, self._built, self._saved = self._built, None, None
+        assert built is not None
         self.fed += 1
         return built
 
     def settle(self) -> None:
-        """Undo a graph built ahead, if one is (being) built: the cache is as plain decoding leaves it. Before
-        anything reads or hands on the cache."""
-        if self._saved is None:
-            return
-        assert self.ahead is not None
-        saved, self._saved = self._saved, None
-        try:
-            self.ahead.collect()
-        finally:
-            for c, (keys, values, offset) in zip(self.cache, saved, strict=True):
-                c.keys, c.values, c.offset = keys, values, offset
+        """Undo a graph built ahead and not taken: the caches' offsets as plain decoding leaves them. What the build
+        wrote lies past them, as after a trim (mlx-lm's KVCache writes in place), and its lazy forward pass is left in
+        the caches' graph: one token's work, done when they are next evaluated. Before anything reads or hands on
+        the cache."""
+        if self._saved is not None:
+            self._restore()
+
+    def _restore(self) -> None:
+        saved, self._saved, self._built = self._saved, None, None
+        assert saved is not None
+        for c, (keys, values, offset) in zip(self.cache, saved, strict=True):
+            c.keys, c.values, c.offset = keys, values, offset
 
     def _compiled(self) -> bool:
         """Whether the graph holds the cache (taken into it here if it can)."""
@@ -292,8 +302,9 @@ class Solo:
         if self.generated + 1 < self.max_tokens:  # another token will be wanted: schedule it before reading this one
             self._next = self._take_ahead() if self._saved is not None else self._feed(token)
             if self.generated + 2 < self.max_tokens and self._ahead_ok():  # and one after it: built during the launch
-                self._build_ahead(self._next[0])
-            mx.async_eval(*self._next)
+                self._launch_with_build_ahead(self._next[0], self._next)
+            else:
+                mx.async_eval(*self._next)
         else:
             self._next = None
         if self.generated % 256 == 0:
