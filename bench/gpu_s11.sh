@@ -6,7 +6,8 @@
 #   engine: bench.diagnose engine (stream_generate on either model and attention; the Engine's solo) and affinity
 #   env:    bench.mlx_env (stream_generate under MLX CUDA's graph settings)
 #   loads:  bench.diagnose loads (the weights as mlx_lm.load and the worker load them), then engine again
-#   solo:   bench.solo_vs_sg (generate_step, the Solo alone, the Engine; COMPILED=1: its compiled decode too)
+#   solo:   bench.solo_vs_sg (generate_step, the Solo alone, the Engine; COMPILED=1: its compiled decode too; PIN=1:
+#           the Solo built ahead with its threads pinned)
 set -u
 MODE=${1:?engine, env, loads or solo}
 P=${PRESET:-1b} W=/tmp/bw R=$OUT/s11-$MODE
@@ -33,7 +34,7 @@ case $MODE in
        echo "mlx_env exit $? at ${SECONDS}s"; tail -n 8 "$R/log.txt" ;;
   loads) diag loads 12
          DIAG_ENGINE_VARIANTS=S_mlx_lm_stream_generate,S_stream_generate_engine_model,B_engine_submit_step diag engine 12 ;;
-  solo) timeout 240 taskset -c 0-3 python3 -m bench.solo_vs_sg --model "$M" --rounds "${ROUNDS:-14}" ${COMPILED:+--compiled} \
+  solo) timeout 240 taskset -c 0-3 python3 -m bench.solo_vs_sg --model "$M" --rounds "${ROUNDS:-14}" ${COMPILED:+--compiled} ${PIN:+--pin} \
           > "$R/log.txt" 2>&1
         echo "solo_vs_sg exit $? at ${SECONDS}s"; grep '^{' "$R/log.txt" ;;
   *) echo "unknown mode $MODE"; exit 2 ;;

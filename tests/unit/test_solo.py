@@ -21,6 +21,7 @@ from worker.mlx_engine.decode_graph import solo_modes
 from worker.mlx_engine.engine import DECODE_PLAN_STEPS, Engine
 from worker.mlx_engine.prompt_cache import CacheOptions
 from worker.mlx_engine.solo import Ahead, Solo
+from worker.pace import Pace
 
 LONG = [(i * 7919) % 1000 + 3 for i in range(150)]
 OTHER = [5, 9, 17, 33, 2, 41, 8]
@@ -237,20 +238,31 @@ def test_while_others_decode_a_finished_cache_waits_for_the_next_lookup_or_idle_
     assert engine.caches.stats().hot_entries > 0
 
 
-def test_ahead_each_decode_graph_is_built_on_its_thread_while_the_last_one_launches(
-        model_dir: Path, reference, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`--solo ahead` (auto on CUDA): the graph that feeds a token is built on the Ahead thread while the main thread
-    launches the graph that makes that token; the ids are mlx-lm's, and the graphs evaluate on the main thread (an
-    eval of a graph on another thread's stream raises)."""
-    engine = Engine(model_dir / "tiny", solo="ahead")
-    built: list[str] = []
+class Builds(list):
+    got: list[int]
+
+
+def decode_alone_recording_builds(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> Builds:
+    """12 tokens of LONG alone; the name of the thread each decode graph was built on (and the ids, as `.got`)."""
+    built = Builds()
     build = Solo._build
     monkeypatch.setattr(Solo, "_build", lambda self, ids: (built.append(threading.current_thread().name),
                                                           build(self, ids))[1])
     submit(engine, "a", LONG, 12)
     got: dict[str, list[int]] = {}
     collect(engine, got)
-    assert got["a"] == reference(LONG, 12)
+    built.got = got["a"]
+    return built
+
+
+def test_ahead_each_decode_graph_is_built_on_its_thread_while_the_last_one_launches(
+        model_dir: Path, reference, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--solo ahead` (auto on CUDA): the graph that feeds a token is built on the Ahead thread while the main thread
+    launches the graph that makes that token; the ids are mlx-lm's, and the graphs evaluate on the main thread (an
+    eval of a graph on another thread's stream raises)."""
+    engine = Engine(model_dir / "tiny", solo="ahead")
+    built = decode_alone_recording_builds(engine, monkeypatch)
+    assert built.got == reference(LONG, 12)
     # the graphs that feed the prompt's last token and the first token out on the main thread, then each a token ahead
     # until the one that makes the last token wanted: 12 graphs, 10 of them ahead
     assert built.count("mlxsup-ahead") == 10 and len(built) == 12 and built[:2] == ["MainThread"] * 2, built
@@ -258,6 +270,39 @@ def test_ahead_each_decode_graph_is_built_on_its_thread_while_the_last_one_launc
     thread = engine.lane.ahead._thread
     engine.settle()
     assert thread is not None and not thread.is_alive()
+
+
+class ScriptedPace(Pace):
+    """A Pace whose way is scripted per decode step, recording what it is told."""
+
+    def __init__(self, ways: list[bool]) -> None:
+        super().__init__()
+        self.ways, self.told = ways, []
+
+    def use(self) -> bool:
+        return self.ways[min(len(self.told), len(self.ways) - 1)]
+
+    def record(self, seconds: float, way: bool) -> None:
+        self.told.append((seconds, way))
+
+
+def test_ahead_builds_only_in_the_steps_its_pace_says_and_tells_it_each_step_time(
+        model_dir: Path, reference, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whether a step builds the next graph ahead is the worker's Pace's choice, step by step (worker/pace.py: on the
+    GPU host it pays in one of the host's speeds and costs in the other); the ids are mlx-lm's across every change
+    of way, and the Pace is told each decode step's time in the way it ran."""
+    engine = Engine(model_dir / "tiny", solo="ahead")
+    assert engine.lane.ahead is not None and isinstance(engine.lane.ahead.pace, Pace)
+    ways = [True, True, False, False, True, False, True, True, False, True]
+    engine.lane.ahead.pace = pace = ScriptedPace(ways)
+    built = decode_alone_recording_builds(engine, monkeypatch)
+    assert built.got == reference(LONG, 12)
+    # the decode steps of tokens 1..10 choose a way (the graph built in the 10th makes the 12th, the last wanted); each
+    # is told at the next step
+    assert [way for _, way in pace.told] == ways
+    assert all(seconds > 0 for seconds, _ in pace.told)
+    assert built.count("mlxsup-ahead") == ways.count(True), built
+    engine.settle()
 
 
 def test_ahead_a_solo_ended_by_an_eos_or_aborted_leaves_its_cache_as_plain_decoding_does(model_dir: Path) -> None:

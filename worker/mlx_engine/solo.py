@@ -27,8 +27,10 @@ tokens are fed again in one forward pass (rollback.py); its logits are not neede
 one the verification chose. A seeded request samples with its drafting's `Draws`, which the verification draws
 from too, so its stream stays where plain decoding's would be (and goes on so in the batch after a hand-over).
 
-On CUDA (`--solo ahead`, auto there) the graph of the next decode step is built ahead, on a thread of its own
-(`Ahead`), while the main thread launches the step before it: one stream is bound by the main thread's CPU, which
+On CUDA (`--solo ahead`, auto there) the graph of the next decode step may be built ahead, on a thread of its own
+(`Ahead`), while the main thread launches the step before it. Its `Pace` (worker/pace.py) decides, step by step, from
+the decode steps' own times: on the GPU host building ahead was faster in the host's slow speed and slower in its fast
+one (bench/results/gpu/itl-s18/). Why it can pay: one stream is bound by the main thread's CPU, which
 builds a token's graph in Python (~40% of a token on the GPU host) and then launches it in `mx.async_eval`, which
 releases the GIL. The build ahead feeds the token in flight (lazy) to the cache; the main thread waits for it as the
 launch returns (so the thread never runs beside the main thread's other MLX work) and takes the built graph at its
@@ -67,6 +69,7 @@ from worker.job_thread import JobThread
 from worker.mlx_engine.decode_graph import DecodeGraph, DecodeState
 from worker.mlx_engine.rollback import mark, restore, trim, undoable
 from worker.mlx_engine.speculative import Drafting
+from worker.pace import Pace
 from worker.step_cost import StepPlan
 
 
@@ -129,6 +132,11 @@ class Ahead(JobThread):
         super().__init__("mlxsup-ahead")
         with mx.stream(generation_stream):
             self.stream = mx.default_stream(mx.default_device())
+        # whether building ahead is faster than not on this host now, measured on the solos' steps (None: always)
+        self.pace: Pace | None = Pace()
+
+    def use(self) -> bool:
+        return self.pace is None or self.pace.use()
 
     def build(self, fn: Callable[..., Any], *args: Any) -> None:
         self.start(self._on_stream, fn, args)
@@ -161,7 +169,10 @@ class Solo:
         self.drafting = drafting  # None: no drafts (never asked for, or this request's caches cannot roll back)
         self.stops = sorted(stops)  # prompt positions where its prefill stops for a cache snapshot (the engine's)
         self.boundary = boundary  # reply snapshots are taken where the cache fills a multiple of it (0: none)
-        self.ahead = ahead  # where the graph after the one launched is built meanwhile (None: never)
+        # where the graph after the one launched is built meanwhile (None: never); only on caches that are all KVCache,
+        # whose state before a build can be put back exactly
+        self.ahead = ahead if ahead is not None and all(type(c) is KVCache for c in self.cache) else None
+        self._way: tuple[bool, float] | None = None  # the last decode step: whether it built ahead, and its start
         self._saved: list[tuple[mx.array, mx.array, int]] | None = None  # the cache before that build, until taken
         self._built: tuple[mx.array, mx.array] | None = None  # that build's graph: its token and logprobs
 
@@ -195,21 +206,16 @@ class Solo:
 
     def _ahead_ok(self) -> bool:
         """Whether the next token's graph may be built ahead: plain steps (no compiled graph, no drafts, no reply
-        snapshots) on caches that are all KVCache, whose state before the build can be put back exactly."""
-        if self.ahead is None or self.graph is not None or self.drafting is not None or self.boundary:
-            return False
-        if not all(type(c) is KVCache for c in self.cache):
-            self.ahead = None  # decided once
-            return False
-        return True
+        snapshots) with an Ahead thread (the caches allow it)."""
+        return self.ahead is not None and self.graph is None and self.drafting is None and not self.boundary
 
-    def _launch_with_build_ahead(self, token: mx.array, built_too: tuple[mx.array, mx.array]) -> None:
-        """Launch `built_too` (the graph that makes `token`) while the Ahead thread builds the graph that feeds
-        `token`, and wait for that build before going on: the Ahead thread runs inside the launch's release of the
+    def _launch_with_build_ahead(self, built_too: tuple[mx.array, mx.array]) -> None:
+        """Launch `built_too` (the graph that makes the next token) while the Ahead thread builds the graph that feeds
+        that token, and wait for that build before going on: the Ahead thread runs inside the launch's release of the
         GIL only, never beside the main thread's other MLX work."""
         assert self.ahead is not None
         self._saved = [(c.keys, c.values, c.offset) for c in self.cache]
-        self.ahead.build(self._build, token)
+        self.ahead.build(self._build, built_too[0])
         mx.async_eval(*built_too)
         try:
             self._built = self.ahead.collect()
@@ -298,11 +304,16 @@ class Solo:
         if self.drafting is not None and (drafted := self._draft_step()) is not None:
             return drafted
         times, t0 = self.times, time.perf_counter()
+        if self._way is not None and self.ahead is not None and self.ahead.pace is not None:
+            self.ahead.pace.record(t0 - self._way[1], self._way[0])  # the last step's time, in its way
+        self._way = None
         token, logprobs = self._next
         if self.generated + 1 < self.max_tokens:  # another token will be wanted: schedule it before reading this one
             self._next = self._take_ahead() if self._saved is not None else self._feed(token)
-            if self.generated + 2 < self.max_tokens and self._ahead_ok():  # and one after it: built during the launch
-                self._launch_with_build_ahead(self._next[0], self._next)
+            if self.generated + 2 < self.max_tokens and self._ahead_ok():  # and one after it may be built during
+                self._way = (cast(Ahead, self.ahead).use(), t0)  # the launch: where that is faster now
+            if self._way is not None and self._way[0]:
+                self._launch_with_build_ahead(self._next)
             else:
                 mx.async_eval(*self._next)
         else:
