@@ -277,10 +277,14 @@ class ScriptedPace(Pace):
 
     def __init__(self, ways: list[bool]) -> None:
         super().__init__()
-        self.ways, self.told = ways, []
+        self.ways, self.told, self.asked, self.begun = ways, [], 0, 0
+
+    def begin(self) -> None:
+        self.begun += 1
 
     def use(self) -> bool:
-        return self.ways[min(len(self.told), len(self.ways) - 1)]
+        self.asked += 1
+        return self.ways[self.asked - 1]
 
     def record(self, seconds: float, way: bool) -> None:
         self.told.append((seconds, way))
@@ -297,9 +301,10 @@ def test_ahead_builds_only_in_the_steps_its_pace_says_and_tells_it_each_step_tim
     engine.lane.ahead.pace = pace = ScriptedPace(ways)
     built = decode_alone_recording_builds(engine, monkeypatch)
     assert built.got == reference(LONG, 12)
-    # the decode steps of tokens 1..10 choose a way (the graph built in the 10th makes the 12th, the last wanted); each
-    # is told at the next step
-    assert [way for _, way in pace.told] == ways
+    # the decode steps of tokens 1..10 choose a way (the graph built in the 10th makes the 12th, the last wanted); a step
+    # is told at the next one, if it ran wholly its way: built ahead after a step that built ahead (the 2nd, the 8th),
+    # or not after one that did not (the 4th); the first built on the main thread as well
+    assert pace.asked == 10 and [way for _, way in pace.told] == [True, False, True] and pace.begun == 1
     assert all(seconds > 0 for seconds, _ in pace.told)
     assert built.count("mlxsup-ahead") == ways.count(True), built
     engine.settle()
@@ -315,6 +320,7 @@ def test_ahead_a_solo_ended_by_an_eos_or_aborted_leaves_its_cache_as_plain_decod
     while not (rs := plain_out.step(512)) or rs[-1].finish_reason is None:
         ref += [r.token for r in rs]
     ahead = Ahead()
+    ahead.pace = None  # built ahead at every step, whatever the steps' times
     try:
         for at in (0, 1, 2, 7):  # an EOS as the first, second, third or a later token out
             ends = []

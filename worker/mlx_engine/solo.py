@@ -40,9 +40,9 @@ build would have drawn from its sampler's stream). `settle` undoes it (the cache
 lies past them, as after a trim) before anything reads or hands on the cache: an EOS or a stop string ends the
 request, the batch takes it over, an abort drops it. Its graphs go on the main thread's generation stream, where
 the main thread evaluates them (mlx-lm's `generation_stream` is one stream per thread), and their ids are plain
-decoding's. On the GPU host it took a lone request's tokens from 1.055 to 0.93 of generate_step's time in one
-process (`python -m bench.solo_vs_sg`), and served over HTTP 1.10-1.17x the tokens a second of the same tree without
-it (bench/results/gpu/itl-s17/).
+decoding's. On the GPU host, at its slow speed, it took a lone request's tokens from 1.055 to 0.93 of generate_step's
+time in one process (`python -m bench.solo_vs_sg`), and served over HTTP 1.10-1.17x the tokens a second of the same
+tree without it (bench/results/gpu/itl-s17/); at its fast speed it cost ~10% (itl-s18/), hence the Pace.
 
 `SoloLane` is the engine's side of it: the solo in flight (at most one), its start, the hand-over into the
 engine's BatchGenerator, and the token read at a hand-over, which the engine emits at its next step.
@@ -172,7 +172,11 @@ class Solo:
         # where the graph after the one launched is built meanwhile (None: never); only on caches that are all KVCache,
         # whose state before a build can be put back exactly
         self.ahead = ahead if ahead is not None and all(type(c) is KVCache for c in self.cache) else None
-        self._way: tuple[bool, float] | None = None  # the last decode step: whether it built ahead, and its start
+        if self.ahead is not None and self.ahead.pace is not None:
+            self.ahead.pace.begin()
+        # the last decode step, if it ran wholly one way (built ahead after a step that did, or not after one that did
+        # not): that way, and its start
+        self._timed: tuple[bool, float] | None = None
         self._saved: list[tuple[mx.array, mx.array, int]] | None = None  # the cache before that build, until taken
         self._built: tuple[mx.array, mx.array] | None = None  # that build's graph: its token and logprobs
 
@@ -304,20 +308,21 @@ class Solo:
         if self.drafting is not None and (drafted := self._draft_step()) is not None:
             return drafted
         times, t0 = self.times, time.perf_counter()
-        if self._way is not None and self.ahead is not None and self.ahead.pace is not None:
-            self.ahead.pace.record(t0 - self._way[1], self._way[0])  # the last step's time, in its way
-        self._way = None
+        if self._timed is not None and self.ahead is not None and self.ahead.pace is not None:
+            self.ahead.pace.record(t0 - self._timed[1], self._timed[0])  # the last step's time, in its way
         token, logprobs = self._next
+        way, began_built = None, self._saved is not None
         if self.generated + 1 < self.max_tokens:  # another token will be wanted: schedule it before reading this one
-            self._next = self._take_ahead() if self._saved is not None else self._feed(token)
+            self._next = self._take_ahead() if began_built else self._feed(token)
             if self.generated + 2 < self.max_tokens and self._ahead_ok():  # and one after it may be built during
-                self._way = (cast(Ahead, self.ahead).use(), t0)  # the launch: where that is faster now
-            if self._way is not None and self._way[0]:
+                way = cast(Ahead, self.ahead).use()  # the launch: where that is faster now
+            if way:
                 self._launch_with_build_ahead(self._next)
             else:
                 mx.async_eval(*self._next)
         else:
             self._next = None
+        self._timed = (way, t0) if way is not None and way == began_built else None
         if self.generated % 256 == 0:
             mx.clear_cache()  # as generate_step
         t1 = time.perf_counter()
