@@ -68,8 +68,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--solo", choices=("auto", "compiled", "ahead", "plain", "off"), default="auto",
                    help="a request alone decodes the generate_step way (worker/mlx_engine/solo.py): its steps compiled"
                         " where the model's caches allow (decode_graph.py); ahead: each step's graph built on a thread"
-                        " while the step before it launches, where that measures faster (worker/pace.py); or plain; auto: compiled, ahead where MLX runs on CUDA;"
-                        " off: always batched")
+                        " while the step before it launches, where that measures faster (worker/pace.py); or plain;"
+                        " auto: compiled, ahead where MLX runs on CUDA; off: always batched")
     p.add_argument("--attention", choices=("auto", "fast", "routed"), default="auto",
                    help="routed: a short prefill's attention runs unfused, not through cuDNN, which builds a graph per"
                         " new prompt shape (worker/mlx_engine/attention.py); fast: always MLX's fused kernels;"
