@@ -1,7 +1,7 @@
 """Every message that crosses the supervisor <-> worker boundary, one typed class each.
 
 Messages to the worker are imperative (Load, Submit, Abort, Evict, ClearCache, Tokenize, Embed, Rerank); messages
-from it are facts (Standby, Progress, Ready, Tokens, Finished, Failed, Heartbeat, StepStarted, CacheStats,
+from it are facts (Standby, Progress, Ready, Tokens, Finished, Failed, Heartbeat, StepStarted, Pulse, CacheStats,
 CacheCleared, Tokenized, Embedded, Reranked, Bye).
 Fields hold only msgpack-native types (str, int, float, bool, None, list, dict) so the codec can
 validate them without any custom serialisation; errors travel as data (a machine code and a message), never as
@@ -14,13 +14,13 @@ import signal
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-PROTOCOL_VERSION = 9  # 2: prompt caches (ClearCache, CacheCleared, CacheStats); 3: StepStarted;
+PROTOCOL_VERSION = 10  # 2: prompt caches (ClearCache, CacheCleared, CacheStats); 3: StepStarted;
 # 4: resumed requests (Submit.resume_tokens, token ids in Tokens chunks and Finished); Submit's tools, template
 # kwargs, constraint, logprobs, seed, penalties, prompt_ids; typed chunk extras; 5: Tokenize/Tokenized,
 # Submit.reasoning_budget; 6: Embed/Embedded (embedding models); 7: Rerank/Reranked, Embed.input_type and
 # Embed.instruction, Finished.drafted_tokens and accepted_tokens (speculative decoding),
 # Submit.cache_mark and Finished.cache_written (prompt-cache breakpoints and usage); 8: Submit.branch_points;
-# 9: Submit.more
+# 9: Submit.more; 10: Pulse (the worker's watchdog)
 
 # Machine codes carried by Failed and surfaced to HTTP clients as the error "code".
 MODEL_EVICTED = "model_evicted"
@@ -304,6 +304,24 @@ class StepStarted(Message):
     decoding: int
 
 
+# The worker's watchdog sends from a socket of its own, under its worker's identity with this suffix.
+WATCH_SUFFIX = b"#watch"
+
+
+@dataclass(slots=True)
+class Pulse(Message):
+    """From the worker's watchdog thread (worker/watchdog.py), not its loop: one turn of the generation loop has run
+    `turn_s` seconds, and in the last `window_s` the main thread sat in one native call (an MLX evaluation, where
+    `where` names the Python line that made it) while the process used `cpu_s` seconds of CPU: slow, not stuck. Sent
+    only then, so a stopped, deadlocked or Python-spinning worker stays silent and is still caught as hung."""
+
+    KIND: ClassVar[str] = "pulse"
+    turn_s: float
+    window_s: float
+    cpu_s: float
+    where: str
+
+
 @dataclass(slots=True)
 class CacheStats(Message):
     """The worker's prompt caches, sent with every heartbeat. Entries are KV blocks.
@@ -411,6 +429,7 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     Failed,
     Heartbeat,
     StepStarted,
+    Pulse,
     CacheStats,
     CacheCleared,
     Tokenized,

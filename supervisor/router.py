@@ -30,6 +30,7 @@ from dataclasses import replace
 from typing import Any, ClassVar, Generic, TypeVar
 
 from protocol.messages import (
+    WATCH_SUFFIX,
     Abort,
     Bye,
     CacheCleared,
@@ -40,6 +41,7 @@ from protocol.messages import (
     Heartbeat,
     Message,
     Progress,
+    Pulse,
     Ready,
     Reranked,
     StepStarted,
@@ -263,6 +265,8 @@ class Router(Generic[MetricsT]):
 
     def _on_message(self, identity: bytes, msg: Message) -> None:
         worker = self._by_identity.get(identity)  # a spare's identity is here only once it is a model's worker
+        if worker is None and identity.endswith(WATCH_SUFFIX) and msg.KIND == Pulse.KIND:  # its watchdog's socket
+            worker = self._by_identity.get(identity[:-len(WATCH_SUFFIX)])
         if worker is None:
             if not self.lifecycle.on_spare_message(identity, msg):
                 log.warning("[transport] message kind=%s from unknown worker %r", msg.KIND, identity)
@@ -324,6 +328,17 @@ class Router(Generic[MetricsT]):
         worker.step_started = worker.last_seen
         worker.step_predicted_s = msg.predicted_s
 
+    def _on_pulse(self, worker: Worker, msg: Pulse) -> None:
+        """Its loop is in a long turn, computing (worker/watchdog.py): counted as a message of the loop's, so a slow
+        step is not a hang; logged once a turn outlasts the hang timeout, then at each further multiple of it."""
+        timeout = self.settings.hang_timeout_s
+        before = worker.pulse.turn_s if worker.pulse is not None else 0.0
+        before = before if before <= msg.turn_s else 0.0  # a new turn
+        worker.pulse = msg
+        if timeout > 0 and int(msg.turn_s // timeout) > int(before // timeout) and msg.turn_s >= timeout:
+            log.info("[slow] model=%s pid=%s one loop turn has run %.0fs, computing (cpu %.1fs in %.0fs) at %s; "
+                     "not a hang", worker.spec.id, worker.pid, msg.turn_s, msg.cpu_s, msg.window_s, msg.where)
+
     def _on_cache_stats(self, worker: Worker, msg: CacheStats) -> None:
         worker.cache = msg
 
@@ -338,6 +353,7 @@ class Router(Generic[MetricsT]):
         Progress.KIND: _on_progress,
         Heartbeat.KIND: _on_heartbeat,
         StepStarted.KIND: _on_step_started,
+        Pulse.KIND: _on_pulse,
         CacheStats.KIND: _on_cache_stats,
         CacheCleared.KIND: _on_reply,
         Tokenized.KIND: _on_reply,

@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from protocol.messages import Bye, CacheStats, Heartbeat, Progress, Ready, Submit
+from protocol.messages import Bye, CacheStats, Heartbeat, Progress, Pulse, Ready, Submit
 from supervisor import errors
 from supervisor.config import Settings
 from supervisor.effects import WorkerHandle
@@ -113,6 +113,7 @@ class Worker:
     kill_reason: str | None = None  # why the supervisor killed it (hang, load timeout)
     step_started: float | None = None  # when it last announced a long step (StepStarted) ...
     step_predicted_s: float = 0.0  # ... and that step's predicted duration
+    pulse: Pulse | None = None  # its watchdog's last word: a long loop turn, computing (worker/watchdog.py)
     killing: asyncio.Task | None = None  # the hang kill: stacks dumped, then SIGKILL
     progress: Progress = field(default_factory=lambda: Progress("starting", 0.0))
     drafted: int = 0  # speculative decoding over its life: tokens drafted, and kept (its Finished messages)

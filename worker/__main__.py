@@ -20,7 +20,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from protocol.messages import DUMP_STACKS_SIGNAL, EXIT_CRASHED, EXIT_LOAD_FAILED, EXIT_OK
 from protocol.modelkind import EMBEDDING, RERANK, VISION, model_kind
@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     import zmq
 
     from worker.engine_api import EngineApi
+    from worker.loop import WorkerLoop
+    from worker.watchdog import Watchdog
 
 # MLX CUDA raises "Cache thrashing is happening" out of whatever op meets one of its per-shape caches' miss number
 # 2 x its capacity over the process's life (CUDA graphs: 400; cuDNN attention graphs: 256, one per new prefill
@@ -277,8 +279,34 @@ def serve_model(args: argparse.Namespace, sock: zmq.Socket, shutdown: Shutdown, 
     loop = WorkerLoop(ZmqChannel(sock), engine, args.model_id, shutdown, heartbeat_s=args.heartbeat_s, faults=faults,
                       admit_window_ms=args.admit_window_ms, admit_max=engine.prefill_batch_size,
                       burst_wait_ms=args.burst_wait_ms)
+    watchdog = start_watchdog(sock, args.endpoint, loop, args.heartbeat_s)
     loop.announce()
-    return loop.run()
+    try:
+        return loop.run()
+    finally:
+        watchdog.close()
+
+
+def start_watchdog(sock: zmq.Socket, endpoint: str, loop: WorkerLoop, heartbeat_s: float) -> Watchdog:
+    """The loop's watchdog (worker/watchdog.py), on a socket of its own under the worker's identity + WATCH_SUFFIX."""
+    import zmq
+
+    from protocol.codec import encode
+    from protocol.messages import WATCH_SUFFIX, Pulse
+    from worker.watchdog import Watchdog
+
+    watch = sock.context.socket(zmq.DEALER)
+    watch.setsockopt(zmq.IDENTITY, cast(bytes, sock.getsockopt(zmq.IDENTITY)) + WATCH_SUFFIX)
+    watch.setsockopt(zmq.LINGER, 0)
+    watch.connect(endpoint)
+
+    def send(turn_s: float, window_s: float, cpu_s: float, where: str) -> None:
+        watch.send(encode(Pulse(turn_s, window_s, cpu_s, where)), zmq.NOBLOCK)
+
+    watchdog = Watchdog(lambda: loop.turn_at, send, after_s=1.5 * heartbeat_s, sample_s=heartbeat_s / 4,
+                        on_close=watch.close)
+    watchdog.start()
+    return watchdog
 
 
 if __name__ == "__main__":

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -34,11 +36,19 @@ FAULTS: dict[str, str] = {
     "crash-in-loop": "raise an unexpected exception in the loop while a request runs",
     "step-raises": "the engine's step raises (as MLX or mlx-lm may), leaving its generator unusable",
     "megabyte-lines": "write a 1 MiB line to stderr at the first engine step and every LOUD_EVERY-th after it",
+    "slowed": "from the STRIKE_STEP-th engine step on, run 1/SLOW_FACTOR of the time: a helper process stops and continues "
+              "the worker (SIGSTOP/SIGCONT every SLOW_PERIOD_S), as a machine too busy or too small would",
+    "spin-in-step": "at the STRIKE_STEP-th engine step, spin in Python for ever (a loop stuck outside MLX)",
+    "block-in-step": "at the STRIKE_STEP-th engine step, wait for ever on a lock (a deadlocked loop)",
 }
 
 SLOW_STEP_S = 0.4  # slow-steps: added to every engine step
 SLOW_WRITE_S = 0.25  # ssd-slow: added to every block the SSD writer writes
 LOUD_EVERY = 100  # megabyte-lines: steps between two 1 MiB lines
+SLOW_FACTOR = 20  # slowed: the worker runs SLOW_PERIOD_S / SLOW_FACTOR of every SLOW_PERIOD_S
+SLOW_PERIOD_S = 0.5
+STRIKE_STEP = 4  # slowed, spin-in-step, block-in-step: the engine step they strike at (a request is under way, its
+# steps' cost learnt at full speed)
 STALL_DEPTH = 4  # ssd-stall: the writer stops forever halfway through the block at this depth of its chain
 
 
@@ -52,9 +62,11 @@ class Faults(frozenset[str]):
             raise ValueError(f"unknown faults {sorted(unknown)}; known: {sorted(FAULTS)}")
         faults = super().__new__(cls, chosen)
         faults._steps = 0
+        faults._cycler = None
         return faults
 
     _steps: int
+    _cycler: subprocess.Popen | None
 
     # --- process start ------------------------------------------------------------------
 
@@ -79,11 +91,20 @@ class Faults(frozenset[str]):
             time.sleep(SLOW_STEP_S)
         if "crash-in-loop" in self:
             raise RuntimeError("fault: crash-in-loop")
-        if "megabyte-lines" in self:
-            if self._steps % LOUD_EVERY == 0:  # one line, no newline inside: what a pipe reader must survive
-                sys.stderr.write("[fault] " + "x" * 2**20 + "\n")
-                sys.stderr.flush()
-            self._steps += 1
+        if "megabyte-lines" in self and self._steps % LOUD_EVERY == 0:
+            sys.stderr.write("[fault] " + "x" * 2**20 + "\n")  # one line, no newline inside: a pipe reader survives it
+            sys.stderr.flush()
+        if "slowed" in self and self._cycler is None and self._steps >= STRIKE_STEP:
+            self._cycler = slow_down(os.getpid())
+        if self._steps == STRIKE_STEP and "spin-in-step" in self:
+            log.warning("[fault] spinning in Python for ever")
+            spin()
+        if self._steps == STRIKE_STEP and "block-in-step" in self:
+            log.warning("[fault] blocking on a lock for ever")
+            lock = threading.Lock()
+            lock.acquire()
+            lock.acquire()
+        self._steps += 1
 
     def after_step(self) -> None:
         """step-raises: the engine's step failing as MLX or mlx-lm may (inside the step's error handling)."""
@@ -91,7 +112,12 @@ class Faults(frozenset[str]):
             raise RuntimeError("fault: step-raises")
 
     def before_exit(self) -> None:
-        """hang-on-evict: stuck in the exit sequence forever (the supervisor's kill ladder must end it)."""
+        """hang-on-evict: stuck in the exit sequence forever (the supervisor's kill ladder must end it). slowed: the
+        helper process goes (continuing the worker first), so the exit runs at full speed."""
+        if self._cycler is not None:
+            self._cycler.terminate()
+            self._cycler.wait(10)
+            self._cycler = None
         if "hang-on-evict" in self:
             log.warning("[fault] hanging instead of exiting")
             threading.Event().wait()
@@ -112,6 +138,44 @@ class Faults(frozenset[str]):
             f.flush()
             log.warning("[fault] ssd=writer stalls halfway file=%s", name)
             threading.Event().wait()
+
+
+def spin() -> None:
+    n = 0
+    while True:
+        n = (n + 1) % 1000
+
+
+# slowed's helper: stops and continues its parent until told to go (SIGTERM) or the parent is gone; a stop never
+# outlives it (it continues the parent before it goes)
+_CYCLER = """
+import os, signal, sys, time
+pid, run_s, stop_s = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
+going = []
+signal.signal(signal.SIGTERM, lambda *_: going.append(1))
+try:
+    while not going and os.getppid() == pid:
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(stop_s)
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(run_s)
+except ProcessLookupError:
+    pass
+finally:
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
+"""
+
+
+def slow_down(pid: int) -> subprocess.Popen:
+    """Start slowed's helper on `pid` (the worker itself)."""
+    run_s = SLOW_PERIOD_S / SLOW_FACTOR
+    cycler = subprocess.Popen([sys.executable, "-c", _CYCLER, str(pid), str(run_s), str(SLOW_PERIOD_S - run_s)],
+                              stdin=subprocess.DEVNULL, close_fds=True)
+    log.warning("[fault] slowed %dx: stopped and continued by pid=%d", SLOW_FACTOR, cycler.pid)
+    return cycler
 
 
 NO_FAULTS = Faults()

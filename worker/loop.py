@@ -106,6 +106,7 @@ class WorkerLoop:
         self.burst_wait_ms = burst_wait_ms  # ... or this long, when the last submit said more are coming
         self._more = False  # the last submit's Submit.more
         self._next_heartbeat = 0.0
+        self.turn_at = clock()  # when the current turn began: worker/watchdog.py reads it from its thread
         self._handlers: dict[str, Callable[[Any], None]] = {
             Submit.KIND: self._on_submit,
             Abort.KIND: self._on_abort,
@@ -136,6 +137,7 @@ class WorkerLoop:
         """Serve until the shutdown lets the exit run, run it, return the exit code."""
         try:
             while self._handle_shutdown():
+                self.turn_at = self.clock()
                 self._step()
                 self._maybe_heartbeat()
                 self._read_inbox()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -347,3 +348,59 @@ worker_args = ["--fault", "ignore-sigterm", "--fault", "hang-on-evict"]
     d.proc.send_signal(signal.SIGINT)
     assert d.proc.wait(15) == 0
     assert_gone([pid])
+
+
+SLOWED = """
+[server]
+heartbeat_s = 0.2
+hang_timeout_s = 2.0
+housekeeping_s = 0.1
+
+[models.slowed]
+path = "{path}"
+worker_args = ["--fault", "{fault}"]
+"""
+
+
+def test_a_slowed_worker_whose_steps_outlast_the_hang_timeout_is_not_killed(daemon_factory, model_dir: Path,
+                                                                            tmp_path: Path) -> None:
+    """From its 4th step on the worker runs 1/20 of the time (a helper process stops and continues it), so a step
+    sized at full speed takes several hang timeouts: the watchdog's Pulses (the main thread held in an MLX
+    evaluation, using CPU) keep it alive, and the long prompt completes on the same worker."""
+    d = daemon_factory("--config", config(tmp_path, "slowed", SLOWED.format(path=model_dir / "tiny", fault="slowed")))
+    pid = load(d, "slowed")
+    prompt = " ".join(f"w{i}" for i in range(1200))
+    r = httpx.post(d.v1 + "/completions", json={"model": "slowed", "prompt": prompt, "max_tokens": 4}, timeout=600)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] > 2000
+    status = d.model("slowed")
+    assert status["pid"] == pid and status["crashes"] == 0 and status["last_error"] is None
+    log = (d.state_dir / "daemon.log").read_text()
+    assert "computing" in log and "not a hang" in log  # a turn outlasted the timeout, and the Pulses said why
+    cycler = int(wait_for(lambda: re.search(r"stopped and continued by pid=(\d+)",
+                                            (d.state_dir / "logs" / "worker-slowed.log").read_text()), 10,
+                          what="the slowdown's helper in the worker's log").group(1))
+    assert cycler in d.children()
+    r = httpx.post(f"{d.url}/api/models/slowed/evict", timeout=60)
+    assert r.status_code == 200, r.text
+    assert_gone([pid, cycler])
+
+
+@pytest.mark.parametrize("fault", ["spin-in-step", "block-in-step"])
+def test_a_loop_spinning_in_python_or_deadlocked_is_still_killed(daemon_factory, model_dir: Path, tmp_path: Path,
+                                                                 fault: str) -> None:
+    """The watchdog sends nothing for a main thread that runs Python for ever or waits on a lock: the hang timeout
+    kills it, as it does a stopped worker, and the request (resumes off: the fault would strike again) fails."""
+    d = daemon_factory("--config", config(tmp_path, fault, SLOWED.format(path=model_dir / "tiny", fault=fault)
+                                          .replace("[models", "max_resumes = 0\n\n[models")))
+    pid = load(d, "slowed")
+    chunks, error, _ = stream_error_of(d, "slowed")
+    assert error is not None and error["code"] == "worker_crashed", error
+    assert_gone([pid])
+    assert "hung: no message from its generation loop" in d.model("slowed")["last_error"]
+    worker_log = (d.state_dir / "logs" / "worker-slowed.log").read_text()
+    assert "not computing" in worker_log  # the watchdog looked, and saw no computing
+
+
+def stream_error_of(d: Daemon, model: str) -> tuple[int, dict | None, float]:
+    return stream_error(d, model, lambda: None)
