@@ -8,6 +8,8 @@ engine is what this slice adds; the gateway's image inputs come later). One tiny
 from __future__ import annotations
 
 import io
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -17,9 +19,11 @@ pytest.importorskip("mlx_vlm", reason="the vision extra (mlx-vlm) is not install
 
 from PIL import Image
 
-from protocol.messages import Finished, Submit
+from protocol.messages import INVALID_REQUEST, MODEL_EVICTED, Failed, Finished, Submit
 from protocol.modelkind import VISION, model_kind
+from tests.conftest import wait_for
 from worker.engine_api import RequestRejected
+from worker.shutdown import Shutdown
 
 MAX_TOKENS = 10
 QUESTION = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe this."}]}]
@@ -56,18 +60,19 @@ def engine(request: pytest.FixtureRequest, made: dict[str, Path]):
 
 
 def run(engine, *msgs: Submit) -> dict[str, list[int]]:
-    """Every request to its end; the token ids each generated, from its chunks and its Finished."""
+    """Every request to its end (others in flight go on); the token ids each generated, from its chunks and its
+    Finished."""
     for m in msgs:
         engine.submit(m)
     ids: dict[str, list[int]] = {m.rid: [] for m in msgs}
-    while len(engine):
+    while set(ids) & set(engine.rids):
         engine.plan_step()
         chunks, ended = engine.step()
         for chunk in chunks:
-            ids[chunk[0]] += chunk[3]
+            ids.setdefault(chunk[0], []).extend(chunk[3])
         for f in ended:
             assert isinstance(f, Finished), f
-            ids[f.rid] += f.token_ids
+            ids.setdefault(f.rid, []).extend(f.token_ids)
     return ids
 
 
@@ -139,16 +144,145 @@ def test_the_image_decides_the_output(engine) -> None:
     assert outputs[0] != outputs[1]
 
 
-@pytest.mark.parametrize("image, says", [
-    (["image/png", b"\x89PNG\r\n\x1a\n-truncated"], "could not be decoded"),
-    (["image/tiff", b"II*\x00"], "media type"),
-    (["image/png", "not bytes"], "[media_type, bytes]"),
+def answered(engine, msg: Submit) -> Finished | Failed:
+    """Submit a request and step until it is answered: its images decode off the loop, so a refusal found by the
+    decode comes from a later step (one found before decoding is raised by submit)."""
+    engine.submit(msg)
+    ends: dict[str, Finished | Failed] = {}
+    while msg.rid in engine.rids:
+        engine.plan_step()
+        ends.update((end.rid, end) for end in engine.step()[1])
+    return ends[msg.rid]
+
+
+def progressive_bomb(side: int, repeats: int) -> bytes:
+    """A progressive JPEG whose last scan is repeated `repeats` times before its EOI: each copy is one more pass over
+    the whole picture for the decoder (the issue's bomb: 7000 x 7000, 300 copies, 311 KB, over 30 s in Pillow)."""
+    out = io.BytesIO()
+    Image.new("RGB", (side, side), (120, 80, 200)).save(out, "JPEG", progressive=True)
+    data = out.getvalue()
+    last, eoi = data.rfind(b"\xff\xda"), data.rfind(b"\xff\xd9")
+    return data[:eoi] + data[last:eoi] * repeats + data[eoi:]
+
+
+@pytest.mark.parametrize("image, says, at_submit", [
+    (["image/png", b"\x89PNG\r\n\x1a\n-truncated"], "image 0 could not be decoded", False),  # by the decode
+    (["image/tiff", b"II*\x00"], "media type", True),
+    (["image/png", "not bytes"], "[media_type, bytes]", True),
+    (["image/jpeg", progressive_bomb(64, 100)], "image 0 is a JPEG of more than 64 scans", True),
 ])
-def test_a_bad_image_is_refused_at_submit(engine, image: list, says: str) -> None:
-    with pytest.raises(RequestRejected) as refused:
-        engine.submit(Submit("bad", MAX_TOKENS, messages=QUESTION, temperature=0.0, images=[image]))
-    assert says in str(refused.value)
-    assert len(engine) == 0
+def test_a_bad_image_is_refused(engine, image: list, says: str, at_submit: bool) -> None:
+    msg = Submit("bad", MAX_TOKENS, messages=QUESTION, temperature=0.0, images=[image])
+    if at_submit:  # before anything is decoded
+        with pytest.raises(RequestRejected) as refused:
+            engine.submit(msg)
+        assert says in str(refused.value)
+    else:
+        end = answered(engine, msg)
+        assert isinstance(end, Failed) and end.code == INVALID_REQUEST and says in end.message, end
+    assert len(engine) == 0 and not engine.rids
+
+
+# --- decoding off the loop (issue 47): the loop goes on while a request's images decode -------------------------
+
+
+class Held:
+    """The engine's decode, held until released: it records the thread it ran on, then decodes for real."""
+
+    def __init__(self, engine) -> None:
+        self.real = engine.decode
+        self.release = threading.Event()
+        self.started = threading.Event()
+        self.threads: list[threading.Thread] = []
+
+    def __call__(self, images: list, max_pixels: int, on_image) -> list:
+        self.threads.append(threading.current_thread())
+        self.started.set()
+        assert self.release.wait(30), "never released"
+        return self.real(images, max_pixels, on_image)
+
+
+@pytest.fixture
+def held(engine):
+    hold = Held(engine)
+    engine.decode = hold
+    deadline = engine.decodes.deadline_s
+    yield hold
+    hold.release.set()
+    engine.decode, engine.decodes.deadline_s = hold.real, deadline
+    for t in hold.threads:
+        t.join(30)
+        assert not t.is_alive()
+    engine.decodes.poll()
+    assert engine.decodes.stuck == 0 and len(engine) == 0
+
+
+def test_an_image_decodes_off_the_loop_while_a_text_request_runs_to_its_end(engine, held: Held) -> None:
+    """While an image request's decode is held, submit has returned, the request is in flight (len, rids, waiting),
+    and a text request submitted after it is generated to its end; once the decode ends, the image request is
+    admitted and answers as it does alone."""
+    held.release.set()
+    alone = run(engine, ask("alone", picture(0)))["alone"]
+    held.release.clear()
+    held.started.clear()
+    engine.submit(ask("image", picture(0)))
+    assert held.started.wait(30) and held.threads[-1] is not threading.current_thread()
+    assert engine.rids == ["image"] and len(engine) == 1 and engine.waiting() == 1
+    text = run(engine, Submit("text", MAX_TOKENS, messages=TEXT_ONLY, temperature=0.0))
+    assert len(text["text"]) == MAX_TOKENS
+    assert engine.rids == ["image"]  # still decoding: the text request ran to its end meanwhile
+    held.release.set()
+    ids: list[int] = []
+    while len(engine):
+        engine.plan_step()
+        chunks, ended = engine.step()
+        ids += [t for chunk in chunks for t in chunk[3]] + [t for f in ended for t in f.token_ids]
+    assert ids == alone
+
+
+def test_a_decode_past_its_deadline_is_an_invalid_request_and_the_engine_goes_on(engine, held: Held) -> None:
+    engine.decodes.deadline_s = 0.05
+    t0 = time.monotonic()
+    end = answered(engine, ask("slow", picture(0)))
+    assert isinstance(end, Failed) and end.code == INVALID_REQUEST, end
+    assert end.message.startswith("image 0 took longer than 0.05s to decode"), end.message
+    assert time.monotonic() - t0 < 20  # answered at its deadline, while the decode still runs
+    assert held.threads[0].is_alive() and engine.decodes.stuck == 1
+    assert len(run(engine, Submit("after", MAX_TOKENS, messages=TEXT_ONLY, temperature=0.0))["after"]) == MAX_TOKENS
+
+
+def test_an_abort_drops_a_decoding_request_and_an_evict_fails_it(engine, held: Held) -> None:
+    """Abort (the client is gone): nothing is ever sent for it. An evict (worker/shutdown.py, which knows the engine
+    by len and fail_all) and a crash (the loop fails engine.rids) answer it as any request in flight."""
+    engine.submit(ask("gone", picture(0)))
+    assert engine.abort("gone") and not engine.abort("gone") and len(engine) == 0
+    engine.submit(ask("evicted", picture(0)))
+    with pytest.raises(RequestRejected, match="already in flight"):
+        engine.submit(ask("evicted", picture(0)))
+    assert engine.rids == ["evicted"]  # what the loop's fail_in_flight answers after a crash
+    shutdown, sent = Shutdown(), []
+    shutdown.on_evict("now", 0)
+    assert not shutdown.keep_running(engine, sent.append)  # nothing left in flight: the exit may run
+    assert [(f.rid, f.code) for f in sent] == [("evicted", MODEL_EVICTED)]
+    held.release.set()
+    for t in held.threads:
+        t.join(30)
+    engine.plan_step()
+    assert engine.step() == ([], []) and len(engine) == 0  # neither the aborted nor the evicted one answers again
+
+
+def test_a_slow_jpeg_past_a_tiny_deadline_is_refused_with_no_fake(engine) -> None:
+    """A real picture under the scan limit whose decode takes far longer than the deadline."""
+    deadline = engine.decodes.deadline_s
+    engine.decodes.deadline_s = 0.01
+    try:
+        msg = Submit("jpeg", MAX_TOKENS, messages=QUESTION, temperature=0.0,
+                     images=[["image/jpeg", progressive_bomb(3000, 50)]])  # 60 scans: ~0.4 s here
+        end = answered(engine, msg)
+    finally:
+        engine.decodes.deadline_s = deadline
+    assert isinstance(end, Failed) and end.message.startswith("image 0 took longer than 0.01s to decode"), end
+    wait_for(lambda: engine.decodes.poll() == [] and engine.decodes.stuck == 0, 60, what="the decode's end")
 
 
 # --- third slice: caches keyed by the image's pixels, the tower's output reused, the worker's own limits ----------
@@ -259,9 +393,9 @@ def test_the_worker_limits_images_per_request_and_pixels_per_batch(engine) -> No
             engine.submit(Submit("many", MAX_TOKENS, messages=two, images=[["image/png", png(picture(0))]] * 2))
         prompts.max_images, prompts.max_batch_pixels = 8, 512 * 512 + 64 * 64
         runs = engine.model.vlm.vision_tower.runs
-        with pytest.raises(RequestRejected, match="pixels in all"):  # each fits, the two together do not
-            engine.submit(Submit("burst", MAX_TOKENS, messages=two,
-                                 images=[["image/png", png(big)], ["image/png", png(big)]]))
+        end = answered(engine, Submit("burst", MAX_TOKENS, messages=two,  # each fits, the two together do not
+                                      images=[["image/png", png(big)], ["image/png", png(big)]]))
+        assert isinstance(end, Failed) and "pixels in all" in end.message, end
         assert engine.model.vlm.vision_tower.runs == runs and len(engine) == 0  # refused before any work
         one = ask("one", big)
         assert scored(engine, one)[0]  # one of them alone is served

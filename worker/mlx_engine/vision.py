@@ -27,15 +27,25 @@ vision work at all; Qwen's rope delta, a function of the images before it, is re
 ends before (or inside) the images continues the image prefill from it. `CachedTower` keeps the vision tower's
 output per image (same hash) in a byte-bounded LRU, so an image seen before is not encoded again.
 
+Decoding off the loop (`VisionEngine`, worker/image_decode.py): a picture's decode has no bound its header shows (a
+progressive JPEG is decoded scan by scan, each a pass over the whole picture), so `submit` only checks a request's
+images (cheap, bounded: shapes, media types, a JPEG's scans counted) and starts their decode on a thread with a
+deadline (`decode_deadline_s`); the loop goes on stepping, reading and heartbeating. The turn after the decode ends,
+`plan_step` admits the request as `submit` did before (template, processor, image prefill, on the loop's thread);
+a decode past its deadline, or an image that does not decode, is the request's Failed(invalid_request), answered by
+the next `step`. A request decoding is in flight: `len`, `rids`, `abort` and `fail_all` (an evict, a crash) know it.
+
 Memory: a request holds at most `max_images` images of at most `max_batch_pixels` decoded pixels in all (checked
-from the headers, before decoding); its image prefill runs in `submit`, one request at a time, so that is also the
-most any burst holds at once: later requests wait in the loop's queue. At load, one image of the processor's
-largest size goes through the whole path (`probe_working_memory`): its peak stays in MLX's buffer cache, so the
-footprint the worker reports at Ready, which admission counts, already holds an image's working memory.
+from the headers, before decoding); at most DECODE_WORKERS requests decode at once (and MAX_STUCK threads past their
+deadline still run), and a request's image prefill runs in `plan_step`, one request at a time, so that is also the
+most any burst holds at once: later requests wait in the decode queue (their bytes only). At load, one image of the
+processor's largest size goes through the whole path (`probe_working_memory`): its peak stays in MLX's buffer cache,
+so the footprint the worker reports at Ready, which admission counts, already holds an image's working memory.
 
 Invariants: greedy output is mlx-vlm's own `generate`'s for the same model, image and prompt (the parity test),
 from a cache hit too; an image that does not decode, one over the limits, or a count of images that is not the
-prompt's, is a RequestRejected, never a failure inside the step.
+prompt's, is a RequestRejected at submit or the request's one Failed(invalid_request) once its decode ends, never a
+failure inside the step; every Submit with images is answered exactly once (admitted, or Failed), unless aborted.
 """
 
 from __future__ import annotations
@@ -57,19 +67,28 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-from protocol.messages import INVALID_REQUEST, Submit
+from protocol.messages import INTERNAL_ERROR, INVALID_REQUEST, Failed, Finished, Submit
 from worker.engine_api import RequestRejected
+from worker.image_decode import (
+    DECODE_DEADLINE_S,
+    MAX_JPEG_SCANS,
+    Decodes,
+    check_images,
+    decode_images,
+)
 from worker.mlx_engine.engine import Engine
 from worker.mlx_engine.prompt import Prompts
 from worker.mlx_engine.prompt_cache import PromptCaches
 from worker.mlx_engine.vision_cache import TOWER_CACHE_BYTES, CachedTower, image_hashes, image_keys
+from worker.step_cost import StepPlan
 from worker.template_input import chat_template_args
 
 log = logging.getLogger(__name__)
 
-IMAGE_TYPES = ("image/png", "image/jpeg", "image/webp", "image/gif")
 MAX_IMAGES = 8  # per request, as the gateway's image_max_count default
 MAX_BATCH_PIXELS = 50_000_000  # decoded pixels per request (one image prefill at a time), the gateway's per image
+DECODE_POLL_S = 0.02  # with nothing to generate, a step waits this long at most for a decode to end
+NOTHING = StepPlan(chunk=0, decoding=0, in_flight=0, prefill_tokens=0, attention=0.0, predicted_s=0.0)
 
 
 class RopeKVCache(KVCache):
@@ -227,26 +246,37 @@ class VisionPrompts(Prompts):
     """The engine's prompts, with a chat request's images: rendered, then expanded and read by the processor."""
 
     def __init__(self, base: Prompts, processor: Any, prefill: ImagePrefill, max_images: int = MAX_IMAGES,
-                 max_batch_pixels: int = MAX_BATCH_PIXELS) -> None:
+                 max_batch_pixels: int = MAX_BATCH_PIXELS, jpeg_max_scans: int = MAX_JPEG_SCANS) -> None:
         super().__init__(base.tokenizer, base.vocab_size, base.context_length, base.strict_context)
         self.processor = processor
         self.images = prefill
         self.max_images = max_images
         self.max_batch_pixels = max_batch_pixels
+        self.jpeg_max_scans = jpeg_max_scans  # 0: a JPEG's scans are not counted
+        self.ready: dict[str, list] = {}  # rid -> its pictures, decoded off the loop's thread (VisionEngine)
 
-    def encode(self, msg: Submit) -> list[int]:
-        if not msg.images:
-            return super().encode(msg)
+    def check(self, msg: Submit) -> None:
+        """What is refused before any image is decoded (cheap and bounded: on the loop's thread)."""
         if msg.messages is None:
             raise RequestRejected(INVALID_REQUEST, "images go with chat messages, not with a completion prompt")
         if len(msg.images) > self.max_images:
             raise RequestRejected(INVALID_REQUEST, f"{len(msg.images)} images sent; this worker takes at most "
                                                    f"{self.max_images} per request")
-        pictures = decode_images(msg.images, self.max_batch_pixels)
+        check_images(msg.images, self.jpeg_max_scans)
+
+    def encode(self, msg: Submit) -> list[int]:
+        if not msg.images:
+            return super().encode(msg)
+        pictures = self.ready.pop(msg.rid, None)
+        if pictures is None:  # a direct caller (the load's probe, a test): checked and decoded here, on this thread
+            self.check(msg)
+            pictures = decode_images(msg.images, self.max_batch_pixels)
+        messages = msg.messages
+        assert messages is not None  # check() refused the request otherwise
         try:
-            shown, tools = self.shaped(msg.messages, msg.tools)
+            shown, tools = self.shaped(messages, msg.tools)
             text = self.tokenizer.apply_chat_template(
-                shown, tools=tools, tokenize=False, **chat_template_args(msg.messages, msg.template_kwargs))
+                shown, tools=tools, tokenize=False, **chat_template_args(messages, msg.template_kwargs))
         except Exception as exc:  # a template can reject roles or shapes it does not know
             raise RequestRejected(INVALID_REQUEST, f"chat template rejected the messages: {exc}") from None
         try:
@@ -267,30 +297,95 @@ class VisionPrompts(Prompts):
         return ids
 
 
-def decode_images(images: list, max_pixels: int = MAX_BATCH_PIXELS) -> list:
-    """Submit.images as PIL images (RGB, a GIF's first frame); a RequestRejected names the first that fails, or
-    says when their decoded pixels together pass `max_pixels` (from the headers: nothing decoded then)."""
-    from PIL import Image, UnidentifiedImageError
+class VisionEngine(Engine):
+    """The batch engine whose requests with images are decoded off the loop's thread first (the module's docstring):
+    `submit` checks their images and starts the decode; each turn's `plan_step` admits the requests whose decode
+    ended, and keeps the refusals for `step` to answer. While requests only decode, a step waits up to DECODE_POLL_S
+    for one to end (the loop reads its inbox and heartbeats between), rather than spin."""
 
-    out, pixels = [], 0
-    for i, item in enumerate(images):
-        if not (isinstance(item, list | tuple) and len(item) == 2 and isinstance(item[1], bytes)):
-            raise RequestRejected(INVALID_REQUEST, f"image {i} is not [media_type, bytes]")
-        media_type, data = item
-        if media_type not in IMAGE_TYPES:
-            raise RequestRejected(INVALID_REQUEST, f"image {i}: media type {media_type!r} is not one of "
-                                                   f"{', '.join(IMAGE_TYPES)}")
-        try:
-            with Image.open(io.BytesIO(data)) as img:
-                pixels += img.width * img.height
-                if pixels > max_pixels:
-                    raise RequestRejected(INVALID_REQUEST, f"the images hold more than {max_pixels} pixels in all; "
-                                                           f"this worker decodes at most that many per request")
-                img.seek(0)
-                out.append(img.convert("RGB"))
-        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
-            raise RequestRejected(INVALID_REQUEST, f"image {i} could not be decoded: {exc}") from None
-    return out
+    vision: VisionPrompts  # vision_engine sets it: the engine's prompts
+
+    def __init__(self, model_path: Path, *, decodes: Decodes, **kwargs: Any) -> None:
+        self.decodes = decodes
+        self.decode: Callable[..., list] = decode_images  # (images, max_pixels, on_image) -> pictures, on a thread
+        self._owed: list[Failed] = []  # refusals found by a plan_step, answered by the next step
+        super().__init__(model_path, **kwargs)
+
+    def __len__(self) -> int:
+        return super().__len__() + len(self.decodes) + len(self._owed)
+
+    @property
+    def rids(self) -> list[str]:
+        return [*super().rids, *self.decodes.rids, *(f.rid for f in self._owed)]
+
+    def waiting(self) -> int:
+        return super().waiting() + len(self.decodes) + len(self._owed)
+
+    def submit(self, msg: Submit) -> None:
+        if msg.rid in self.decodes or any(f.rid == msg.rid for f in self._owed):
+            raise RequestRejected(INVALID_REQUEST, f"request id {msg.rid} is already in flight")
+        if not msg.images:
+            super().submit(msg)
+            return
+        if msg.rid in super().rids:
+            raise RequestRejected(INVALID_REQUEST, f"request id {msg.rid} is already in flight")
+        self.vision.check(msg)
+        images, max_pixels, decode = msg.images, self.vision.max_batch_pixels, self.decode
+        self.decodes.start(msg.rid, lambda on_image: decode(images, max_pixels, on_image), msg)
+
+    def abort(self, rid: str) -> bool:
+        if self.decodes.drop(rid):
+            return True
+        owed = [f for f in self._owed if f.rid != rid]
+        if len(owed) < len(self._owed):  # its refusal is owed to a client that is gone
+            self._owed = owed
+            return True
+        return super().abort(rid)
+
+    def fail_all(self, code: str, message: str) -> list[Failed]:
+        owed, self._owed = self._owed, []  # answered with their own refusals
+        return [*owed, *super().fail_all(code, message)]
+
+    def plan_step(self) -> StepPlan:
+        self._admit_decoded()
+        if not super().__len__():
+            return NOTHING  # only decodes in flight: the step answers refusals or waits for one to end
+        return super().plan_step()
+
+    def step(self) -> tuple[list[list], list[Finished | Failed]]:
+        if self._plan is None:  # a step not planned: the decodes that ended join first, then the step is planned
+            self._admit_decoded()
+        owed: list[Finished | Failed] = list(self._owed)
+        self._owed = []
+        if not super().__len__():
+            if not owed:
+                self.decodes.wait(DECODE_POLL_S)
+            return [], owed
+        chunks, finished = super().step()
+        return chunks, [*owed, *finished]
+
+    def _admit_decoded(self) -> None:
+        """Each request whose decode ended is admitted as a submit is (its template, processor and image prefill run
+        here), or its refusal is kept for the next step: the decode's (past the deadline, an image that does not
+        decode) or the submit's."""
+        for msg, outcome in self.decodes.poll():
+            if isinstance(outcome, BaseException):
+                self._owed.append(self._refusal(msg, outcome))
+                continue
+            self.vision.ready[msg.rid] = outcome
+            try:
+                super().submit(msg)
+            except Exception as exc:
+                self._owed.append(self._refusal(msg, exc))
+            finally:
+                self.vision.ready.pop(msg.rid, None)
+
+    @staticmethod
+    def _refusal(msg: Submit, exc: BaseException) -> Failed:
+        if isinstance(exc, RequestRejected):
+            return Failed(msg.rid, exc.code, str(exc))
+        log.error("[submit] rid=%s failed", msg.rid, exc_info=exc)  # as the loop's _on_submit logs one
+        return Failed(msg.rid, INTERNAL_ERROR, f"the worker could not start the request: {exc}")
 
 
 def load_vision(model_path: Path, report: Callable[[str, float], None]) -> tuple[nn.Module, Any, TokenizerWrapper]:
@@ -311,7 +406,9 @@ def load_vision(model_path: Path, report: Callable[[str, float], None]) -> tuple
 
 def vision_engine(model_path: Path, report: Callable[[str, float], None] = lambda *_: None,
                   max_images: int = MAX_IMAGES, max_batch_pixels: int = MAX_BATCH_PIXELS,
-                  tower_cache_bytes: int = TOWER_CACHE_BYTES, probe: bool = True, **kwargs: Any) -> Engine:
+                  tower_cache_bytes: int = TOWER_CACHE_BYTES, probe: bool = True,
+                  decode_deadline_s: float = DECODE_DEADLINE_S, jpeg_max_scans: int = MAX_JPEG_SCANS,
+                  **kwargs: Any) -> VisionEngine:
     """The batch engine on a vision-language model (the module's docstring); kwargs are Engine's."""
     loaded: dict[str, Any] = {}
 
@@ -321,13 +418,14 @@ def vision_engine(model_path: Path, report: Callable[[str, float], None] = lambd
         return decoder, tokenizer
 
     kwargs.setdefault("solo", "plain")  # the compiled decode graph is built for mlx-lm's models
-    engine = Engine(model_path, report=report, loader=loader, **kwargs)
+    engine = VisionEngine(model_path, decodes=Decodes(decode_deadline_s), report=report, loader=loader, **kwargs)
     decoder: VisionDecoder = loaded["decoder"]
     config = decoder.vlm.config
     image_token = getattr(config, "image_token_index", None) or config.image_token_id
     decoder.vlm.vision_tower = CachedTower(decoder.vlm.vision_tower, tower_cache_bytes)
     images = ImagePrefill(decoder.vlm, decoder, int(image_token))
-    engine.prompts = VisionPrompts(engine.prompts, loaded["processor"], images, max_images, max_batch_pixels)
+    engine.prompts = engine.vision = VisionPrompts(engine.prompts, loaded["processor"], images, max_images,
+                                                   max_batch_pixels, jpeg_max_scans)
     engine.prefill = images.prefill
     engine.cache_keys = images.keys
     if probe:
@@ -355,7 +453,7 @@ def probe_working_memory(prompts: VisionPrompts, images: ImagePrefill, model_id:
     before = mx.get_active_memory()
     mx.reset_peak_memory()
     t0 = time.perf_counter()
-    tokens = prompts.encode(msg)
+    tokens = prompts.encode(msg)  # decoded on this thread: nothing is served yet
     images.prefill(msg.rid, tokens, 0, None)
     tower.kept.clear()  # the probe's features are no image a client sent
     peak = max(0, mx.get_peak_memory() - before)
