@@ -279,7 +279,7 @@ def serve_model(args: argparse.Namespace, sock: zmq.Socket, shutdown: Shutdown, 
     loop = WorkerLoop(ZmqChannel(sock), engine, args.model_id, shutdown, heartbeat_s=args.heartbeat_s, faults=faults,
                       admit_window_ms=args.admit_window_ms, admit_max=engine.prefill_batch_size,
                       burst_wait_ms=args.burst_wait_ms)
-    watchdog = start_watchdog(sock, args.endpoint, loop, args.heartbeat_s)
+    watchdog = start_watchdog(sock, args.endpoint, loop, args.heartbeat_s, grouped=args.group_rank is not None)
     loop.announce()
     try:
         return loop.run()
@@ -287,7 +287,8 @@ def serve_model(args: argparse.Namespace, sock: zmq.Socket, shutdown: Shutdown, 
         watchdog.close()
 
 
-def start_watchdog(sock: zmq.Socket, endpoint: str, loop: WorkerLoop, heartbeat_s: float) -> Watchdog:
+def start_watchdog(sock: zmq.Socket, endpoint: str, loop: WorkerLoop, heartbeat_s: float,
+                   grouped: bool = False) -> Watchdog:
     """The loop's watchdog (worker/watchdog.py), on a socket of its own under the worker's identity + WATCH_SUFFIX."""
     import zmq
 
@@ -304,7 +305,7 @@ def start_watchdog(sock: zmq.Socket, endpoint: str, loop: WorkerLoop, heartbeat_
         watch.send(encode(Pulse(turn_s, window_s, cpu_s, where)), zmq.NOBLOCK)
 
     watchdog = Watchdog(lambda: loop.turn_at, send, after_s=1.5 * heartbeat_s, sample_s=heartbeat_s / 4,
-                        on_close=watch.close)
+                        on_close=watch.close, trust_mlx=not grouped)
     watchdog.start()
     return watchdog
 

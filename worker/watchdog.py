@@ -11,7 +11,8 @@ speed now. So a thread of its own (MLX-free) looks at the main thread from outsi
 - how much CPU the process used, less this thread's own (MLX computes on its own threads on the CPU).
 Once a turn has run `after_s`, it sends a Pulse every `after_s` (and MIN_SAMPLES samples) for as long as `computing()` holds over the samples
 of that window: the main thread held one call in most samples (HELD_FRACTION) and the process used CPU for it, or
-it is held in MLX's or the engine's own code (on a GPU the CPU may wait while the device computes). So:
+it is held in MLX's or the engine's own code (on a GPU the CPU may wait while the device computes; not in a worker
+group's rank 0, where an MLX call may be a collective waiting for a stopped rank). So:
 - stopped (SIGSTOP): this thread stops with the process, nothing is sent, the supervisor's timeout runs;
 - deadlocked on a lock, in a sleep, in a poll: held, but no CPU and not in MLX: nothing sent;
 - spinning in Python (a loop that never returns to the generation loop): the frame moves: nothing sent;
@@ -67,12 +68,13 @@ def held_fraction(samples: list[Sample]) -> float:
     return same / len(pairs)
 
 
-def computing(samples: list[Sample], cpu_s: float) -> bool:
+def computing(samples: list[Sample], cpu_s: float, trust_mlx: bool = True) -> bool:
     """Does a window of samples show a main thread computing in a native call, rather than stopped, waiting, or
-    spinning in Python? Pure: see the module's docstring."""
+    spinning in Python? Pure: see the module's docstring. Without `trust_mlx` (a group's rank 0, whose MLX calls
+    include collectives that wait for the other ranks) a held MLX call counts only with CPU, like any other."""
     if len(samples) < 2 or held_fraction(samples) < HELD_FRACTION:
         return False
-    in_mlx = any(part in samples[-1].where for part in MLX_CODE)
+    in_mlx = trust_mlx and any(part in samples[-1].where for part in MLX_CODE)
     return cpu_s >= CPU_MIN_S or in_mlx
 
 
@@ -100,7 +102,8 @@ class Watchdog:
 
     def __init__(self, turn_started: Callable[[], float], send: Callable[[float, float, float, str], None],
                  after_s: float, sample_s: float, main_ident: int | None = None,
-                 clock: Callable[[], float] = time.monotonic, on_close: Callable[[], None] = lambda: None) -> None:
+                 clock: Callable[[], float] = time.monotonic, on_close: Callable[[], None] = lambda: None,
+                 trust_mlx: bool = True) -> None:
         self.turn_started = turn_started
         self.send = send
         self.after_s = after_s
@@ -108,6 +111,7 @@ class Watchdog:
         self.main_ident = main_ident if main_ident is not None else threading.main_thread().ident or 0
         self.clock = clock
         self.on_close = on_close  # run once the thread is gone (its socket's close)
+        self.trust_mlx = trust_mlx
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
         self.pulses = 0
@@ -145,7 +149,7 @@ class Watchdog:
                 continue
             cpu = self._cpu() - cpu_start
             self.windows += 1
-            if computing(samples, cpu):
+            if computing(samples, cpu, self.trust_mlx):
                 try:
                     self.send(round(now - started, 3), round(now - window_start, 3), round(cpu, 3), samples[-1].where)
                     self.pulses += 1

@@ -91,3 +91,9 @@ def test_a_thread_spinning_in_python_or_blocked_on_a_lock_gets_none(how: str) ->
         dog.close()
         thread.join(10)
     assert not thread.is_alive() and not dog._thread.is_alive()
+
+
+def test_a_group_leader_trusts_no_held_mlx_call_without_cpu() -> None:
+    """Rank 0 of a group waits in a collective (an MLX call) for a rank that is stopped: that is no computing."""
+    assert not computing([AT_EVAL] * 4, cpu_s=0.0, trust_mlx=False)
+    assert computing([AT_EVAL] * 4, cpu_s=0.5, trust_mlx=False)

@@ -49,6 +49,7 @@ from worker.engine_api import RequestRejected
 from worker.memory import process_memory_bytes
 from worker.mlx_engine.attention import install as attention_route
 from worker.mlx_engine.batch_drafting import BatchDrafting
+from worker.mlx_engine.checkpoints import crossed, row_view
 from worker.mlx_engine.decode_graph import DecodeGraph, solo_modes
 from worker.mlx_engine.decoding import Decoding
 from worker.mlx_engine.guided import Grammars
@@ -224,7 +225,7 @@ class Engine:
                       drafts=drafting.counts if drafting is not None else DraftCounts(),
                       cache_written=max(0, min(self.caches.kept_end(prompt_tokens), marked) - hit)
                       if self.caches is not None else 0,
-                      keys=keys if keys is not tokens else None)
+                      keys=keys if keys is not tokens else None, checkpointed=cached)
         self._by_uid[uid] = req
         self._by_rid[msg.rid] = req
         if req.prefill_left > 0:
@@ -243,11 +244,11 @@ class Engine:
             return computed  # a prefix computed outside the batch (an image's, mlx_engine/vision.py)
         return cached, prefix, cached
 
-    def _store(self, tokens: list[int] | None, cache: list | None, snapshots: dict) -> None:
+    def _store(self, tokens: list[int] | None, cache: list | None, snapshots: dict, tail: bool = True) -> None:
         if self.caches is None or not tokens or not cache:
             return
         try:
-            self.caches.store(list(tokens), cache, snapshots)
+            self.caches.store(list(tokens), cache, snapshots, tail)
         except Exception:
             log.exception("[cache] storing a finished sequence failed; going on")
 
@@ -261,15 +262,59 @@ class Engine:
             log.exception("[cache] handing blocks to the SSD writer failed; going on")
 
     def abort(self, rid: str) -> bool:
+        """Forget a request; what it computed goes to the prompt caches, as a finished one's does (a client that
+        left mid-prefill and retries picks up where it was)."""
         req = self._by_rid.pop(rid, None)
         if req is None:
             return False
         del self._by_uid[req.uid]
         self._prefilling.pop(rid, None)
+        solo = self.lane.solo
+        computed: tuple[list | None, list[int] | None] = (None, None)
+        try:  # what it computed, best effort (a generator that raised mid-step may not give it)
+            if self.caches is not None and self.caches.enabled and req.position > req.checkpointed:
+                if solo is not None and solo.uid == req.uid:
+                    computed = solo.release()
+                elif req.uid >= 0:
+                    computed = self.gen.extract_cache([req.uid]).get(req.uid, (None, None))
+        except Exception:
+            log.exception("[cache] rid=%s keeping an aborted request's cache failed; going on", req.rid)
         if not self.lane.drop(req.uid) and req.uid >= 0:
             self.gen.remove([req.uid])
             self.batch_drafts.drop(req.uid)
+        if computed[0] is not None:
+            self._keep(req, *computed)
         return True
+
+    def _keep(self, req: Request, cache: list | None, tokens: list[int] | None, tail: bool = True) -> None:
+        """A request's computed cache to the prompt caches: at its end, its abort, a prefill checkpoint."""
+        if req.keys is not None and tokens is not None:  # the caches know an image by its pixels, not its ids
+            tokens = [*req.keys, *list(tokens)[len(req.keys):]]
+        if self.defer_stores and self.caches is not None and tail:
+            self._stores.append((tokens, cache, req.snapshots, self.caches.clears))
+        else:
+            self._store(tokens, cache, req.snapshots, tail)
+
+    def _checkpoint(self, progress: list) -> None:
+        """The prompts whose prefill crossed a block boundary in this step leave their new blocks to the caches now
+        (checkpoints.py): a retry, or a resume on a new worker, picks up from there."""
+        assert self.caches is not None
+        block, solo = self.caches.block, self.lane.solo
+        if solo is not None:
+            reqs = [self._by_uid[solo.uid]] if not solo.decoding and solo.uid in self._by_uid else []
+        else:
+            reqs = [req for p in progress if (req := self._by_uid.get(p.uid)) is not None]
+        for req in reqs:
+            if not crossed(req.checkpointed, req.position, block):
+                continue
+            req.checkpointed = req.position
+            try:
+                computed = ((solo.cache, solo.tokens[:solo.fed]) if solo is not None
+                            else row_view(self.gen, req.uid, self.caches.layout.block_layers))
+                if computed is not None:
+                    self._keep(req, *computed, tail=False)
+            except Exception:
+                log.exception("[cache] rid=%s prefill checkpoint failed; going on", req.rid)
 
     def _solo_to_batch(self) -> None:
         """A second request came: the solo, if any, goes into the batch under the generator's uid for it."""
@@ -370,6 +415,8 @@ class Engine:
         if self.snapshots is not None:
             self.snapshots.at_prefill_stops(progress)
             self.snapshots.of_replies()
+        if self.caches is not None and self.caches.enabled and (progress or lane.solo is not None):
+            self._checkpoint(progress)
         self.peak_batch_size = max(self.peak_batch_size, len({r.uid for r in responses}))  # a solo's drafts: one
         chunks: list[list] = []
         finished: list[Finished | Failed] = []
@@ -451,12 +498,7 @@ class Engine:
             cache, tokens = self.gen.remove([req.uid], return_prompt_caches=True).get(req.uid, (None, None))
         else:
             cache, tokens = r.prompt_cache, r.all_tokens
-        if req.keys is not None and tokens is not None:  # the caches know an image by its pixels, not its ids
-            tokens = [*req.keys, *list(tokens)[len(req.keys):]]
-        if self.defer_stores and self.caches is not None:
-            self._stores.append((tokens, cache, req.snapshots, self.caches.clears))
-        else:
-            self._store(tokens, cache, req.snapshots)
+        self._keep(req, cache, tokens)
 
     def after_send(self) -> None:
         """The finished sequences' prompt-cache stores that the steps left for after their messages were sent, once the

@@ -217,8 +217,10 @@ class PromptCaches:
         """A copy of the snapshot layers' state in one sequence's whole cache (batch 1)."""
         return take_snapshot([cache[i] for i in self.layout.snapshot_layers])
 
-    def store(self, tokens: list[int], cache: list, snapshots: dict[int, Snapshot] | None = None) -> None:
-        """Keep the blocks of a finished sequence; `cache` holds exactly `tokens`; `snapshots` by block index."""
+    def store(self, tokens: list[int], cache: list, snapshots: dict[int, Snapshot] | None = None,
+              tail: bool = True) -> None:
+        """Keep the blocks of a sequence (finished, or mid-prefill: a checkpoint, which keeps no partial `tail`);
+        `cache` holds exactly `tokens`; `snapshots` by block index."""
         layout, snapshots = self.layout, snapshots or {}
         if not self.enabled:
             return
@@ -229,7 +231,8 @@ class PromptCaches:
         if layout.snapshots:  # past its last snapshot a chain cannot be picked up: keep it only that far
             keys = keys[:max(snapshots) + 1] if snapshots else []
         if not keys:
-            self._store_tail(tokens, cache, keys)
+            if tail:
+                self._store_tail(tokens, cache, keys)
             return
         block_bytes = 0
         if first is not None:
@@ -250,7 +253,8 @@ class PromptCaches:
         self.hot.put([chain[i] for i in range(hot_n)])
         if self.to_disk is not None and to_disk:
             self.to_disk.lend([chain[i] for i in to_disk], keys, to_disk)
-        self._store_tail(tokens, cache, keys)
+        if tail:
+            self._store_tail(tokens, cache, keys)
 
     def _store_tail(self, tokens: list[int], cache: list, keys: list[bytes]) -> None:
         """Keep a finished sequence's partial last block in the hot cache, under its chain: prompts shorter

@@ -30,4 +30,5 @@ class Request:
     drafts: DraftCounts = field(default_factory=DraftCounts)  # its speculative decoding (speculative.py), in its usage
     cache_written: int = 0  # prompt tokens past its cached ones, up to its last breakpoint, that the caches keep
     keys: list[int] | None = None  # its tokens as the prompt caches know them, where not its tokens (vision.py)
+    checkpointed: int = 0  # prompt tokens in its cache when its computed blocks last went to the caches
 
