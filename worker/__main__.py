@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, cast
 from protocol.messages import DUMP_STACKS_SIGNAL, EXIT_CRASHED, EXIT_LOAD_FAILED, EXIT_OK
 from protocol.modelkind import EMBEDDING, RERANK, VISION, model_kind
 from worker.faults import FAULTS, Faults
+from worker.image_decode import DECODE_DEADLINE_S, MAX_JPEG_SCANS
 from worker.shutdown import Shutdown, install_signal_handlers, leave, watch_lifeline
 
 if TYPE_CHECKING:
@@ -96,6 +97,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="store cached K/V quantized to this many bits (absent: as computed)")
     p.add_argument("--cache-snapshot-every", type=int, default=4096,
                    help="with sliding-window or recurrent layers, also snapshot every N prompt tokens (0: end only)")
+    p.add_argument("--image-decode-deadline-s", type=float, default=DECODE_DEADLINE_S,
+                   help="a vision model: a request's images decode on a thread while the loop goes on, within this"
+                        " many seconds; past it the request is refused (worker/image_decode.py)")
+    p.add_argument("--jpeg-max-scans", type=int, default=MAX_JPEG_SCANS,
+                   help="a vision model: a JPEG of more scans is refused before decoding (a progressive JPEG has"
+                        " about 10, and each scan is a pass over the whole picture; 0: no limit)")
     p.add_argument("--fault", action="append", default=[], choices=sorted(FAULTS),
                    help="testing only: misbehave on purpose (repeatable): "
                    + "; ".join(f"{name}: {what}" for name, what in sorted(FAULTS.items())))
@@ -254,7 +261,8 @@ def serve_model(args: argparse.Namespace, sock: zmq.Socket, shutdown: Shutdown, 
                                    prefill_step_size=args.prefill_step_size, model_id=args.model_id,
                                    step_target_s=args.step_target_s, warm=args.warm_batch_shapes,
                                    warm_budget_s=args.warm_budget_s, attention=args.attention,
-                                   strict_context=args.strict_context, defer_stores=True, text_thread=True)
+                                   strict_context=args.strict_context, defer_stores=True, text_thread=True,
+                                   decode_deadline_s=args.image_decode_deadline_s, jpeg_max_scans=args.jpeg_max_scans)
         elif args.group_rank is not None:  # rank 0 of a group: its engine shares each step's schedule
             from worker.group_main import leader_engine
 
