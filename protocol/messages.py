@@ -29,6 +29,7 @@ CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 INVALID_REQUEST = "invalid_request"
 ABORTED = "aborted"
 INTERNAL_ERROR = "internal_error"
+OVERLOADED = "overloaded"  # the worker cannot take this request now (e.g. its image decoders are all held): retry later
 
 INPUT_TYPES = ("query", "document")  # Embed.input_type: which of the model's prompts prefixes a text input
 

@@ -12,6 +12,7 @@ from protocol.messages import (
     INTERNAL_ERROR,
     INVALID_REQUEST,
     MODEL_EVICTED,
+    OVERLOADED,
     WORKER_CRASHED,
 )
 
@@ -112,6 +113,13 @@ class ModelDownloading(MlxsupError):
     code = "model_downloading"
 
 
+class Overloaded(MlxsupError):
+    """The worker cannot take the request now (its image decoders are held by decodes past their deadline)."""
+
+    status = 503
+    code = OVERLOADED
+
+
 class ShuttingDown(MlxsupError):
     status = 503
     type = "server_error"
@@ -142,6 +150,7 @@ _BY_WORKER_CODE: dict[str, type[MlxsupError]] = {
     MODEL_EVICTED: ModelEvicted,
     WORKER_CRASHED: WorkerDied,
     ABORTED: RequestAborted,
+    OVERLOADED: Overloaded,
 }
 
 

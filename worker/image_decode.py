@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from protocol.messages import INTERNAL_ERROR, INVALID_REQUEST
+from protocol.messages import INVALID_REQUEST, OVERLOADED
 from worker.engine_api import RequestRejected
 
 log = logging.getLogger(__name__)
@@ -200,7 +200,7 @@ class Decodes:
         their deadline still run."""
         self._sweep()
         if len(self._stuck) >= self.max_stuck:
-            raise RequestRejected(INTERNAL_ERROR, self._busy())
+            raise RequestRejected(OVERLOADED, self._busy())
         self._queued.append(Job(rid, payload, work))
         self._fill()
 
@@ -268,7 +268,7 @@ class Decodes:
         while self._queued and len(self._running) < self.workers:
             if len(self._stuck) >= self.max_stuck:  # no thread may start: the queued would wait for no bound
                 for job in self._queued:
-                    self._ended.append((job, RequestRejected(INTERNAL_ERROR, self._busy())))
+                    self._ended.append((job, RequestRejected(OVERLOADED, self._busy())))
                 self._queued = []
                 return
             job = self._queued.pop(0)

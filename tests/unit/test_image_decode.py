@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from protocol.messages import INTERNAL_ERROR, INVALID_REQUEST
+from protocol.messages import INVALID_REQUEST, OVERLOADED
 from worker.engine_api import RequestRejected
 from worker.image_decode import MAX_JPEG_SCANS, Decodes, check_images, decode_images, jpeg_scans
 
@@ -203,7 +203,7 @@ def test_while_too_many_stuck_threads_run_images_are_refused_and_the_queue_with_
     outcomes = dict(decodes.poll())
     assert "took longer than 1s" in str(outcomes["msg-stuck"])
     busy = outcomes["msg-queued"]  # no thread may start for it: refused now, not left waiting without a bound
-    assert isinstance(busy, RequestRejected) and busy.code == INTERNAL_ERROR
+    assert isinstance(busy, RequestRejected) and busy.code == OVERLOADED
     assert "passed their 1s deadline are still running" in str(busy)
     assert not queued.started.is_set()
     with pytest.raises(RequestRejected, match="decodes no more images until one of them ends"):
