@@ -284,6 +284,8 @@ class Engine:
             self.batch_drafts.drop(req.uid)
         if computed[0] is not None:
             self._keep(req, *computed)
+        log.info("[usage] rid=%s prompt=%d cached=%d prefilled=%d aborted", req.rid, req.prompt_tokens,
+                 req.cached_tokens, req.position - req.start)  # what a retry can pick up: the caches hold it
         return True
 
     def _keep(self, req: Request, cache: list | None, tokens: list[int] | None, tail: bool = True) -> None:
