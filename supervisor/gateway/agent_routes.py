@@ -6,8 +6,10 @@ responses_shape.py). One `AgentWriter` gives either API's shaper to that path: t
 stream, those of each delta and of the end, a ping, the events of a failure and the whole response.
 Invariants, as for chat: an error before the first token is the response's HTTP status (in the API's own error
 body); after it, an error event (Anthropic's `error`, Responses' `error` and `response.failed`),
-never a cut stream; a stream waiting on a cold load or a slow step gets the API's ping (or an SSE
-comment) every `sse_keepalive_s`.
+never a cut stream; a stream that waits (queued, loading, prefilling, a slow step, a resume) gets an event of
+its API every `sse_keepalive_s`, which its clients count as activity: Anthropic's `ping` (Claude Code), the
+Responses API's `response.in_progress` (Codex's stream_idle_timeout_ms counts events, not SSE comments), with
+an SSE comment beside it saying what the request waits for (waits.py).
 
 Model names: the agents ask for their vendors' names (claude-sonnet-..., gpt-5-codex); a name no
 model has is mapped by `model_aliases` (glob patterns, first match) and then `default_model`; with neither
@@ -39,32 +41,38 @@ from supervisor.gateway.responses_api import parse_responses
 from supervisor.gateway.responses_shape import ResponseShaper
 from supervisor.gateway.sse import streamed, whole
 from supervisor.gateway.transcript import Delta
+from supervisor.gateway.waits import Waits
 from supervisor.gateway.worker_ask import ask_worker
 from supervisor.router import Router
 
 log = logging.getLogger(__name__)
 TOKENIZE_TIMEOUT_S = 60.0  # a worker answers a Tokenize between two steps: this long only if it is stuck
-RESPONSES_PING = b": keep-alive\n\n"  # the Responses API has no ping event: an SSE comment
 
 
 class AgentWriter:
-    """A Messages or Responses stream's events (sse.Writer) from its shaper; the whole response from the same."""
+    """A Messages or Responses stream's events (sse.Writer) from its shaper; the whole response from the same.
+    A keep-alive is `ping()`'s events (the API's own), after the comment of `waits` (set once the request's
+    Calls are made) saying what the request waits for."""
 
-    def __init__(self, shaper: MessageShaper | ResponseShaper, ping: bytes,
+    def __init__(self, shaper: MessageShaper | ResponseShaper, ping: Callable[[], list[dict]],
                  failed: Callable[[errors.MlxsupError], list[dict]]) -> None:
         self.shaper = shaper
         self.ping = ping
         self._failed = failed
+        self.waits: Waits | None = None
         self.on_done: Callable[[dict], None] | None = None  # given the whole response once it is complete
 
     def opening(self) -> bytes:
         return b"".join(sse_event(e) for e in self.shaper.start())
 
     def waiting(self) -> bytes:
-        return self.ping
+        return (self.waits.waiting() if self.waits else b"") + self._ping()
 
     def idle(self) -> bytes:
-        return self.ping
+        return (self.waits.idle() if self.waits else b"") + self._ping()
+
+    def _ping(self) -> bytes:
+        return b"".join(sse_event(e) for e in self.ping())
 
     def delta(self, index: int, delta: Delta, first: bool) -> bytes:
         return b"".join([sse_event(e) for e in self.shaper.feed(delta[0], delta[2])])  # a delta's events in one write
@@ -83,7 +91,7 @@ class AgentWriter:
 
 
 def anthropic_writer(parsed: Parsed, model: str) -> AgentWriter:
-    return AgentWriter(MessageShaper(parsed.submit.rid, model), sse_event({"type": "ping"}),
+    return AgentWriter(MessageShaper(parsed.submit.rid, model), lambda: [{"type": "ping"}],
                        lambda exc: [anthropic_error_body(exc)])
 
 
@@ -162,7 +170,7 @@ class AgentRoutes:
         requested, parsed.model = parsed.model, self.local_model(parsed.model)
         await attach(parsed, self.router.registry, ImageLimits.of(self.settings))
         shaper = ResponseShaper(parsed.submit.rid, requested, wanted.echo)
-        writer = AgentWriter(shaper, RESPONSES_PING, shaper.failed)
+        writer = AgentWriter(shaper, shaper.in_progress, shaper.failed)
 
         def keep(body: dict) -> None:
             if wanted.store and body["status"] in ("completed", "incomplete"):
@@ -189,6 +197,7 @@ class AgentRoutes:
         """Run a request and answer in `writer`'s shapes (its `on_done` gets the whole response once complete)."""
         calls = Calls(self.router, parsed, request.url.path)
         if parsed.stream:
+            writer.waits = Waits(self.router, calls)
             return await streamed(calls, writer, self.settings.sse_keepalive_s)
         fin, = await whole(calls, request.receive, [writer.shaper.feed])
         body = writer.shaper.whole(fin)

@@ -3,9 +3,10 @@
 A generation runs on the one request path (sse.py: a `Calls` with the lease released in `close()` on
 every path); this module gives it OpenAI's shapes (openai_shape.py): a chunk per event, each choice's
 end (its last delta and finish_reason) in one write, then the usage chunk and `[DONE]`; an error after
-the first token is a `data:` error body, never a cut stream. A stream waiting on a cold load says so
-in SSE comments (stage and fraction); one whose worker ended under it (resume.py) keeps its stream,
-with comments saying why until it resumes; a whole response just comes later.
+the first token is a `data:` error body, never a cut stream. A stream that waits (queued, loading,
+prefilling, a slow step, its worker ended under it and it waits for its resume: resume.py) gets a chunk
+that says nothing every `sse_keepalive_s` (clients that count chunks as activity keep waiting) and an SSE
+comment saying what it waits for (waits.py); a whole response just comes later.
 """
 
 from __future__ import annotations
@@ -30,50 +31,56 @@ from supervisor.gateway.openai_api import Parsed, parse_chat, parse_completion
 from supervisor.gateway.openai_shape import Shaper
 from supervisor.gateway.sse import streamed, whole
 from supervisor.gateway.transcript import Delta, Transcript
+from supervisor.gateway.waits import Waits
 from supervisor.router import Router
-
-RESUME_CAUSES = {"crash": "its worker crashed", "hang": "its worker hung",
-                 "pressure": "its model was evicted under memory pressure"}
-
-
-def resume_note(router: Router, calls: Calls, model: str) -> bytes:
-    """An SSE comment for a suspended request's client (b"" while none of its choices is suspended)."""
-    for c in calls.calls:
-        suspension = router.suspension(c.submit.rid)
-        if suspension is not None:
-            paused = router.clock.monotonic() - suspension.since
-            return f": resuming {model}: {RESUME_CAUSES[suspension.cause]}; paused {paused:.0f}s\n\n".encode()
-    return b""
 
 
 class ChatWriter:
-    """A chat or completion stream's events (sse.Writer)."""
+    """A chat or completion stream's events (sse.Writer).
+
+    A keep-alive is a chunk per choice not yet ended: a chat choice's first says its role with empty content
+    (as OpenAI's first chunk does), later ones have an empty delta; a completion's has empty text. Clients that
+    count chunks as activity (Qwen Code) see one every keep-alive; the openai client reads no text from them.
+    A choice's role is said once, in its first chunk, a keep-alive's or its first delta's. Beside it, an SSE
+    comment says what the request waits for (waits.py)."""
 
     def __init__(self, router: Router, calls: Calls, shaper: Shaper) -> None:
-        self.router = router
         self.calls = calls
         self.shaper = shaper
+        self.waits = Waits(router, calls)
         self.finished: dict[int, Finished] = {}
+        self._opened: set[int] = set()  # the choices whose first chunk (the role) is written
         self._chunk = shaper.chunk  # looked up once: it runs once per token
 
     def opening(self) -> bytes:
         return b""
 
     def waiting(self) -> bytes:
-        worker = self.router.loading(self.calls.parsed.model)
-        note = f"{worker.progress.stage} {worker.progress.fraction:.0%}" if worker else "waiting for memory"
-        return self.idle() or f": loading {self.shaper.model}: {note}\n\n".encode()
+        return self.waits.waiting() + self._alive()
 
     def idle(self) -> bytes:
-        return resume_note(self.router, self.calls, self.shaper.model)
+        return self.waits.idle() + self._alive()
+
+    def _alive(self) -> bytes:
+        """A chunk that says nothing for each choice not yet ended (its first: the role)."""
+        return b"".join(sse(self.shaper.chunk(index, "", None, first=self._opens(index)))
+                        for index in range(len(self.calls.calls)) if index not in self.finished)
+
+    def _opens(self, index: int) -> bool:
+        """Whether this is the choice's first chunk (it says the role): true once per choice."""
+        if index in self._opened:
+            return False
+        self._opened.add(index)
+        return True
 
     def delta(self, index: int, delta: Delta, first: bool) -> bytes:
-        return sse(self._chunk(index, delta[0], delta[2], first=first))
+        return sse(self._chunk(index, delta[0], delta[2], first=first and self._opens(index)))
 
     def end(self, index: int, fin: Finished, first: bool) -> bytes:
         shaper = self.shaper
-        said = first or shaper.has_delta(fin.text, fin.extra)
-        chunks = [shaper.chunk(index, fin.text, fin.extra, first=first)] if said else []
+        opens = first and self._opens(index)
+        said = opens or shaper.has_delta(fin.text, fin.extra)
+        chunks = [shaper.chunk(index, fin.text, fin.extra, first=opens)] if said else []
         chunks.append(shaper.chunk(index, "", None, finish_reason=fin.finish_reason))
         self.finished[index] = fin
         return b"".join(sse(c) for c in chunks)  # one write for the end's chunks

@@ -5,7 +5,9 @@ The worker's typed deltas become output items in order: `reasoning` (its text as
 streamed as `response.function_call_arguments.delta`). One `ResponseShaper` writes both the events
 and the whole response from the same transcript (transcript.py: an item is one of its parts, added
 before its deltas and done before the next is added; whitespace-only text makes none), so they say
-the same. Invariants: every event has the next `sequence_number`; a stream ends with `response.completed` (or `response.incomplete` at max_output_tokens), or with
+the same. A stream that waits (queued, loading, prefilling, a slow step) gets `response.in_progress` again every keep-alive:
+an event the API defines, which Codex counts as activity (SSE comments it does not).
+Invariants: every event has the next `sequence_number`; a stream ends with `response.completed` (or `response.incomplete` at max_output_tokens), or with
 `error` and `response.failed`. The context window ending a request (its output limit clamped to it) is
 `incomplete` with reason `max_output_tokens` too, as OpenAI reports it.
 """
@@ -73,6 +75,11 @@ class ResponseShaper:
         response = self.response("in_progress")
         return [self._event("response.created", response=response),
                 self._event("response.in_progress", response=response)]
+
+    def in_progress(self) -> list[dict]:
+        """A keep-alive while nothing else is said: `response.in_progress` again, with the next sequence number
+        (its response says the status; the output so far is in the item events already sent)."""
+        return [self._event("response.in_progress", response=self.response("in_progress"))]
 
     def _events(self, step: Step) -> list[dict]:
         what, part, piece = step

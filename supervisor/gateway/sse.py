@@ -1,7 +1,8 @@
 """The one request path of every generation route, streamed (SSE) or whole; each API gives only its shapes.
 
 `streamed` starts a request's choices and answers with an SSE stream run by `stream`, the one SSE
-loop: the API's opening, its keep-alive while a cold load or a slow step leaves nothing to say, each
+loop: the API's opening, its keep-alive while nothing is said (queued, a cold load, a prefill, a slow step, a
+resume: an event the API defines, which its clients count as activity, and a comment saying why), each
 event's bytes as one write (a Call merges the deltas queued together, call.py), its end, and its error
 event. `whole` reads every choice to its end for a whole response. An API's `Writer` says only how a
 delta, a finish, a failure and a keep-alive are written.
@@ -37,7 +38,7 @@ class Writer(Protocol):
 
     def opening(self) -> bytes: ...  # before anything else, even before a cold load ends
 
-    def waiting(self) -> bytes: ...  # every keep-alive while the request has not started (a cold load)
+    def waiting(self) -> bytes: ...  # every keep-alive before every choice's first event (queued, loading, prefilling)
 
     def idle(self) -> bytes: ...  # every keep-alive with nothing said since (a slow step, a suspended choice)
 
@@ -74,7 +75,7 @@ async def stream(calls: Calls, starting: asyncio.Task, writer: Writer, keepalive
     events = calls.events(keepalive_s)
     started: set[int] = set()
     try:
-        while not starting.done():  # a cold load: keep the client's connection alive meanwhile
+        while not starting.done():  # a load, a queue, a prefill: keep the client waiting meanwhile
             if note := writer.waiting():
                 yield note
             await asyncio.wait({starting}, timeout=keepalive_s)

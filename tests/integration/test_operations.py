@@ -93,16 +93,22 @@ def test_load_shows_progress_and_the_time_it_took(daemon: Daemon) -> None:
     assert mlxsup("load", "nope", "--url", daemon.url).returncode == 2
 
 
-def test_a_stream_waiting_for_a_cold_load_gets_keepalive_comments(daemon_factory, model_dir: Path,
-                                                                   tmp_path: Path) -> None:
+def test_a_stream_waiting_for_a_cold_load_gets_keepalive_chunks_and_comments(daemon_factory, model_dir: Path,
+                                                                             tmp_path: Path) -> None:
+    """Each keep-alive of the load: a comment saying so, and a chunk with empty text (an event clients count)."""
     cfg = tmp_path / "keepalive.toml"
     cfg.write_text(f'[server]\nmodel_dirs = ["{model_dir}"]\nsse_keepalive_s = 0.05\n')
     d = daemon_factory("--config", str(cfg))
     body = {"model": "tiny", "prompt": "cold", "max_tokens": 3, "stream": True}
     with httpx.stream("POST", d.v1 + "/completions", json=body, timeout=60) as resp:
         lines = [line for line in resp.iter_lines() if line]
-    first_data = next(i for i, line in enumerate(lines) if line.startswith("data:"))
-    assert first_data > 0 and all(line.startswith(": loading tiny") for line in lines[:first_data])
+    first_text = next(i for i, line in enumerate(lines) if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"])
+    waited = lines[:first_text]
+    comments, chunks = [line for line in waited if line.startswith(":")], [line for line in waited if line.startswith("data:")]
+    assert len(comments) + len(chunks) == len(waited) and len(comments) == len(chunks) >= 2
+    assert waited[0].startswith(": loading tiny: ")
+    assert all(c.startswith((": loading tiny: ", ": waiting for the first token of tiny")) for c in comments)
+    assert all(json.loads(c[6:])["choices"][0]["text"] == "" for c in chunks)
     assert lines[-1] == "data: [DONE]"
     chunks = openai.OpenAI(base_url=d.v1, api_key="x", max_retries=0).completions.create(
         model="tiny2", prompt="cold too", max_tokens=3, stream=True)  # the official client skips comments
