@@ -21,7 +21,7 @@ from typing import cast
 
 from protocol.messages import Finished, Submit
 from supervisor import errors
-from supervisor.gateway.arrivals import still_coming
+from supervisor.gateway.arrivals import expect, still_coming
 from supervisor.gateway.openai_api import Parsed
 from supervisor.gateway.transcript import Delta, merged, span
 from supervisor.router import Lease, Router
@@ -61,8 +61,10 @@ class Call:
     async def start(self) -> None:
         """Route, submit and wait for the first event: an error up to here is the response's status."""
         try:
+            expect(self.router.registry.resolve(self.parsed.model).id)  # read whole, on its way to this model
             self.lease = await self.router.acquire(self.parsed.model)
-            self.submit.more = await still_coming()  # a burst's rest, so the worker waits for it (gateway/arrivals.py)
+            # a burst's rest for the same worker, so it waits for them (gateway/arrivals.py)
+            self.submit.more = await still_coming(self.lease.worker.spec.id)
             self._queue = self.lease.submit(self.submit).queue
             self.first = await self.next()
         except errors.MlxsupError as exc:
