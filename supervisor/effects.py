@@ -85,6 +85,10 @@ class MemoryProbe(Protocol):
 
     def system_total(self) -> int: ...
 
+    def wired(self, pid: int) -> int | None: ...  # macOS: the process's wired memory; None elsewhere
+
+    def system_wired(self) -> int | None: ...  # macOS: the host's wired memory; None elsewhere
+
 
 class Clock(Protocol):
     """Time as the router reads and waits on it: TTLs, back-offs, hang detection, housekeeping."""

@@ -32,6 +32,7 @@ from supervisor.effects import Clock, LifecycleMetrics, MemoryProbe, Messenger, 
 from supervisor.process import exit_meaning, model_args, worker_argv
 from supervisor.registry import ModelSpec, Registry
 from supervisor.reports import EvictReport
+from supervisor.stranded import Stranded, tolerance_of
 from supervisor.tasks import background
 from supervisor.workers import ModelRecord, Spare, State, Worker
 
@@ -62,6 +63,9 @@ class Lifecycle:
         self.pressure: str | None = None  # the level the last housekeeping saw
         self.shutting_down = False
         self.events: LifecycleEvents = NoEvents()  # the Router sets its Resumption here
+        # wired memory no live worker holds, above its lowest: what exits did not give back (stranded.py; macOS)
+        self.stranded = Stranded(tolerance_of(memory.system_total()))
+        self.stranded.measure(memory.system_wired(), 0)
 
     def boot(self) -> None:
         """Start the pinned models' workers, the spare and the housekeeping."""
@@ -83,6 +87,7 @@ class Lifecycle:
 
     def _housekeep(self) -> None:
         s = self.settings
+        self.measure_stranded()
         level = policy.pressure_level(self.memory.system_available(), self.memory.system_total(),
                                       s.pressure_soft, s.pressure_hard)
         self.pressure = level
@@ -130,7 +135,16 @@ class Lifecycle:
 
     @property
     def ceiling(self) -> int:
-        return self.settings.ceiling(self.memory.system_total())
+        """Admission's ceiling, less what exits left stranded (it is not there to load into)."""
+        return max(0, self.settings.ceiling(self.memory.system_total()) - self.stranded.bytes)
+
+    def measure_stranded(self, gone: Worker | None = None) -> int:
+        """Measure the wired memory no live worker holds (stranded.py; `gone`: one just reaped); how much it grew
+        since the last measure."""
+        processes = [*(pid for w in self.workers.values() if w is not gone for pid in self._local_pids(w)),
+                     *([self.spare.process.pid] if self.spare is not None and self.spare.process.pid else [])]
+        held = sum(self.memory.wired(pid) or 0 for pid in processes)
+        return self.stranded.measure(self.memory.system_wired(), held)
 
     def estimate(self, spec: ModelSpec) -> int:
         """A loading worker's bytes on this machine: a group's ranks here hold their share of the weights."""
@@ -173,6 +187,7 @@ class Lifecycle:
 
     def start_worker(self, spec: ModelSpec) -> Worker:
         """A worker for `spec`: the spare on standby if there is one (its imports are paid), else a new process."""
+        self.measure_stranded()  # what is wired before it loads
         st = self.settings
         args = model_args(spec.path, spec.id, st.max_batch_size, st.prefill_step_size, spec.worker_args,
                           tuple(st.model_cache(spec).worker_args(st.state_dir)), step_target_s=st.step_target_s,
@@ -262,6 +277,11 @@ class Lifecycle:
         spec = worker.spec
         record = self.records[spec.id]
         rc = worker.process.returncode
+        record.stranded_bytes = self.measure_stranded(gone=worker)
+        if record.stranded_bytes:
+            log.warning("[memory] model=%s pid=%s its exit left %d MiB of wired memory no process holds (%d MiB "
+                        "stranded in all): admission counts it, crash restarts back off; a reboot returns it",
+                        spec.id, worker.pid, record.stranded_bytes >> 20, self.stranded.bytes >> 20)
         tail = list(worker.process.stderr_tail)
         evicted = worker.state is State.EVICTING
         refused = worker.state is State.FAILED  # failed before its exit (refused)
@@ -272,6 +292,9 @@ class Lifecycle:
             record.last_stderr = tail[-10:]
             # a refused worker speaks another protocol version: its next one would be refused too
             record.note_crash(self.clock.monotonic(), self.settings, load_failed=rc == EXIT_LOAD_FAILED or refused)
+            if self.stranded.bytes:  # while memory is stranded, a restart loop would only strand more
+                record.backoff_until = max(record.backoff_until,
+                                           self.clock.monotonic() + self.settings.restart_backoff_max_s)
             log.error("[crash] model=%s pid=%s exit=%s: %s", spec.id, worker.pid, rc, record.last_error)
             self.metrics.crashes.labels(spec.id).inc()
             if worker.info is None:
@@ -367,7 +390,8 @@ class Lifecycle:
             grace = timeout_s + self.settings.settle_grace_s
         else:  # still loading: nothing to drain, the worker turns SIGTERM into its own orderly exit
             grace = 0.0
-        ladder = await worker.process.stop(grace, self.settings.kill_timeout_s)
+        ladder = await worker.process.stop(grace, policy.kill_timeout(self.settings.kill_timeout_s,
+                                                                      self.estimate(worker.spec)))
         await worker.gone.wait()
         bye = worker.bye
         report = EvictReport(
@@ -377,6 +401,7 @@ class Lifecycle:
             aborted=bye.aborted if bye else None, drained=bye.drained if bye else None,
             phases_s={k: round(v, 4) for k, v in bye.phases.items()} if bye else {},
             memory_after_settle_bytes=bye.memory_bytes if bye else None,
+            stranded_bytes=self.records[worker.spec.id].stranded_bytes,
         )
         log.info("[evict] model=%s pid=%s exit=%s signals=%s ms=%d", worker.spec.id, pid, report.exit,
                  list(report.signals), (report.duration_s or 0.0) * 1000)

@@ -1,7 +1,8 @@
 """Per-process memory footprint, measured from outside the process.
 
 The platform seam: on macOS the physical footprint (what Activity Monitor shows and what
-jetsam acts on) via `proc_pid_rusage`; elsewhere psutil's RSS. (USS was tried: it depends on
+jetsam acts on) via `proc_pid_rusage`; elsewhere psutil's RSS. On macOS also wired memory, the host's and each
+process's (supervisor/stranded.py: what an exit did not give back); elsewhere None. (USS was tried: it depends on
 how many other workers share the same libraries at that moment, so the same worker measured
 differently from one minute to the next; RSS is stable and errs on the safe side.)
 Never a process-wide MLX gauge: each worker is measured as its own process.
@@ -48,12 +49,31 @@ class _RUsageInfoV2(ctypes.Structure):
     ]
 
 
-def _darwin_footprint(pid: int) -> int | None:
+def _darwin_rusage(pid: int) -> _RUsageInfoV2 | None:
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     info = _RUsageInfoV2()
     if libc.proc_pid_rusage(pid, _RUSAGE_INFO_V2, ctypes.byref(info)) != 0:
         return None
-    return int(info.ri_phys_footprint)
+    return info
+
+
+def _darwin_footprint(pid: int) -> int | None:
+    info = _darwin_rusage(pid)
+    return None if info is None else int(info.ri_phys_footprint)
+
+
+def wired(pid: int) -> int | None:
+    """Bytes of wired (unpageable) memory the process holds: macOS only (Metal's buffers); None elsewhere."""
+    if sys.platform != "darwin":
+        return None
+    info = _darwin_rusage(pid)
+    return None if info is None else int(info.ri_wired_size)
+
+
+def system_wired() -> int | None:
+    """The host's wired memory: macOS only (psutil's `wired`); None where the platform has no such figure."""
+    value = getattr(psutil.virtual_memory(), "wired", None)
+    return int(value) if value is not None and sys.platform == "darwin" else None
 
 
 def footprint(pid: int) -> int | None:

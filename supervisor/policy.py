@@ -9,7 +9,8 @@ Functions of plain values, no I/O, no logging, no clock: the router hands them a
 - memory of a worker already being evicted (or refused, and being killed) counts as used until it
   is gone, and as on its way back: decisions wait for it rather than evicting more;
 - a worker is hung only when its loop is silent past hang_timeout_s and, if its last message
-  announced a step, also far past what that step's work predicts (STEP_OVERRUN times).
+  announced a step, also far past what that step's work predicts (STEP_OVERRUN times);
+- a loading worker is stopped once it measures past the ceiling or far past its estimate (load_overrun).
 """
 
 from __future__ import annotations
@@ -72,6 +73,39 @@ def admit(need: int, views: list[WorkerView], ceiling: int, max_loaded: int | No
     return Admission(evict=tuple(chosen), wait=not chosen)
 
 
+LOAD_MARGIN_BYTES = 4 * 2**30  # a loading worker may pass its estimate by this much (or by the estimate, if more)
+
+
+def load_overrun(measured: int | None, estimate: int, ceiling: int) -> str | None:
+    """Why a loading worker must be stopped for its memory, or None while it may go on.
+
+    Admission let it start on its estimate (weights, runtime, overhead); a load that keeps growing (a hostile
+    config's model being built) is stopped once its measured footprint passes the memory ceiling (alone it can
+    never fit) or its estimate by a margin: the estimate again or LOAD_MARGIN_BYTES, whichever is more (imports,
+    a CUDA context and a load's transient copies are not in the estimate)."""
+    if measured is None:
+        return None
+    if measured > ceiling:
+        return f"it measures {measured / 2**20:.0f} MiB while loading, past the memory ceiling of {ceiling / 2**20:.0f} MiB"
+    allowed = estimate + max(estimate, LOAD_MARGIN_BYTES)
+    if measured > allowed:
+        return (f"it measures {measured / 2**20:.0f} MiB while loading, past the {allowed / 2**20:.0f} MiB its "
+                f"estimate of {estimate / 2**20:.0f} MiB allows")
+    return None
+
+
+MIN_CONTEXT = 512  # the least context the memory cap leaves a model (its config's may be less)
+
+
+def context_cap(kv_bytes_per_token: int, estimate: int, ceiling: int) -> int | None:
+    """The most context a model's worker publishes for its memory: the tokens whose KV fits in what the ceiling
+    leaves past the model's estimate (one request's worth, the most any single request can use), at least
+    MIN_CONTEXT; None when its KV is not known (the worker caps it at modelconfig.MAX_CONTEXT anyway)."""
+    if kv_bytes_per_token <= 0:
+        return None
+    return max(MIN_CONTEXT, (ceiling - estimate) // kv_bytes_per_token)
+
+
 def pressure_victim(views: list[WorkerView], level: str | None) -> tuple[str, bool] | None:
     """Under memory pressure, the worker to evict and whether it is busy (then abort, don't drain)."""
     if level is None or any(v.state in LEAVING for v in views):
@@ -97,6 +131,16 @@ def pressure_level(available: int, total: int, soft: float, hard: float) -> str 
 def ttl_expired(views: list[WorkerView], ttls: dict[str, float | None], now: float) -> list[str]:
     """Idle, unpinned workers whose idle time passed their TTL (counted from their last request's end)."""
     return [v.id for v in idle_lru(views) if (ttl := ttls.get(v.id)) and now - v.last_used >= ttl]
+
+
+RELEASE_BYTES_PER_S = 8 * 2**30  # what an exiting worker is given to hand back, on top of the kill timeout
+
+
+def kill_timeout(kill_timeout_s: float, model_bytes: int) -> float:
+    """How long SIGTERM waits before SIGKILL for a worker of `model_bytes`: its exit synchronizes the device and hands
+    back what MLX holds (worker/mlx_engine/release.py), which takes longer the bigger the model; a SIGKILL in the middle
+    is what strands wired memory on macOS (supervisor/stranded.py)."""
+    return kill_timeout_s + model_bytes / RELEASE_BYTES_PER_S
 
 
 STEP_OVERRUN = 4.0  # a step announced with a prediction is hung once silent this many times that long

@@ -31,6 +31,7 @@ class EvictReport:
     drained: int | None = None
     phases_s: Mapping[str, float] = field(default_factory=dict)  # the worker's Bye: each exit phase's time
     memory_after_settle_bytes: int | None = None
+    stranded_bytes: int = 0  # wired memory the exit did not give back (supervisor/stranded.py; macOS only)
 
     @classmethod
     def not_loaded(cls, model: str) -> EvictReport:
@@ -169,6 +170,7 @@ class Status:
     spare: SpareStatus | None
     models: list[ModelStatus]
     recent_evictions: list[RecentEviction] = field(default_factory=list)  # newest first
+    stranded_bytes: int = 0  # wired memory that exits did not give back, taken off the ceiling (stranded.py; macOS)
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}

@@ -412,4 +412,5 @@ class Router(Generic[MetricsT]):
             models=[self.model_status(m) for m in self.registry.ids()],
             recent_evictions=[RecentEviction(round(now - ended, 1), report)
                               for ended, report in reversed(lifecycle.recent_evictions)],
+            stranded_bytes=lifecycle.stranded.bytes,
         )

@@ -158,6 +158,7 @@ class ModelRecord:
     suspended: int = 0  # requests suspended when a worker ended under them (supervisor/resume.py), in all
     resumed: int = 0  # ... resumed on a later worker
     resume_failed: int = 0  # ... failed after all (the bounds, a crash loop, the deadline, shutdown)
+    stranded_bytes: int = 0  # wired memory its last worker's exit did not give back (stranded.py; macOS)
 
     def note_crash(self, now: float, settings: Settings, load_failed: bool) -> None:
         self.crashes += 1

@@ -117,9 +117,11 @@ class EmbeddingEngine:
     """worker/engine_api.py's EngineApi (no generation batch) and EmbedderApi, over a Scorer."""
 
     def __init__(self, model: TextEmbedder | Reranker, prompts: dict[str, str] | None = None, *, weights_bytes: int = 0,
-                 load_s: float = 0.0, release: Callable[[], None] = lambda: None) -> None:
+                 load_s: float = 0.0, release: Callable[[], None] = lambda: None,
+                 unload: Callable[[Callable[[], None]], object] = lambda drop: drop()) -> None:
         self.model = model
         self.release = release  # the device's buffer cache back to the system (embedder.py: MLX's clear_cache)
+        self.unload = unload  # settle's last step: the model dropped, MLX given back (embedder.py: release.py's)
         self.reranks = model.dim is None
         self.prompts = prompts or {}
         self.queue = EmbedQueue()
@@ -214,9 +216,17 @@ class EmbeddingEngine:
         except ValueError as exc:  # a limit that leaves no room for the pair in the model's prompt
             raise RequestRejected(INVALID_REQUEST, str(exc)) from None
         for i, seq in enumerate(seqs):
-            if len(seq) > limit:  # the query alone fills the window: cutting the document cannot help
-                raise RequestRejected(CONTEXT_LENGTH_EXCEEDED, f"the query with documents[{i}] takes {len(seq)} "
-                                                               f"tokens; this model's window is {limit}")
+            if len(seq) <= limit:
+                continue
+            # the query and the prompt alone pass the limit: cutting the document cannot help
+            if limit < self.model.window:  # the request's own limit, not the model's window
+                raise RequestRejected(INVALID_REQUEST, f"the query with documents[{i}] takes {len(seq)} tokens "
+                                      "before any of the document's, over the request's limit of "
+                                      f"{limit} token{'s' if limit != 1 else ''} per query-document pair "
+                                      f"(max_tokens_per_doc or truncate_prompt_tokens; this model's window is "
+                                      f"{self.model.window}): raise it or shorten the query")
+            raise RequestRejected(CONTEXT_LENGTH_EXCEEDED, f"the query with documents[{i}] takes {len(seq)} "
+                                                           f"tokens; this model's window is {limit}")
         return seqs
 
     def _limit(self, truncate: int | None) -> int:
@@ -284,6 +294,11 @@ class EmbeddingEngine:
         pass
 
     def settle(self) -> int:
+        """Give back everything: the model dropped and MLX's memory released (mlx_engine/release.py's order)."""
+        def drop() -> None:
+            vars(self)["model"] = None  # the engine serves nothing after settle
+
+        self.unload(drop)
         gc.collect()
         self.release()
         return process_memory_bytes()

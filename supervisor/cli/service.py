@@ -43,6 +43,7 @@ from typing import Protocol
 
 from supervisor.cli.exits import EXIT_NO_DAEMON, EXIT_USAGE, CliError
 from supervisor.config import ConfigError, Settings, default_config_path, load_file
+from supervisor.policy import RELEASE_BYTES_PER_S, kill_timeout
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,8 @@ LABEL = "io.mlxsup.daemon"
 UNIT = "mlxsup.service"
 STOP_MARGIN_S = 15  # past the graceful shutdown, before the manager's SIGKILL
 THROTTLE_S = 10  # at most one restart this often
+LARGEST_MODEL_BYTES = 512 * 2**30  # the most memory a Mac has (M3 Ultra): its exit's release time is in every stop timeout
+RELEASE_S = LARGEST_MODEL_BYTES // RELEASE_BYTES_PER_S  # ... that is, this many seconds (64)
 NOFILE = 10240  # macOS OPEN_MAX: the highest soft limit setrlimit accepts there
 BOOTSTRAP_RETRIES = 3
 RETRY_DELAY_S = 1.0
@@ -104,8 +107,11 @@ class Install:
 
 
 def stop_timeout_s(settings: Settings) -> int:
-    """Seconds the manager waits after SIGTERM: the whole graceful shutdown plus a margin."""
-    graceful = settings.shutdown_drain_s + settings.settle_grace_s + settings.kill_timeout_s
+    """Seconds the manager waits after SIGTERM: the whole graceful shutdown, with the kill timeout of the largest
+    model a Mac can hold (policy.kill_timeout: a large model's exit hands back more, and a launchd SIGKILL in the middle
+    is what strands wired memory on macOS), plus a margin."""
+    graceful = (settings.shutdown_drain_s + settings.settle_grace_s
+                + kill_timeout(settings.kill_timeout_s, LARGEST_MODEL_BYTES))
     return math.ceil(graceful) + STOP_MARGIN_S
 
 

@@ -64,6 +64,9 @@ def memory_line(status: dict[str, Any]) -> str:
             f"system {size(in_use)} of {size(total)} in use ({in_use / max(total, 1):.0%})")
     if status.get("max_loaded_models"):
         line += f"; at most {status['max_loaded_models']} models"
+    if status.get("stranded_bytes"):
+        line += (f"; {size(status['stranded_bytes'])} STRANDED (wired memory exits did not give back; "
+                 f"off the ceiling until a reboot)")
     spare = status.get("spare")
     if spare is None:
         line += "; no spare worker"

@@ -40,6 +40,8 @@ class _StatusCollector(Collector):
         yield suspended
         yield loaded
         yield GaugeMetricFamily("mlxsup_memory_ceiling_bytes", "Admission ceiling", value=status["ceiling_bytes"])
+        yield GaugeMetricFamily("mlxsup_stranded_bytes", "Wired memory that workers' exits did not give back (macOS)",
+                                value=status.get("stranded_bytes", 0))
         yield GaugeMetricFamily("mlxsup_system_available_bytes", "System memory available",
                                 value=status["system_available_bytes"])
 

@@ -37,7 +37,7 @@ from protocol.messages import (
     Submit,
     Tokens,
 )
-from supervisor import errors
+from supervisor import errors, policy
 from supervisor.config import Settings
 from supervisor.effects import Handler, Refusal
 from supervisor.gateway.metrics import Metrics
@@ -158,6 +158,8 @@ class FakeMemory:
         self.total = 1000 * MIB
         self.available = 1000 * MIB
         self.sizes: dict[int, int] = {}
+        self.host_wired: int | None = None  # None: a platform that reports no wired memory (Linux)
+        self.wired_sizes: dict[int, int] = {}
 
     def footprint(self, pid: int) -> int | None:
         return self.sizes.get(pid)
@@ -167,6 +169,12 @@ class FakeMemory:
 
     def system_total(self) -> int:
         return self.total
+
+    def wired(self, pid: int) -> int | None:
+        return self.wired_sizes.get(pid) if self.host_wired is not None else None
+
+    def system_wired(self) -> int | None:
+        return self.host_wired
 
 
 class World:
@@ -518,7 +526,8 @@ async def test_a_second_evict_joins_the_first_and_now_tightens_a_drain(tmp_path:
     tightening = asyncio.ensure_future(w.router.evict("m", "now"))
     await settle()
     assert w.transport.to(worker, Evict) == [Evict(mode="drain", deadline_s=10.0), Evict(mode="now", deadline_s=0)]
-    assert process.stops == [(10.0 + w.settings.settle_grace_s, w.settings.kill_timeout_s)]
+    assert process.stops == [(10.0 + w.settings.settle_grace_s,
+                              policy.kill_timeout(w.settings.kill_timeout_s, w.router.lifecycle.estimate(worker.spec)))]
     assert pending(draining) and pending(tightening)
     w.transport.deliver(worker.identity, Bye("evict", aborted=1, drained=0, phases={"abort": 0.01}, memory_bytes=5))
     process.exit(0)
@@ -543,7 +552,8 @@ async def test_evicting_a_loading_worker_skips_the_drain_and_fails_its_waiters(t
     worker = w.worker("m")
     evicting = asyncio.ensure_future(w.router.evict("m"))
     await settle()
-    assert w.transport.to(worker, Evict) == [] and fake(worker).stops == [(0.0, w.settings.kill_timeout_s)]
+    assert w.transport.to(worker, Evict) == [] and fake(worker).stops == [
+        (0.0, policy.kill_timeout(w.settings.kill_timeout_s, w.router.lifecycle.estimate(worker.spec)))]
     fake(worker).exit(0)
     await settle()
     with pytest.raises(errors.ModelEvicted, match="while it was loading"):
@@ -570,7 +580,8 @@ async def test_shutdown_evicts_every_worker_in_parallel_and_refuses_new_work(tmp
     with pytest.raises(errors.ShuttingDown):
         await now(w.router.acquire("m"))
     assert w.transport.to(w.worker("m"), Evict) == [Evict(mode="drain", deadline_s=3.0)]
-    assert w.process("n").stops == [(0.0, w.settings.kill_timeout_s)]
+    assert w.process("n").stops == [
+        (0.0, policy.kill_timeout(w.settings.kill_timeout_s, w.router.lifecycle.estimate(w.worker("n").spec)))]
     assert cast(FakeProcess, spare.process).stops == [(0.0, w.settings.kill_timeout_s)]
     assert pending(shutting)
     for process in w.processes:

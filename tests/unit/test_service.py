@@ -173,7 +173,7 @@ def test_plist_has_every_key_with_absolute_paths(fakes: Fakes, home: Path) -> No
     assert job["RunAtLoad"] is True
     assert job["KeepAlive"] == {"SuccessfulExit": False}
     assert job["ThrottleInterval"] == service.THROTTLE_S
-    assert job["ExitTimeOut"] > 40 + 7.5 + 5 and job["ExitTimeOut"] == 53 + service.STOP_MARGIN_S
+    assert job["ExitTimeOut"] > 40 + 7.5 + 5 and job["ExitTimeOut"] == 53 + service.RELEASE_S + service.STOP_MARGIN_S
     assert job["ProcessType"] == "Interactive"
     assert job["StandardOutPath"] == str(log_dir / "service.out.log")
     assert job["StandardErrorPath"] == str(log_dir / "service.err.log")
@@ -206,7 +206,8 @@ def test_launchd_install_then_reinstall_boots_out_first(fakes: Fakes, home: Path
         ["launchctl", "print", TARGET],  # waits until launchd has let go
         ["launchctl", "bootstrap", DOMAIN, str(plist)],
     ]
-    assert plistlib.loads(plist.read_bytes())["ExitTimeOut"] == 110 + service.STOP_MARGIN_S > first["ExitTimeOut"]
+    assert (plistlib.loads(plist.read_bytes())["ExitTimeOut"] == 110 + service.RELEASE_S + service.STOP_MARGIN_S
+            > first["ExitTimeOut"])
 
 
 def test_launchd_uninstall_and_again(fakes: Fakes, home: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -376,7 +377,7 @@ def test_unit_has_every_setting(fakes: Fakes, home: Path) -> None:
     assert shlex.split(s["ExecStart"]) == [sys.executable, "-m", "supervisor", "serve", "--config", str(config)]
     assert s["Restart"] == "on-failure" and s["RestartPreventExitStatus"] == "2"
     assert s["KillMode"] == "mixed" and s["KillSignal"] == "SIGTERM"
-    assert int(s["TimeoutStopSec"]) == 20 + 5 + 5 + service.STOP_MARGIN_S
+    assert int(s["TimeoutStopSec"]) == 20 + 5 + 5 + service.RELEASE_S + service.STOP_MARGIN_S
     assert s["LimitNOFILE"] == str(service.NOFILE)
     env = dict(word.split("=", 1) for word in shlex.split(s["Environment"]))
     assert env == {"PATH": env["PATH"], "MLXSUP_CONFIG": str(config), "PYTHONUNBUFFERED": "1"}
@@ -451,7 +452,7 @@ def test_backend_follows_platform(home: Path, monkeypatch: pytest.MonkeyPatch, p
 @pytest.mark.parametrize("drain, settle, kill", [(5, 5, 5), (0, 0, 0), (30.2, 1, 0.5)])
 def test_stop_timeout_outlasts_graceful_shutdown(drain: float, settle: float, kill: float) -> None:
     settings = Settings(shutdown_drain_s=drain, settle_grace_s=settle, kill_timeout_s=kill)
-    assert service.stop_timeout_s(settings) >= drain + settle + kill + service.STOP_MARGIN_S
+    assert service.stop_timeout_s(settings) >= drain + settle + kill + service.RELEASE_S + service.STOP_MARGIN_S
 
 
 def test_deploy_templates_match_the_renderers() -> None:

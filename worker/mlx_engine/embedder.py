@@ -22,6 +22,7 @@ from protocol.modelkind import RERANK, is_decoder, model_kind
 from worker.embedding_engine import EmbeddingEngine, Reranker, TextEmbedder, run_alone
 from worker.mlx_engine.encoders import Encoder, load_encoder
 from worker.mlx_engine.pooling import encode, pooling_of, unit_rows, window_of
+from worker.mlx_engine.release import release
 
 log = logging.getLogger(__name__)
 
@@ -101,4 +102,4 @@ def load_engine(path: Path, report: Callable[[str, float], None] = lambda stage,
     mx.set_cache_limit(CACHE_LIMIT_BYTES)
     weights = int(getattr(model, "weights_bytes", 0)) or sum(f.stat().st_size for f in path.glob("*.safetensors"))
     return EmbeddingEngine(model, prompts_of(path), weights_bytes=weights, load_s=time.perf_counter() - started,
-                           release=mx.clear_cache)
+                           release=mx.clear_cache, unload=release)

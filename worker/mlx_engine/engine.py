@@ -32,7 +32,6 @@ the generator's progress reports, so the plan needs nothing of the generator's i
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import time
@@ -40,10 +39,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
 from protocol.messages import CONTEXT_WINDOW, INVALID_REQUEST, Failed, Finished, Submit
+from protocol.modelconfig import MAX_CONTEXT, context_length
 from worker.chat_format import family_of
 from worker.engine_api import RequestRejected
 from worker.memory import process_memory_bytes
@@ -56,6 +55,7 @@ from worker.mlx_engine.guided import Grammars
 from worker.mlx_engine.loading import load_with_progress, time_one_token
 from worker.mlx_engine.prompt import Prompts
 from worker.mlx_engine.prompt_cache import CacheOptions, PromptCaches
+from worker.mlx_engine.release import release
 from worker.mlx_engine.request_state import Request
 from worker.mlx_engine.snapshots import Snapshots
 from worker.mlx_engine.solo import Solo, SoloLane
@@ -79,7 +79,8 @@ class Engine:
                  prefill_step_size: int = 2048, report: Callable[[str, float], None] = lambda *_: None,
                  cache: CacheOptions | None = None, model_id: str = "", step_target_s: float = 0.25,
                  warm: str = "auto", warm_budget_s: float = 10.0, solo: str = "auto", attention: str = "auto",
-                 strict_context: bool = False, speculative: str = "off", draft: Path | None = None,
+                 strict_context: bool = False, max_context: int | None = None, speculative: str = "off",
+                 draft: Path | None = None,
                  num_draft_tokens: int = DEFAULT_DRAFT_TOKENS, defer_stores: bool = False, text_thread: bool = False,
                  loader: Callable[[Path, Callable[[str, float], None]], tuple] = load_with_progress) -> None:
         t0 = time.perf_counter()
@@ -87,7 +88,9 @@ class Engine:
         self.model, self.tokenizer = loader(model_path, report)  # a group's rank: its shard (mlx_engine/group.py)
         config = json.loads((model_path / "config.json").read_text())
         text_config = {**config, **(config.get("text_config") or {})}  # Qwen3.5 and other multimodal layouts
-        self.context_length = int(text_config.get("max_position_embeddings") or 4096)
+        # the config's max_position_embeddings, never past MAX_CONTEXT nor the supervisor's cap (--max-context: what
+        # its memory ceiling leaves for this model's KV, protocol/modelconfig.py): what Ready publishes and prompts meet
+        self.context_length = min(context_length(config), max_context or MAX_CONTEXT)
         self.vocab_size = int(text_config.get("vocab_size") or 0)
         self.weights_bytes = sum(p.stat().st_size for p in model_path.glob("*.safetensors"))
         eos = sorted(self.tokenizer.eos_token_ids)
@@ -148,6 +151,7 @@ class Engine:
         # from the prompt caches): a prefix computed outside the batch; None: the caches' own (vision.py)
         self.prefill: Callable[[str, list[int], int, list | None], tuple[int, list, int] | None] | None = None
         self.cache_keys: Callable[[list[int]], list[int]] | None = None  # tokens -> the caches' key ids (vision.py)
+        self.released: list[str] = []  # settle's release steps, in their order (release.py)
         self.load_s = time.perf_counter() - t0
 
     # --- admission ---------------------------------------------------------------------
@@ -553,7 +557,9 @@ class Engine:
             self.caches.close()
 
     def settle(self) -> int:
-        """Release what MLX holds in its buffer cache; return the process footprint left."""
+        """Stop the engine's threads, then give back everything MLX holds (release.py: the device synchronized, the
+        model, generator and caches dropped, MLX's buffer cache cleared); return the process footprint left. The
+        engine serves nothing after it."""
         self.lane.close()
         if self.text is not None:
             self.text.close()
@@ -561,6 +567,13 @@ class Engine:
             self.warmer.close()
             self.warmer = None
         self.gen.close()
-        gc.collect()
-        mx.clear_cache()
+        self.released = release(self._drop)
         return process_memory_bytes()
+
+    def _drop(self) -> None:
+        """Every reference this engine holds to MLX arrays: the model, its generator, lanes, caches, drafts."""
+        self._stores, self._lagged, self._making = [], [], []
+        self._by_uid, self._by_rid, self._prefilling = {}, {}, {}
+        for name in ("model", "gen", "lane", "graph", "speculation", "caches", "snapshots", "batch_drafts", "prefill",
+                     "prompts", "cache_keys", "_plan", "_decode_plan"):
+            vars(self)[name] = None
