@@ -48,8 +48,20 @@ class EmbeddingsRequest:
     instruction: str | None = None
 
 
+MAX_COUNT = 2**31 - 1  # the most a count (dimensions, a token limit) or a token id may be: every vocabulary and
+# window is far smaller, and the wire (msgpack's 64-bit integers) could not carry what lies past int64
+
+
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def positive_count(body: dict, name: str) -> int | None:
+    """`body[name]`: absent (None), or a positive integer up to MAX_COUNT; else a 400 naming `name`."""
+    value = body.get(name)
+    if value is not None and (not _is_int(value) or not 1 <= value <= MAX_COUNT):
+        raise errors.InvalidRequest(f"{name} must be a positive integer (at most {MAX_COUNT})", param=name)
+    return value
 
 
 def _inputs(value: Any) -> list:
@@ -74,6 +86,9 @@ def _inputs(value: Any) -> list:
         elif isinstance(item, list) and all(_is_int(t) for t in item):
             if not item:
                 raise errors.InvalidRequest(f"input[{i}] is an empty list of token ids", param="input")
+            if not all(0 <= t <= MAX_COUNT for t in item):
+                raise errors.InvalidRequest(f"input[{i}] holds an integer that is no token id (ids are 0 to "
+                                            f"{MAX_COUNT}, below the model's vocabulary size)", param="input")
         else:
             raise bad
     if len({type(item) for item in value}) > 1:
@@ -97,24 +112,20 @@ def parse_embeddings(body: Any) -> EmbeddingsRequest:
             raise errors.InvalidRequest(f"encoding_format must be one of {', '.join(ENCODINGS)}",
                                         param="encoding_format")
         req.encoding_format = fmt
-    dims = body.get("dimensions")
-    if dims is not None:
-        if not _is_int(dims) or dims < 1:
-            raise errors.InvalidRequest("dimensions must be a positive integer", param="dimensions")
-        req.dimensions = dims
+    req.dimensions = positive_count(body, "dimensions")
     truncate, tokens = body.get("truncate"), body.get("truncate_prompt_tokens")
     if truncate is not None and not isinstance(truncate, bool):
         raise errors.InvalidRequest("truncate must be true or false", param="truncate")
-    if tokens is not None and (not _is_int(tokens) or tokens == 0 or tokens < -1):
-        raise errors.InvalidRequest("truncate_prompt_tokens must be a positive token count, or -1 for the window",
-                                    param="truncate_prompt_tokens")
+    if tokens is not None and (not _is_int(tokens) or tokens == 0 or tokens < -1 or tokens > MAX_COUNT):
+        raise errors.InvalidRequest(f"truncate_prompt_tokens must be a positive token count (at most {MAX_COUNT}), "
+                                    "or -1 for the window", param="truncate_prompt_tokens")
     if tokens is not None:
         req.truncate = 0 if tokens == -1 else tokens
     elif truncate:
         req.truncate = 0
     input_type, instruction = body.get("input_type"), body.get("instruction")
     if input_type is not None:
-        if input_type not in INPUT_TYPES:
+        if not isinstance(input_type, str) or input_type not in INPUT_TYPES:
             raise errors.InvalidRequest(f"input_type must be one of {', '.join(INPUT_TYPES)}", param="input_type")
         req.input_type = INPUT_TYPES[input_type]
     if instruction is not None:

@@ -46,6 +46,7 @@ class Parsed(Protocol):
 FORMATS = ("image/png", "image/jpeg", "image/webp", "image/gif")
 ALIASES = {"image/jpg": "image/jpeg"}
 _DATA_URL = re.compile(r"data:([^;,]*)((?:;[^;,]*)*),", re.IGNORECASE)
+_GIF_BLOCK = re.compile(rb"[!,;]")  # the bytes that start a GIF block: an extension, a frame, the trailer
 _JPEG_SOF = frozenset({0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF})
 
 
@@ -221,7 +222,7 @@ def sniff(data: bytes, where: str) -> tuple[str, tuple[int, int]]:
         if data[:6] in (b"GIF87a", b"GIF89a"):
             if not data.rstrip(b"\x00").endswith(b";"):
                 raise ValueError("no GIF trailer")
-            return "image/gif", struct.unpack("<HH", data[6:10])
+            return "image/gif", _gif(data)
     except (struct.error, IndexError, ValueError) as exc:
         raise InvalidRequest(f"{where}: the image file is truncated or corrupt ({exc})", param=where) from None
     raise InvalidRequest(f"{where}: the image is not PNG, JPEG, WebP or GIF (by its first bytes)", param=where)
@@ -269,6 +270,43 @@ def _jpeg(data: bytes) -> tuple[int, int]:
             return size
         at += 2 + length
     raise ValueError("it ends before its scan")
+
+
+def _gif(data: bytes) -> tuple[int, int]:
+    """The canvas a decoder makes: the logical screen, grown to hold every frame (Pillow grows it to a frame that
+    reaches past the screen), so a 1x1 screen cannot hide an 8000x8000 frame. Every frame's image descriptor is
+    read and its data skipped sub-block by sub-block (lengths only, nothing inflated); a byte that starts no block
+    is passed over, as Pillow's reader passes it. Bounded: at most 1024 + size/64 blocks (a GIF's sub-blocks hold
+    up to 255 bytes; encoders write full ones), and a stray byte is found by a C scan, not a byte at a time."""
+    width, height, flags = struct.unpack("<HHB", data[6:11])
+    at = 13 + (3 << ((flags & 7) + 1) if flags & 0x80 else 0)  # past the global colour table
+    steps = [1024 + len(data) // 64]
+    while True:
+        kind = data[at]
+        if kind == 0x3B:  # the trailer
+            return width, height
+        if kind == 0x21:  # an extension: its label, then sub-blocks
+            at = _gif_blocks(data, at + 2, steps)
+        elif kind == 0x2C:  # an image descriptor: a frame
+            left, top, w, h, flags = struct.unpack("<HHHHB", data[at + 1:at + 10])
+            width, height = max(width, left + w), max(height, top + h)
+            at += 10 + (3 << ((flags & 7) + 1) if flags & 0x80 else 0)  # past its local colour table
+            at = _gif_blocks(data, at + 1, steps)  # past the LZW minimum code size and the image data
+        else:
+            found = _GIF_BLOCK.search(data, at + 1)
+            if found is None:
+                raise ValueError("it ends before its trailer")
+            at = found.start()
+
+
+def _gif_blocks(data: bytes, at: int, steps: list[int]) -> int:
+    """Past a run of data sub-blocks (a length byte, that many bytes; a zero length ends the run)."""
+    while (length := data[at]) != 0:
+        at += 1 + length
+        steps[0] -= 1
+        if steps[0] < 0:
+            raise ValueError("its blocks are too many for its size (sub-blocks of a few bytes each)")
+    return at + 1
 
 
 def _webp(data: bytes) -> tuple[int, int]:

@@ -24,7 +24,7 @@ from protocol.messages import Rerank, Reranked
 from protocol.modelkind import RERANK
 from supervisor import errors
 from supervisor.config import Settings
-from supervisor.gateway.embeddings_routes import EMBED_TIMEOUT_S, _is_int
+from supervisor.gateway.embeddings_routes import EMBED_TIMEOUT_S, positive_count
 from supervisor.gateway.http import read_json
 from supervisor.gateway.worker_ask import ask_worker
 from supervisor.router import Router
@@ -60,13 +60,6 @@ def _documents(value: Any) -> list[str]:
     return texts
 
 
-def _positive(body: dict, name: str) -> int | None:
-    value = body.get(name)
-    if value is not None and (not _is_int(value) or value < 1):
-        raise errors.InvalidRequest(f"{name} must be a positive integer", param=name)
-    return value
-
-
 def parse_rerank(body: Any) -> RerankRequest:
     """The request, or InvalidRequest naming the field at fault."""
     if not isinstance(body, dict):
@@ -77,7 +70,7 @@ def parse_rerank(body: Any) -> RerankRequest:
     query = body.get("query")
     if not isinstance(query, str) or not query:
         raise errors.InvalidRequest("query is required (a non-empty string)", param="query")
-    req = RerankRequest(model, query, _documents(body.get("documents")), top_n=_positive(body, "top_n"))
+    req = RerankRequest(model, query, _documents(body.get("documents")), top_n=positive_count(body, "top_n"))
     flag = body.get("return_documents")
     if flag is not None:
         if not isinstance(flag, bool):
@@ -89,7 +82,8 @@ def parse_rerank(body: Any) -> RerankRequest:
             raise errors.InvalidRequest("instruction must be a non-empty string", param="instruction")
         req.instruction = instruction
     # Cohere v2's per-document cap and vLLM's per-prompt one both bound the pair here
-    req.truncate = _positive(body, "max_tokens_per_doc") or _positive(body, "truncate_prompt_tokens")
+    per_doc, per_prompt = positive_count(body, "max_tokens_per_doc"), positive_count(body, "truncate_prompt_tokens")
+    req.truncate = per_doc or per_prompt
     return req
 
 

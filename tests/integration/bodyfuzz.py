@@ -8,6 +8,9 @@ that are not JSON. Generation stays cheap: a body that would be valid never asks
 keys (non-ASCII digits, huge numbers, ids past the vocabulary), tool names (special-token text, too
 long, empty), JSON schemas a grammar compiler chokes on (a recursive `$ref`, one with a 70,000-character
 description, an anyOf of 3,000 branches) and `metadata` (too many keys, non-string values, huge).
+`EMBED_BASES` and `embedding_targeted()` do the same for /v1/embeddings and /v1/rerank (on models named
+`embedder` and `reranker`): input_type that is no string, integers past int64 in every integer field, token
+ids outside any vocabulary, a per-document limit of one token.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
 MESSAGES = "/v1/messages"
 RESPONSES = "/v1/responses"
+EMBEDDINGS = "/v1/embeddings"
+RERANK = "/v1/rerank"
 MAX_TOKENS_CAP = 3
 # the field that bounds a generation on each route, and whether leaving it out means the whole context
 _LIMITS = {CHAT: ("max_tokens", "max_completion_tokens"), COMP: ("max_tokens",), MESSAGES: ("max_tokens",),
@@ -73,6 +78,17 @@ BASES: list[tuple[str, dict, int]] = [  # (path, valid body, weight)
 ]
 
 
+EMBED_BASES: list[tuple[str, dict, int]] = [  # (path, valid body, weight): the embedding and rerank routes
+    (EMBEDDINGS, {"model": "embedder", "input": ["hello", "world"], "encoding_format": "float", "dimensions": 8,
+                  "input_type": "query", "instruction": "find it", "truncate_prompt_tokens": 16, "user": "u"}, 2),
+    (EMBEDDINGS, {"model": "embedder", "input": [[1, 2, 3], [4, 5]], "encoding_format": "base64",
+                  "truncate": True}, 1),
+    (RERANK, {"model": "reranker", "query": "which one?", "documents": ["a", {"text": "b"}, "c"], "top_n": 2,
+              "return_documents": True, "max_tokens_per_doc": 64, "instruction": "judge"}, 2),
+    (RERANK, {"model": "reranker", "query": "q", "documents": ["a"], "truncate_prompt_tokens": 32}, 1),
+]
+
+
 def encode(body: Any) -> bytes:
     raws: list[str] = []
 
@@ -121,9 +137,9 @@ def cap_generation(path: str, body: Any) -> Any:
     return body
 
 
-def sweep() -> Iterator[tuple[str, bytes]]:
+def sweep(bases: list[tuple[str, dict, int]] = BASES) -> Iterator[tuple[str, bytes]]:
     """Every place of every base body, dropped and set to every odd value, one at a time."""
-    for path, base, _ in BASES:
+    for path, base, _ in bases:
         for place in list(_places(base)):
             dropped = copy.deepcopy(base)
             del _parent(dropped, place)[place[-1]]
@@ -173,9 +189,9 @@ def _mutate_text(rng: random.Random, raw: bytes) -> bytes:
     return raw.replace(b"{", b'{"model": 1, ', 1)  # a duplicate key, the first of two
 
 
-def random_cases(seed: int, count: int) -> Iterator[tuple[str, bytes]]:
+def random_cases(seed: int, count: int, bases: list[tuple[str, dict, int]] = BASES) -> Iterator[tuple[str, bytes]]:
     rng = random.Random(seed)
-    weighted = [(p, b) for p, b, w in BASES for _ in range(w)]
+    weighted = [(p, b) for p, b, w in bases for _ in range(w)]
     for _ in range(count):
         path, base = rng.choice(weighted)
         body = copy.deepcopy(base)
@@ -237,3 +253,33 @@ def targeted() -> Iterator[tuple[str, bytes]]:
     cases.append((MESSAGES, {**bases[MESSAGES], "stop_sequences": [""]}))
     for path, body in cases:
         yield path, encode(cap_generation(path, copy.deepcopy(body)))
+
+
+BIG_INTS: list[Any] = [2**31, 2**63 - 1, 2**63, 2**64, -(2**63) - 1, 10**30, Raw("9" * 400)]
+
+
+def embedding_targeted() -> Iterator[tuple[str, bytes]]:
+    """The hostile values of the embedding and rerank routes (see the module's docstring), one body each."""
+    embed, ids, rerank, _ = (base for _, base, _ in EMBED_BASES)
+    cases: list[tuple[str, dict]] = []
+    for input_type in (["query"], {"type": "query"}, 1, True, "", "passage!", None):
+        cases.append((EMBEDDINGS, {**embed, "input_type": input_type}))
+    for big in BIG_INTS:
+        cases.append((EMBEDDINGS, {**ids, "input": [[1, big]]}))
+        cases.append((EMBEDDINGS, {**ids, "input": [1, big]}))
+        for field in ("dimensions", "truncate_prompt_tokens"):
+            cases.append((EMBEDDINGS, {**embed, field: big}))
+        for field in ("max_tokens_per_doc", "truncate_prompt_tokens", "top_n"):
+            cases.append((RERANK, {**rerank, field: big}))
+    for token in (-1, 10**7, 2**31 - 1):
+        cases.append((EMBEDDINGS, {**ids, "input": [[token]]}))
+    for limit in (1, 2, 3):  # under the prompt the query-document pair needs
+        cases.append((RERANK, {**rerank, "max_tokens_per_doc": limit}))
+        cases.append((RERANK, {**rerank, "truncate_prompt_tokens": limit}))
+    cases.append((RERANK, {**rerank, "query": "word " * 5000}))
+    cases.append((RERANK, {**rerank, "documents": ["word " * 5000, "b"]}))
+    cases.append((EMBEDDINGS, {**embed, "input": ["word " * 5000]}))
+    cases.append((EMBEDDINGS, {**embed, "dimensions": 10**6}))
+    cases.append((RERANK, {**rerank, "instruction": ["x"]}))
+    for path, body in cases:
+        yield path, encode(body)

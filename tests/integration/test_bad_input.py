@@ -7,6 +7,7 @@ import json
 import random
 import subprocess
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import MLXSUP, Daemon
+from tests.conftest import MLXSUP, Daemon, start_daemon
 from tests.integration import bodyfuzz
 
 MSGS = [{"role": "user", "content": "hi"}]
@@ -172,6 +173,100 @@ def test_bad_request(served: Daemon, name, method, path, body, status, expected)
     error = r.json()["error"]
     assert set(error) >= {"message", "type", "param", "code"} and error["message"]
     assert expected in (error["code"], error["param"]), error
+
+
+# --- the embedding and rerank routes ----------------------------------------------------------------------
+
+EMBED, RERANK = bodyfuzz.EMBEDDINGS, bodyfuzz.RERANK
+
+
+def emb(**kw) -> dict:
+    return {"model": "embedder", "input": "hi", **kw}
+
+
+def rr(**kw) -> dict:
+    return {"model": "reranker", "query": "which?", "documents": ["a", "b"], **kw}
+
+
+# (id, path, body, status, expected error param or code); a message that must not be in the answer
+EMBED_CASES = [
+    ("input-type-list", EMBED, emb(input_type=["query"]), 400, "input_type", None),
+    ("input-type-object", EMBED, emb(input_type={"type": "query"}), 400, "input_type", None),
+    ("input-type-number", EMBED, emb(input_type=3), 400, "input_type", None),
+    ("token-id-past-int64", EMBED, emb(input=[1, 2**64]), 400, "input", None),
+    ("token-ids-past-int64", EMBED, emb(input=[[1], [2**63]]), 400, "input", None),
+    ("token-id-negative-past-int64", EMBED, emb(input=[-(2**63) - 1]), 400, "input", None),
+    ("dimensions-past-int64", EMBED, emb(dimensions=2**64), 400, "dimensions", None),
+    ("dimensions-2-63", EMBED, emb(dimensions=2**63), 400, "dimensions", None),
+    ("truncate-prompt-tokens-past-int64", EMBED, emb(truncate_prompt_tokens=2**64), 400, "truncate_prompt_tokens",
+     None),
+    ("max-tokens-per-doc-past-int64", RERANK, rr(max_tokens_per_doc=2**64), 400, "max_tokens_per_doc", None),
+    ("max-tokens-per-doc-2-63", RERANK, rr(max_tokens_per_doc=2**63), 400, "max_tokens_per_doc", None),
+    ("rerank-truncate-past-int64", RERANK, rr(truncate_prompt_tokens=2**64), 400, "truncate_prompt_tokens", None),
+    ("rerank-truncate-and-per-doc", RERANK, rr(max_tokens_per_doc=8, truncate_prompt_tokens="x"), 400,
+     "truncate_prompt_tokens", None),
+    ("top-n-past-int64", RERANK, rr(top_n=2**64), 400, "top_n", None),
+    # the request's own limit is not the model's window: "this model's window is 1" was the answer
+    ("max-tokens-per-doc-1", RERANK, rr(max_tokens_per_doc=1), 400, "invalid_request", "window is 1 "),
+    ("truncate-prompt-tokens-1", RERANK, rr(truncate_prompt_tokens=1), 400, "invalid_request", "window is 1 "),
+]
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """A daemon serving an embedding model and a reranker (make-model's, random weights), both loaded."""
+    from worker.mlx_engine.make_model import make_model
+
+    root = tmp_path_factory.mktemp("pool-models")
+    make_model(root / "embedder", arch="qwen3-embedding")
+    make_model(root / "reranker", arch="qwen3-reranker")
+    d = start_daemon(tmp_path_factory.mktemp("pool-state"), "--model-dir", str(root))
+    for model in ("embedder", "reranker"):
+        r = httpx.post(f"{d.url}/api/models/{model}/load", timeout=120)
+        assert r.status_code == 200, r.text
+    yield d
+    assert d.stop() == 0
+
+
+@pytest.mark.parametrize("name, path, body, status, expected, never", EMBED_CASES, ids=[c[0] for c in EMBED_CASES])
+def test_bad_embedding_and_rerank_request(pool: Daemon, name, path, body, status, expected, never) -> None:
+    r = httpx.post(pool.url + path, json=body, timeout=60)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) >= {"message", "type", "param", "code"} and error["message"]
+    assert expected in (error["code"], error["param"]), error
+    assert never is None or never not in error["message"] + " ", error
+
+
+def test_fuzzed_embedding_and_rerank_bodies_get_4xx_or_2xx_and_the_workers_live_on(pool: Daemon) -> None:
+    """Every place of the embedding and rerank bodies dropped and set to every odd value, random mutations and
+    bodyfuzz.embedding_targeted(): each answer a 4xx with an error body or a 2xx, neither worker restarted."""
+    before = {m: pool.model(m) for m in ("embedder", "reranker")}
+    cases = [*bodyfuzz.sweep(bodyfuzz.EMBED_BASES), *bodyfuzz.random_cases(11, 400, bodyfuzz.EMBED_BASES),
+             *bodyfuzz.embedding_targeted()]
+    random.Random(11).shuffle(cases)
+    deadline = time.monotonic() + FUZZ_BUDGET_S
+    with httpx.Client(base_url=pool.url, timeout=120, headers={"Content-Type": "application/json"}) as http:
+
+        def send(case: tuple[str, bytes]) -> str | None:
+            if time.monotonic() > deadline:
+                return "skipped"
+            path, raw = case
+            try:
+                return _check_answer(path, raw, http.post(path, content=raw))
+            except httpx.HTTPError as exc:
+                return f"{path} {raw[:200]!r}: {exc!r}"
+
+        with ThreadPoolExecutor(4) as pool_threads:
+            outcomes = list(pool_threads.map(send, cases))
+    answered = [o for o in outcomes if o != "skipped"]
+    problems = [o for o in answered if o is not None]
+    assert not problems, f"{len(problems)} of {len(answered)} bodies got a bad answer:\n" + "\n".join(problems[:10])
+    assert len(answered) >= 1000, f"only {len(answered)} of {len(cases)} bodies were sent within the budget"
+    for model, was in before.items():
+        now = pool.model(model)
+        assert now["pid"] == was["pid"] and now["crashes"] == 0 and now["restarts"] == 0, now
+    assert "unhandled error" not in (pool.state_dir / "daemon.log").read_text()
 
 
 # the last event of a whole stream, by route (chat and completions end with `data: [DONE]`)

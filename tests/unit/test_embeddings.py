@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,6 +59,14 @@ def test_the_four_input_forms_become_a_list_of_inputs() -> None:
     ({"model": "m", "input": "a", "dimensions": -1}, "dimensions"),
     ({"model": "m", "input": "a", "truncate": 1}, "truncate"),
     ({"model": "m", "input": "a", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    # values the wire cannot carry (past int64) or no API means: the field that holds them is named
+    ({"model": "m", "input": "a", "input_type": ["query"]}, "input_type"),
+    ({"model": "m", "input": "a", "input_type": {"type": "query"}}, "input_type"),
+    ({"model": "m", "input": [1, 2**64]}, "input"), ({"model": "m", "input": [[1], [-(2**63) - 1]]}, "input"),
+    ({"model": "m", "input": "a", "dimensions": 2**64}, "dimensions"),
+    ({"model": "m", "input": "a", "dimensions": 2**63}, "dimensions"),
+    ({"model": "m", "input": "a", "truncate_prompt_tokens": 2**64}, "truncate_prompt_tokens"),
+    ({"model": "m", "input": "a", "instruction": ["x"]}, "instruction"),
 ])
 def test_bad_bodies_are_invalid_requests_naming_the_field(body: object, param: str | None) -> None:
     with pytest.raises(errors.InvalidRequest) as err:
@@ -138,6 +147,10 @@ def test_rerank_bodies_in_the_cohere_and_jina_shapes() -> None:
     ({"model": "r", "query": "q", "documents": ["a"], "return_documents": "yes"}, "return_documents"),
     ({"model": "r", "query": "q", "documents": ["a"], "instruction": 5}, "instruction"),
     ({"model": "r", "query": "q", "documents": ["a"], "max_tokens_per_doc": -1}, "max_tokens_per_doc"),
+    ({"model": "r", "query": "q", "documents": ["a"], "max_tokens_per_doc": 2**64}, "max_tokens_per_doc"),
+    ({"model": "r", "query": "q", "documents": ["a"], "max_tokens_per_doc": 2**63}, "max_tokens_per_doc"),
+    ({"model": "r", "query": "q", "documents": ["a"], "truncate_prompt_tokens": 2**64}, "truncate_prompt_tokens"),
+    ({"model": "r", "query": "q", "documents": ["a"], "top_n": 2**64}, "top_n"),
 ])
 def test_bad_rerank_bodies_are_invalid_requests_naming_the_field(body: object, param: str | None) -> None:
     with pytest.raises(errors.InvalidRequest) as err:
@@ -253,6 +266,19 @@ def test_bad_requests_are_refused_at_once_and_the_queue_goes_on() -> None:
     assert isinstance(got["rr"], Reranked) and got["rr"].code == INVALID_REQUEST and "embedding model" in \
         got["rr"].message
     assert got["ok"].code is None and got["ok"].tokens == 16
+
+
+def test_a_pair_over_the_requests_own_limit_says_that_limit_not_the_window() -> None:
+    """max_tokens_per_doc: 1 used to answer "this model's window is 1": the limit was the request's, the window
+    (16 here) the model's. A pair's query part is never cut (decoder_pool.py's pairs), so the fake keeps it."""
+    r = _rig(Rerank("small", "query", ["doc"], truncate=1), Rerank("big", "q" * 20, ["doc"]), reranker=True)
+    r.model.pairs = lambda query, docs, limit, instruction=None: [[ord(c) for c in query + "|"] for _ in docs]
+    assert r.loop.run() == EXIT_OK
+    small, big = r.replies()["small"], r.replies()["big"]
+    assert small.code == INVALID_REQUEST and not re.search(r"window is 1\b", small.message), small.message
+    assert "documents[0] takes 6 tokens" in small.message and "max_tokens_per_doc" in small.message
+    assert "limit of 1 token" in small.message and "window is 16" in small.message
+    assert big.code == CONTEXT_LENGTH_EXCEEDED and "takes 21 tokens; this model's window is 16" in big.message
 
 
 def test_a_reranker_scores_each_document_in_order_and_refuses_an_embed() -> None:

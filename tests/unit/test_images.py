@@ -54,6 +54,33 @@ def test_limits_and_media_types() -> None:
         sniff(b"II*\x00" + bytes(64), "x")
 
 
+
+def gif(screen: tuple[int, int], *frames: tuple[int, int, int, int], palette: bool = True) -> bytes:
+    """A GIF by hand: its logical screen and frames (left, top, width, height), each a few bytes of LZW data."""
+    import struct
+
+    out = b"GIF89a" + struct.pack("<HHBBB", *screen, 0x80 if palette else 0, 0, 0) + (bytes(6) if palette else b"")
+    out += b"!\xf9\x04\x00\x00\x00\x00\x00"  # a graphic control extension, as animations carry before each frame
+    for left, top, width, height in frames:
+        out += b"," + struct.pack("<HHHHB", left, top, width, height, 0x80) + bytes(6)  # with a local palette
+        out += b"\x02" + b"\x02\x44\x01" + b"\x00"  # LZW minimum code size, one data sub-block, its terminator
+    return out + b";"
+
+
+def test_a_gifs_frames_are_read_too_not_only_its_logical_screen() -> None:
+    """A 1x1 screen with an 8000x8000 frame passed on to the worker (64M pixels, the limit 50M): the frames'
+    image descriptors are read as well, and so is where a frame reaches (Pillow grows the canvas to hold it)."""
+    many = Image.new("L", (37, 23))
+    out = io.BytesIO()
+    many.save(out, "GIF", save_all=True, append_images=[Image.new("L", (37, 23), 9)] * 3)
+    assert check(out.getvalue(), "image/gif", "x", ImageLimits()) == "image/gif"  # Pillow's own animation
+    assert check(gif((1, 1), (0, 0, 1, 1), (0, 0, 1, 1)), None, "x", ImageLimits()) == "image/gif"
+    for frames in ([(0, 0, 1, 1), (0, 0, 8000, 8000)], [(7999, 7999, 1, 1)]):
+        with pytest.raises(InvalidRequest, match="8000x8000 pixels, more than 50000000"):
+            check(gif((1, 1), *frames, palette=False), None, "x", ImageLimits())
+    with pytest.raises(InvalidRequest, match="truncated or corrupt"):
+        check(gif((1, 1), (0, 0, 8000, 8000))[:-9] + b";", None, "x", ImageLimits())  # cut inside its frame
+
 def test_images_are_taken_in_message_order_and_the_messages_given_stay_as_they_were() -> None:
     first, second = {"url": "a", "where": "0"}, {"url": "b", "where": "1"}
     messages = [{"role": "tool", "content": [{"type": "image", "source": first}]},
