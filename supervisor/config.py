@@ -75,7 +75,7 @@ class Settings:
     shutdown_drain_s: float = 5.0
     max_body_bytes: int = 8 * 1024 * 1024
     log_level: str = "info"
-    sse_keepalive_s: float = 2.0  # a streaming request waiting on a load gets an SSE comment this often
+    sse_keepalive_s: float = 2.0  # a stream waiting (queued, loading, prefilling) gets its API's keep-alive this often
     # lifecycle
     default_ttl_s: float | None = None  # idle TTL of models that set none; None: never
     memory_ceiling_bytes: int | None = None  # None: total RAM minus the reserve
