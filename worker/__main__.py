@@ -79,6 +79,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         " auto: routed on CUDA only")
     p.add_argument("--strict-context", action="store_true",
                    help="refuse a request whose prompt + max_tokens passes the context (default: clamp max_tokens)")
+    p.add_argument("--max-context", type=int, default=None,
+                   help="the most context this worker publishes and serves, below its config's (the supervisor's: what"
+                        " its memory ceiling leaves for the model's KV); never past protocol.modelconfig.MAX_CONTEXT")
     p.add_argument("--speculative", choices=("off", "prompt-lookup", "draft"), default=None,
                    help="requests draft tokens and verify them in one pass (worker/mlx_engine/speculative.py; greedy"
                         " ones decoding together in lockstep):"
@@ -238,8 +241,11 @@ def serve_model(args: argparse.Namespace, sock: zmq.Socket, shutdown: Shutdown, 
     from worker.loop import WorkerLoop
 
     try:
+        from protocol.modelconfig import check_model
         from worker.mlx_engine.engine import Engine
         from worker.mlx_engine.prompt_cache import CacheOptions
+
+        check_model(args.model_path)  # a hostile config is refused here, naming its field, before anything is built
 
         def report(stage: str, fraction: float) -> None:
             sock.send(encode(Progress(stage, round(fraction, 3))), zmq.NOBLOCK)
@@ -261,7 +267,8 @@ def serve_model(args: argparse.Namespace, sock: zmq.Socket, shutdown: Shutdown, 
                                    prefill_step_size=args.prefill_step_size, model_id=args.model_id,
                                    step_target_s=args.step_target_s, warm=args.warm_batch_shapes,
                                    warm_budget_s=args.warm_budget_s, attention=args.attention,
-                                   strict_context=args.strict_context, defer_stores=True, text_thread=True,
+                                   strict_context=args.strict_context, max_context=args.max_context,
+                                   defer_stores=True, text_thread=True,
                                    decode_deadline_s=args.image_decode_deadline_s, jpeg_max_scans=args.jpeg_max_scans)
         elif args.group_rank is not None:  # rank 0 of a group: its engine shares each step's schedule
             from worker.group_main import leader_engine
@@ -273,7 +280,8 @@ def serve_model(args: argparse.Namespace, sock: zmq.Socket, shutdown: Shutdown, 
                             model_id=args.model_id, step_target_s=args.step_target_s,
                             warm=args.warm_batch_shapes, warm_budget_s=args.warm_budget_s, solo=args.solo,
                             attention=args.attention, strict_context=args.strict_context,
-                            speculative=args.speculative, num_draft_tokens=args.num_draft_tokens,
+                            max_context=args.max_context, speculative=args.speculative,
+                            num_draft_tokens=args.num_draft_tokens,
                             draft=args.draft if args.speculative == "draft" else None, defer_stores=True,
                             text_thread=True)
     except Exception as exc:

@@ -45,6 +45,7 @@ def _engine(args: argparse.Namespace, report: Callable[[str, float], None]) -> t
     engine = Engine(args.model_path, max_batch_size=args.max_batch_size, prefill_step_size=args.prefill_step_size,
                     report=report, cache=None, model_id=args.model_id, step_target_s=args.step_target_s,
                     loader=sharded_loader(group, ga.shard), strict_context=args.strict_context,
+                    max_context=args.max_context,
                     attention=args.attention, warm="off")  # a time-bounded warm-up would stop at another step on each rank: a collective hang
     return engine, group
 
@@ -64,6 +65,9 @@ def run_follower(args: argparse.Namespace, log: logging.Logger) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     rank = args.group_rank
     try:
+        from protocol.modelconfig import check_model
+
+        check_model(args.model_path)  # as rank 0 does (worker/__main__.py): a hostile config builds nothing
         engine, group = _engine(args, lambda *_: None)
     except Exception:
         log.exception("[load] model=%s rank=%d failed", args.model_id, rank)
