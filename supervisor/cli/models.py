@@ -6,7 +6,8 @@ file and overall on a terminal, plain lines otherwise; Ctrl-C stops it with its 
 next pull to resume, and the model not offered for serving meanwhile. `ls` lists the models the
 configuration finds (cache, model folders, config entries) with what their config.json says, and which
 are loaded when a daemon answers. `rm` removes a cache entry with huggingface_hub's own delete strategy;
-a loaded model is refused unless --force, which evicts it first.
+a loaded model is refused unless --force, which evicts it first. An id the hub's rules refuse, or a hub that
+cannot be reached (no network, HF_ENDPOINT, HF_HUB_OFFLINE), is one line saying what to do and exit 2.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from supervisor.cli.exits import EXIT_NO_DAEMON, EXIT_USAGE, CliError
 from supervisor.cli.views import duration, evict_line, size
 from supervisor.config import Settings, default_hf_cache
 from supervisor.hub import store
-from supervisor.hub.pull import Progress, PullError, plan, pull, still_needed
+from supervisor.hub.pull import BadReference, HubUnreachable, Progress, PullError, plan, pull, still_needed
 from supervisor.registry import ModelSpec, Registry
 from supervisor.reports import EvictReport
 
@@ -81,6 +82,8 @@ def cmd_pull(args: argparse.Namespace) -> int:
             snapshot = pull(p, hub, printer)
         finally:
             printer.end()
+    except (BadReference, HubUnreachable) as exc:  # nothing was asked of the hub, or it could not be reached
+        raise CliError(str(exc), EXIT_USAGE) from None
     except PullError as exc:
         raise CliError(str(exc)) from None
     except KeyboardInterrupt:

@@ -3,8 +3,9 @@ cache (supervisor/hub/pull.py), its progress streamed as SSE `data:` events, as 
 
 Events: `{"status": "downloading", file, index, count, file_done, file_total, done, total, rate, eta_s}` while
 bytes arrive, then `{"status": "success", "model", "commit", "path"}` or an error body. Without "stream", one
-JSON answer when the pull ends. A repo that is no MLX model, or a revision the hub lacks, is a 400 before any
-byte is written. Behind the same guard as every /api route (Host, Origin, JSON body, the API key).
+JSON answer when the pull ends. An id the hub's rules refuse (hub/pull.py's ID_RULE), a repo that is no MLX model,
+or a revision the hub lacks, is a 400 before any byte is written; a hub that cannot be reached (no network, a wrong
+HF_ENDPOINT, HF_HUB_OFFLINE, the hub answering 5xx) a 503 `hub_unreachable` that says what to check. Behind the same guard as every /api route (Host, Origin, JSON body, the API key).
 Invariants: the download runs in a daemon thread, never on the event loop, and goes on to its end when the
 client leaves (the next pull resumes it if the daemon itself stops); one pull per repo at a time (409); the
 registry looks at the cache again the moment a pull completes, so the model is served from its next request.
@@ -27,7 +28,7 @@ from supervisor import errors
 from supervisor.config import Settings
 from supervisor.gateway.body import decode_json
 from supervisor.gateway.http import SSEResponse, read_body, sse
-from supervisor.hub.pull import Plan, Progress, PullError, parse_ref, plan, pull
+from supervisor.hub.pull import BadReference, HubUnreachable, Plan, Progress, PullError, parse_ref, plan, pull
 from supervisor.router import Router
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,14 @@ class PullRoutes:
         self.pulling.add(repo_id)
         try:
             p = await asyncio.to_thread(plan, model)
+        except HubUnreachable as exc:  # no network, a wrong HF_ENDPOINT, offline mode, the hub failing: try later
+            self.pulling.discard(repo_id)
+            unreachable = errors.MlxsupError(str(exc), param="model", code="hub_unreachable")
+            unreachable.status = 503
+            raise unreachable from None
+        except BadReference as exc:
+            self.pulling.discard(repo_id)
+            raise errors.InvalidRequest(str(exc), param="model") from None
         except PullError as exc:
             self.pulling.discard(repo_id)
             raise errors.InvalidRequest(str(exc), param="model", code="not_pullable") from None

@@ -42,7 +42,18 @@ log = logging.getLogger(__name__)
 # what a worker reads of a model folder; everything else in a repo (README, images, GGUF, PyTorch bins) is left
 WANTED = ("*.json", "*.safetensors", "*.jinja", "*.tiktoken", "tokenizer.model", "spiece.model", "merges.txt",
           "vocab.txt", "1_Pooling/config.json")
-REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# the hub's own rule for a repo id (huggingface_hub's validate_repo_id): ORG/NAME, each of letters, digits, '-', '_'
+# and '.', neither starting nor ending with '-' or '.', no '--' or '..', at most 96 characters each
+_PART = r"(?![.-])[\w.-]{1,96}(?<![.-])"
+REPO_ID = re.compile(rf"^{_PART}/{_PART}$", re.ASCII)
+# a revision: a branch, a tag, a commit, or a pull request's `refs/pr/N`: '/'-separated parts of letters, digits,
+# '-', '_' and '.', none starting with '.', none ending in '.lock'; no '..'; at most 255 characters
+_REV_PART = r"(?!\.)[\w.-]+(?<!\.lock)"
+REVISION = re.compile(rf"^{_REV_PART}(?:/{_REV_PART})*$", re.ASCII)
+MAX_REVISION = 255
+ID_RULE = ("expected ORG/NAME[@REVISION]: ORG and NAME of letters, digits, '-', '_' and '.', at most 96 characters "
+           "each, neither starting nor ending with '-' or '.', without '--' or '..'; REVISION a branch, tag or commit "
+           f"(or refs/pr/N), at most {MAX_REVISION} characters of the same, '/' between parts, no '..'")
 COMMIT = re.compile(r"^[0-9a-f]{40}$")
 PROGRESS_S = 0.2  # the most often progress is reported while bytes arrive
 HASH_CHUNK = 1 << 20
@@ -51,6 +62,43 @@ RETRIES = 5  # cuts in a row without a byte between them before a file's downloa
 
 class PullError(Exception):
     """A pull that cannot go on; its message is one line for the user."""
+
+
+class BadReference(PullError):
+    """ORG/NAME[@REVISION] that breaks the hub's rules for ids (ID_RULE): the asker's to fix, before any request."""
+
+
+class HubUnreachable(PullError):
+    """The hub cannot be reached (no network, a wrong HF_ENDPOINT, offline mode, the hub failing): nothing is wrong
+    with the request, and it may work later."""
+
+
+def _endpoint(endpoint: str | None) -> str:
+    from huggingface_hub import constants
+
+    return endpoint or constants.ENDPOINT
+
+
+def unreachable(repo_id: str, endpoint: str | None, why: str) -> HubUnreachable:
+    return HubUnreachable(f"cannot reach the Hugging Face hub at {_endpoint(endpoint)} to pull {repo_id} ({why}): "
+                          "check the network connection, and HF_ENDPOINT if a mirror is meant; models already in the "
+                          "cache are served without the hub (HF_HUB_OFFLINE=1 keeps huggingface_hub from trying it)")
+
+
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """The HTTP clients' errors for a request that got no answer: huggingface_hub's (httpx2 in 2.x), httpx's."""
+    found: list[type[BaseException]] = [OSError]
+    for name in ("httpx2", "httpx"):
+        try:
+            found.append(__import__(name).TransportError)
+        except (ImportError, AttributeError):
+            pass
+    return tuple(found)
+
+
+def _why(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 @dataclass(frozen=True)
@@ -96,10 +144,13 @@ class Progress:
 
 
 def parse_ref(ref: str) -> tuple[str, str]:
-    """`ORG/NAME[@REVISION]` -> (repo id, revision)."""
-    repo_id, _, revision = ref.partition("@")
-    if not REPO_ID.match(repo_id) or ".." in repo_id or (_ and not revision):
-        raise PullError(f"'{ref}' is not a model repository: expected ORG/NAME or ORG/NAME@REVISION")
+    """`ORG/NAME[@REVISION]` -> (repo id, revision); BadReference naming ID_RULE for anything the hub would refuse."""
+    repo_id, at, revision = ref.partition("@")
+    bad_id = not REPO_ID.match(repo_id) or ".." in repo_id or "--" in repo_id
+    bad_revision = at and (not REVISION.match(revision) or ".." in revision or len(revision) > MAX_REVISION)
+    if bad_id or bad_revision:
+        shown = ref if len(ref) <= 120 else ref[:100] + f"... ({len(ref)} characters)"
+        raise BadReference(f"'{shown}' is not a model repository id: {ID_RULE}")
     return repo_id, revision or "main"
 
 
@@ -115,7 +166,10 @@ def plan(ref: str, token: str | None = None, endpoint: str | None = None) -> Pla
     try:
         info = HfApi(endpoint=endpoint).model_info(repo_id, revision=revision, files_metadata=True, token=token)
     except errors.OfflineModeIsEnabled:
-        raise PullError(f"cannot pull {repo_id}: offline mode is on (HF_HUB_OFFLINE); unset it to download") from None
+        raise HubUnreachable(f"cannot pull {repo_id}: offline mode is on (HF_HUB_OFFLINE); unset it to download "
+                             "(models already in the cache are served as they are)") from None
+    except errors.HFValidationError as exc:  # a rule of the hub's that ID_RULE missed: still the asker's to fix
+        raise BadReference(f"'{ref}' is not a model repository id ({str(exc).splitlines()[0]}): {ID_RULE}") from None
     except errors.RevisionNotFoundError:
         raise PullError(f"{repo_id} has no revision '{revision}'") from None
     except errors.GatedRepoError:
@@ -124,8 +178,13 @@ def plan(ref: str, token: str | None = None, endpoint: str | None = None) -> Pla
     except errors.RepositoryNotFoundError:
         raise PullError(f"no model repository '{repo_id}' on the hub (a private one needs HF_TOKEN set to a token "
                         "that may read it)") from None
-    except (errors.HfHubHTTPError, OSError) as exc:
-        raise PullError(f"cannot reach the hub for {repo_id}: {str(exc).splitlines()[0]}") from None
+    except errors.HfHubHTTPError as exc:
+        status = exc.response.status_code if exc.response is not None else 0
+        if status >= 500 or status in (408, 429):  # the hub's trouble, not the request's: it may work later
+            raise unreachable(repo_id, endpoint, f"it answered HTTP {status}") from None
+        raise PullError(f"the hub refused {repo_id}@{revision}: {str(exc).splitlines()[0]}") from None
+    except _transport_errors() as exc:  # no answer at all: no network, a closed port, a name that resolves to nothing
+        raise unreachable(repo_id, endpoint, _why(exc)) from None
     if not info.sha:
         raise PullError(f"the hub named no commit for {repo_id}@{revision}")
     files = tuple(sorted((RemoteFile(s.rfilename, s.size or 0, s.lfs.sha256 if s.lfs else s.blob_id or "",
@@ -152,7 +211,11 @@ def _remote_json(repo_id: str, commit: str, name: str, token: str | None, endpoi
     from huggingface_hub import hf_hub_url
     from huggingface_hub.utils import build_hf_headers, http_backoff
 
-    resp = http_backoff("GET", hf_hub_url(repo_id, name, revision=commit, endpoint=endpoint), headers=build_hf_headers(token=token))
+    try:
+        resp = http_backoff("GET", hf_hub_url(repo_id, name, revision=commit, endpoint=endpoint),
+                            headers=build_hf_headers(token=token))
+    except _transport_errors() as exc:
+        raise unreachable(repo_id, endpoint, _why(exc)) from None
     try:
         resp.raise_for_status()
         data = json.loads(resp.content)

@@ -264,3 +264,59 @@ def test_ls_lists_models_and_rm_refuses_a_loaded_one_unless_forced(env: dict, ca
     with pytest.raises(openai.NotFoundError):
         say(client, repo)
     assert repo not in {m.id for m in client.models.list()}
+
+
+BAD_IDS = ["org--x/name", "org/.git", "org/name@" + "r" * 300, "org/name@a..b", "org/name@main:x"]
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # nothing listens there once the socket is closed
+
+
+def test_an_unreachable_hub_is_a_503_and_the_cli_says_what_to_do_in_one_line(
+        made: dict, tmp_path: Path, daemon_factory) -> None:
+    """No network: httpx's ConnectError escaped the pull (a 500 internal_error, a traceback on the command line)."""
+    offline = {"HF_ENDPOINT": f"http://127.0.0.1:{_closed_port()}", "HF_HUB_CACHE": str(tmp_path / "hub"),
+               "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_TELEMETRY": "1"}
+    d = daemon_factory("--model-dir", str(made["tiny"]), env=offline)
+    for stream in (False, True):
+        r = httpx.post(d.url + "/api/pull", json={"model": "mlx-test/Tiny-4bit", "stream": stream}, timeout=120)
+        assert r.status_code == 503, r.text
+        error = r.json()["error"]
+        assert error["code"] == "hub_unreachable" and error["param"] == "model", error
+        assert offline["HF_ENDPOINT"] in error["message"] and "network" in error["message"]
+        assert "HF_ENDPOINT" in error["message"] and "HF_HUB_OFFLINE" in error["message"]
+    again = httpx.post(d.url + "/api/pull", json={"model": "mlx-test/Tiny-4bit"}, timeout=120)
+    assert again.status_code == 503, again.text  # not "being pulled already": a failed plan leaves no pull behind
+    out = mlxsup(offline, "pull", "mlx-test/Tiny-4bit")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and "cannot reach the Hugging Face hub" in out.stderr
+    assert not (tmp_path / "hub").exists() or not list((tmp_path / "hub").iterdir())  # nothing written
+    assert "unhandled error" not in (d.state_dir / "daemon.log").read_text()
+
+
+@pytest.mark.parametrize("ref", BAD_IDS)
+def test_an_id_the_hub_refuses_is_a_400_naming_the_rule_and_exit_2(ref: str, env: dict, daemon: Daemon) -> None:
+    r = httpx.post(daemon.url + "/api/pull", json={"model": ref}, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "model" and "ORG/NAME[@REVISION]" in error["message"], error
+    out = mlxsup(env, "pull", ref)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and "ORG/NAME[@REVISION]" in out.stderr
+
+
+def test_a_pull_request_revision_is_pulled(hub: StandInHub, env: dict, cache: Path, made: dict) -> None:
+    """`refs/pr/N` is how the hub names a pull request's head (huggingface_hub's own examples): a revision, not a
+    malformed id. Its ref lands as huggingface_hub writes it, refs/refs/pr/1."""
+    repo = hub.repos["mlx-test/Reviewed"] = Repo()
+    commit = repo.add(folder_files(made["tiny"]), branch="refs/pr/1")
+    out = mlxsup(env, "pull", "mlx-test/Reviewed@refs/pr/1")
+    assert out.returncode == 0, out.stderr
+    folder = store.repo_folder(cache, "mlx-test/Reviewed")
+    assert (folder / "refs" / "refs" / "pr" / "1").read_text() == commit
+    assert sha256(snapshot(cache, "mlx-test/Reviewed", commit) / WEIGHTS) == sha256(made["tiny"] / WEIGHTS)

@@ -13,7 +13,7 @@ import pytest
 from supervisor.errors import ModelDownloading, ModelNotFound
 from supervisor.hub import store
 from supervisor.hub.arch import unsupported
-from supervisor.hub.pull import PullError, parse_ref, wanted
+from supervisor.hub.pull import BadReference, HubUnreachable, PullError, parse_ref, plan, wanted
 from supervisor.registry import Registry, is_model_dir
 
 
@@ -31,9 +31,40 @@ def model(path: Path, shards: tuple[str, ...] = ("model.safetensors",), index: b
 def test_repo_references() -> None:
     assert parse_ref("mlx-community/Qwen3-4B-4bit") == ("mlx-community/Qwen3-4B-4bit", "main")
     assert parse_ref("org/name@v1.0") == ("org/name", "v1.0")
+    assert parse_ref("org/name@refs/pr/1") == ("org/name", "refs/pr/1")  # the hub's name for a PR's head
+    assert parse_ref(f"org/name@{'a' * 40}") == ("org/name", "a" * 40)
     for bad in ("name", "org/name@", "../x/y", "org/na/me", "org/..", "https://hf.co/org/name"):
         with pytest.raises(PullError):
             parse_ref(bad)
+
+
+@pytest.mark.parametrize("ref", [
+    "org--x/name", "org/name--x", "org/.git", "org/name.", "-org/name", "org/name-", "org/x..y", "o" * 97 + "/n",
+    "org/" + "n" * 97, "org/name@" + "a" * 256, "org/name@refs//pr", "org/name@/main", "org/name@main/",
+    "org/name@a..b", "org/name@.hidden", "org/name@x.lock", "org/name@a b", "org/name@a~1", "org/name@a:b",
+    "org/name@a@b", "org/na me",
+])
+def test_ids_the_hub_refuses_are_refused_here_naming_the_rule(ref: str) -> None:
+    """They passed the old pattern and failed in huggingface_hub's validation or at the hub: a 500 and a
+    traceback. Now a BadReference (a 400, and exit 2 on the command line) whose message says the rule."""
+    with pytest.raises(BadReference) as err:
+        parse_ref(ref)
+    assert isinstance(err.value, PullError) and "ORG/NAME[@REVISION]" in str(err.value)
+    assert "96 characters" in str(err.value) and "--" in str(err.value)
+
+
+def test_an_unreachable_hub_is_hub_unreachable_saying_what_to_do() -> None:
+    """A hub on a closed local port: httpx's ConnectError escaped plan() (a 500, a traceback)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed once the with ends: nothing listens there
+    with pytest.raises(HubUnreachable) as err:
+        plan("org/name", endpoint=f"http://127.0.0.1:{port}")
+    message = str(err.value)
+    assert f"127.0.0.1:{port}" in message and "network" in message and "HF_ENDPOINT" in message
+    assert "HF_HUB_OFFLINE" in message and "\n" not in message
 
 
 def test_only_what_a_worker_reads_is_pulled() -> None:
