@@ -9,9 +9,11 @@ process lives, so a pull killed or interrupted reads as "interrupted", never as 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,21 +119,39 @@ def disk_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+def _files_reached(folder: Path) -> dict[tuple[int, int], tuple[int, int, set[str]]]:
+    """(device, inode) -> (size, hard links, the paths known to name it) of every regular file in the folder and
+    every one a link in it points to, wherever it is (links are not followed further than their target)."""
+    found: dict[tuple[int, int], tuple[int, int, set[str]]] = {}
+    for dirpath, _, filenames in os.walk(os.path.realpath(folder)):
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            real = os.path.realpath(path) if os.path.islink(path) else path
+            try:
+                st = os.stat(real, follow_symlinks=False)
+            except OSError:  # a broken link
+                continue
+            if stat.S_ISREG(st.st_mode):
+                found.setdefault((st.st_dev, st.st_ino), (st.st_size, st.st_nlink, set()))[2].add(real)
+    return found
+
+
 def remove(hub: Path, repo_id: str) -> int:
     """Delete a repo from the cache with huggingface_hub's own delete strategy (every revision, its refs and
-    blobs); what that leaves (a partial download's .incomplete files, a pull mark) goes with the folder.
-    Returns the bytes freed as the hub counts them."""
+    blobs), matched to this repo alone (a fork keeps its source's commit hashes, and the hub's delete_revisions
+    matches a hash in any repo); what that leaves (a partial download's .incomplete files, a pull mark) goes with
+    the folder. Returns the bytes really freed: the files gone with it whose every hard link went too; a snapshot
+    link's target in another repo or outside the cache stays, and is not counted."""
     from huggingface_hub import scan_cache_dir
 
     folder = repo_folder(hub, repo_id)
-    freed = 0
+    before = _files_reached(folder) if folder.exists() else {}
     info = scan_cache_dir(hub)
     repo = next((r for r in info.repos if r.repo_id == repo_id and r.repo_type == "model"), None)
     if repo is not None and repo.revisions:
-        strategy = info.delete_revisions(*(rev.commit_hash for rev in repo.revisions))
-        freed = strategy.expected_freed_size
-        strategy.execute()
+        alone = dataclasses.replace(info, repos=frozenset({repo}))
+        alone.delete_revisions(*(rev.commit_hash for rev in repo.revisions)).execute()
     if folder.exists():
-        freed += sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
         shutil.rmtree(folder)
-    return freed
+    return sum(size for size, links, paths in before.values()
+               if links <= len(paths) and not any(os.path.lexists(p) for p in paths))

@@ -238,3 +238,44 @@ def test_a_type_mlx_cannot_read_is_dequantized_then_kept_in_bf16_or_quantized_as
     got = mx.dequantize(converted[f"{gate}.weight"], converted[f"{gate}.scales"], converted[f"{gate}.biases"],
                         group_size=64, bits=8)
     np.testing.assert_allclose(np.array(got.astype(mx.float32)), expected[f"{gate}.weight"], rtol=0.05, atol=0.02)
+
+
+def bare_gguf(path: Path, arch: str, **meta: int) -> Path:
+    """A GGUF of one tensor whose metadata has only `general.architecture` and the `{arch}.KEY` integers given."""
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in meta.items():
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("meta, says", [
+    ({}, "llama.attention.head_count, llama.block_count, llama.context_length, llama.embedding_length, "
+         "llama.feed_forward_length"),
+    ({"block_count": 2, "embedding_length": 64, "feed_forward_length": 128, "context_length": 256}, "llama.attention.head_count"),
+    ({"block_count": 2, "embedding_length": 64, "feed_forward_length": 128, "context_length": 256,
+      "attention.head_count": 0}, "llama.attention.head_count"),
+], ids=["none", "no-heads", "zero-heads"])
+def test_a_file_without_its_architecture_s_metadata_is_refused_in_one_line(tmp_path: Path, meta: dict, says: str) -> None:
+    """Such a file used to end in a TypeError traceback (`hidden // heads` of two Nones)."""
+    bare = bare_gguf(tmp_path / "bare.gguf", "llama", **meta)
+    env = {"XDG_CONFIG_HOME": str(tmp_path / "no-config"), "PATH": "/usr/bin:/bin"}
+    run = subprocess.run([sys.executable, "-m", "supervisor", "import", str(bare), "--model-dir", str(tmp_path / "models")],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    error = run.stderr.strip().splitlines()[-1]
+    assert error.startswith("error: ") and "llama" in error and says in error, error
+    assert not (tmp_path / "models").exists() or not any((tmp_path / "models").iterdir())
+
+
+def test_a_file_without_a_tokenizer_is_refused_in_one_line(tmp_path: Path) -> None:
+    bare = bare_gguf(tmp_path / "untokenized.gguf", "llama", block_count=1, embedding_length=32, feed_forward_length=64,
+                     context_length=256, **{"attention.head_count": 4})
+    run = imported(bare, tmp_path / "out")
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    assert "tokenizer" in run.stderr.strip().splitlines()[-1], run.stderr
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))

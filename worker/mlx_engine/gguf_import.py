@@ -13,8 +13,14 @@ What conversion takes, and its invariants:
 - config.json comes from the metadata; the `quantization` entry has the common bits and an entry of its own for
   each layer quantized otherwise (an 8-bit embedding under 4-bit layers);
 - the tokenizer is rebuilt with transformers' GGUF support (its chat template kept), without torch;
+- a file without the metadata its architecture needs (layer count, sizes, heads, context) or without a tokenizer
+  is refused naming what is missing, as is one whose conversion mlx-lm cannot load: one line, exit 2;
 - the folder is written under a dot-name beside OUT and renamed into place only after `mlx_lm.load` has loaded
-  it and run one token, so a model folder never exists half-written; an existing OUT is refused unless --force.
+  it and run one token, so a model folder never exists half-written. An existing OUT is refused unless --force,
+  and even then unless it is a model folder (config.json and *.safetensors; or empty) holding no model folders of
+  its own: a folder of other things, a folder of models, a symbolic link are never replaced. The replacement is a
+  swap: the old folder is renamed aside, the new one into place, and the old one removed only then (put back if
+  the second rename fails), so a failed import leaves the old model as it was.
 """
 
 from __future__ import annotations
@@ -22,7 +28,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import re
+import secrets
 import shutil
 import sys
 import tempfile
@@ -44,6 +52,9 @@ LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# the metadata every architecture's config needs, under `{arch}.`: llama.cpp's converter writes all of them
+REQUIRED = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count", "context_length")
+POSITIVE = ("attention.head_count_kv", "attention.key_length", "vocab_size")  # where present
 SUFFIXES = ("weight", "scales", "biases", "bias")
 TENSOR = re.compile(r"^(?:blk\.(\d+)\.)?([a-z_0-9]+)\.(" + "|".join(SUFFIXES) + r")$")
 
@@ -88,9 +99,33 @@ def unpermute(w: Any, n_head: int) -> Any:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def positive_int(meta: dict, key: str) -> bool:
+    try:
+        value = scalar(meta, key)
+    except (ValueError, TypeError):  # an array of several values (a per-layer count), not one number
+        return False
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def check_metadata(meta: dict, arch: str) -> None:
+    """Refuse a file without what its architecture's config is made of, naming every key that is missing or bad."""
+    bad = [f"{arch}.{key}" for key in REQUIRED if not positive_int(meta, f"{arch}.{key}")]
+    bad += [f"{arch}.{key}" for key in POSITIVE if f"{arch}.{key}" in meta and not positive_int(meta, f"{arch}.{key}")]
+    if bad:
+        raise GGUFImportError(f"the file's metadata lacks what a {arch} model is made of (or holds no positive whole "
+                              f"number there): {', '.join(sorted(bad))}; llama.cpp's converter writes these, so this "
+                              "file was written another way or is damaged")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if not isinstance(meta.get("tokenizer.ggml.model"), str) or tokens is None or len(tokens) == 0:
+        raise GGUFImportError("the file holds no tokenizer (tokenizer.ggml.model and tokenizer.ggml.tokens): a model "
+                              "cannot be served without one")
+
+
 def model_config(meta: dict, arch: str, names: set[str]) -> dict:
     def get(key: str, default: Any = None) -> Any:
         return scalar(meta, f"{arch}.{key}", default)
+
+    check_metadata(meta, arch)
 
     heads = get("attention.head_count")
     hidden = get("embedding_length")
@@ -268,12 +303,56 @@ def check_loads(out: Path) -> str:
     return tokenizer.decode([typing.cast(int, mx.argmax(logits[0, -1]).item())])
 
 
+def is_model_folder(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(p.is_file() for p in path.glob("*.safetensors"))
+
+
+def refusal(out: Path, force: bool) -> str | None:
+    """Why OUT may not be written now, or None: a new name, or (with force) a model folder or an empty one."""
+    if out.name in ("", ".", ".."):
+        return f"{out} does not name a folder to write"
+    if out.is_symlink():
+        return f"{out} is a symbolic link: mlxsup import neither follows nor replaces one"
+    if not out.exists():
+        return None
+    if not out.is_dir() or (any(out.iterdir()) and not is_model_folder(out)):
+        return (f"{out} exists and is not a model folder (config.json and *.safetensors): mlxsup import never "
+                "replaces it; choose another name")
+    if any(sub.is_dir() and is_model_folder(sub) for sub in out.iterdir()):
+        return f"{out} holds model folders of its own: mlxsup import never replaces a folder of models"
+    return None if force else f"{out} already exists (pass --force to replace it)"
+
+
+def swap_in(work: Path, out: Path, force: bool) -> None:
+    """`work` becomes `out`. An `out` there (checked again: it may have changed while the import ran) is renamed
+    aside, and removed only once `work` has taken its place; if that rename fails, it is put back as it was."""
+    if why := refusal(out, force):
+        raise GGUFImportError(why)
+    old = out.parent / f".{out.name}.replaced-{os.getpid()}-{secrets.token_hex(4)}" if out.exists() else None
+    if old is not None:
+        out.rename(old)
+    try:
+        work.rename(out)
+    except OSError as exc:
+        kept = "nothing was written"
+        if old is not None:
+            try:
+                old.rename(out)
+                kept = "the old one is as it was"
+            except OSError:
+                kept = f"the old one is kept, whole, as {old}"
+        raise GGUFImportError(f"the new folder could not be put in place as {out} ({exc}); {kept}") from None
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def import_gguf(gguf: Path, out: Path, force: bool = False, quantize: int | None = None) -> dict:
+    progress = Progress()
+    if why := refusal(out, force):
+        raise GGUFImportError(why)
+    out = out.parent.resolve() / out.name  # the folder it is written in, as it is (no `..` to read twice)
     from mlx_lm.utils import save_config
 
-    progress = Progress()
-    if out.exists() and not force:
-        raise GGUFImportError(f"{out} already exists (pass --force to replace it)")
     with open(gguf, "rb") as f:
         if f.read(4) != b"GGUF":
             raise GGUFImportError(f"{gguf} is not a GGUF file (it does not start with GGUF's magic bytes)")
@@ -287,15 +366,21 @@ def import_gguf(gguf: Path, out: Path, force: bool = False, quantize: int | None
     work.chmod(0o755)  # mkdtemp's 0700 would outlive the rename
     try:
         progress.stage("writing the tokenizer (transformers' GGUF support)")
-        save_tokenizer(meta, work)
+        try:
+            save_tokenizer(meta, work)
+        except Exception as exc:  # transformers' conversion raises what the metadata makes it meet
+            raise GGUFImportError(f"the tokenizer cannot be rebuilt from the file's metadata ({type(exc).__name__}: "
+                                  f"{exc})") from None
         progress.stage(f"writing {sum(w.nbytes for w in weights.values()) / 2**20:.0f} MiB of weights")
         save_weights(weights, work)
         save_config(config, work / "config.json")
         progress.stage("loading it once with mlx-lm")
-        token = check_loads(work)
-        if out.exists():
-            shutil.rmtree(out)
-        work.rename(out)
+        try:
+            token = check_loads(work)
+        except Exception as exc:
+            raise GGUFImportError(f"the converted model does not load with mlx-lm ({type(exc).__name__}: {exc}); "
+                                  f"nothing was written to {out}") from None
+        swap_in(work, out, force)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     progress.stage(f"done: {out}")
@@ -332,6 +417,9 @@ def main(argv: list[str] | None = None) -> int:
     except GGUFImportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a full disk, a folder it may not write: one line too, the old model as it was
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     q = info["quantization"]
     kind = f"{q['bits']}-bit (group {q['group_size']})" if q else "unquantized"
     print(f"imported {info['arch']} ({info['layers']} layers, {kind}) to {info['path']}; "
