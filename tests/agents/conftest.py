@@ -1,12 +1,20 @@
-"""The real coding agents (Claude Code, Codex CLI, opencode), pinned in package.json / package-lock.json here and
-installed once by npm into a cache outside the repo; and one daemon whose tiny qwen3 answers from a script.
+"""The real coding agents (Claude Code, Continue's CLI, Codex CLI, opencode: npm; aider: PyPI), pinned and installed
+once into a cache outside the repo; and one daemon whose tiny qwen3 answers from a script.
 
-`agent_bin`: the folder of the installed programs' executables, `~/.cache/mlxsup-test-agents/<lock hash>/
-node_modules/.bin`, reused while the lock is unchanged. npm installs into a fresh folder that is renamed into place
-only once every program answers `--version`, so a broken install is never reused. Tests needing the programs are
-skipped, saying why, only when npm itself is missing or cannot reach its registry; any other failure fails.
-(`npm install` with the lock, not `npm ci`: a registry mirror that lacks other platforms' optional packages leaves
-them out of the lock, and `npm ci` then refuses the lock as out of date; the lock's versions and hashes still hold.)
+`agent_bin`: the folder of the npm programs' executables (package.json / package-lock.json here),
+`~/.cache/mlxsup-test-agents/<lock hash>/node_modules/.bin`, reused while the lock is unchanged. npm installs into a
+fresh folder that is renamed into place only once every program answers `--version`, so a broken install is never
+reused. Tests needing the programs are skipped, saying why, only when npm itself is missing or cannot reach its
+registry; any other failure fails. (`npm install` with the lock, not `npm ci`: a registry mirror that lacks other
+platforms' optional packages leaves them out of the lock, and `npm ci` then refuses the lock as out of date; the
+lock's versions and hashes still hold.) To move a pin: change package.json, then in a scratch folder holding only
+it, `npm install --package-lock-only --no-audit --no-fund`, and copy its package-lock.json here.
+
+`aider_bin`: aider (`aider-chat==AIDER`, whose own dependencies are pinned exactly by its release) in a venv of its
+own, `~/.cache/mlxsup-test-agents/aider-<version>-py<X.Y>/bin`. A venv cannot be moved (its scripts name their
+interpreter by absolute path), so it is built in a folder of its own that is never moved, and the name above is a
+symlink switched onto it only once `aider --version` answers. Skipped, saying why, only when pip cannot reach its
+registry.
 
 `scripted_daemon`: a daemon with an API key and otherwise the default configuration (no `model_aliases`, no
 `default_model`: the vendors' model names go to the one chat model there is), whose qwen3 worker runs with
@@ -22,6 +30,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,13 +39,18 @@ import pytest
 from tests.conftest import MLXSUP, Daemon, start_daemon
 
 HERE = Path(__file__).parent
-PROGRAMS = ("claude", "codex", "opencode")
+PROGRAMS = ("claude", "cn", "codex", "opencode")
+AIDER = "0.86.2"  # aider-chat on PyPI
 KEY = "sk-local-test"
 UNREACHABLE = re.compile(r"ENOTFOUND|EAI_AGAIN|ECONNREFUSED|ECONNRESET|ETIMEDOUT|ENETUNREACH|EHOSTUNREACH")
+PIP_UNREACHABLE = re.compile(r"NewConnectionError|ConnectTimeoutError|Temporary failure in name resolution|"
+                             r"Name or service not known|Network is unreachable|Connection refused|ProxyError")
 DONE = "MLXSUP-DONE"  # in every final answer
 # a project's agent with one tool, so that its requests stay small (the built-in ones get every tool: ~23k tokens)
 CHECKER = "---\nname: checker\ndescription: Checks a file\ntools: Read\n---\nCheck what you are asked to, and report.\n"
 MADE = "echo made > made.txt && echo MLXSUP-STEP-2"  # the command each program's shell tool is asked to run
+GREETING = "first line\nhello\nlast line\n"  # the file aider is asked to edit; AIDER_EDIT changes its middle line
+AIDER_EDIT = "hello from aider"
 
 
 def tool_call(name: str, arguments: dict) -> str:
@@ -56,6 +70,10 @@ SCRIPT = [
     {"match": "CLAUDE-SUB-1", "reply": "made.txt holds made. MLXSUP-STEP-2"},
     {"match": "CODEX-STEP-1", "reply": tool_call("exec_command", {"cmd": MADE})},
     {"match": "OPENCODE-STEP-1", "reply": tool_call("bash", {"command": MADE, "description": "Create made.txt"})},
+    {"match": "CONTINUE-STEP-1", "reply": tool_call("Bash", {"command": MADE})},
+    # aider edits through its edit format, not tools: a SEARCH/REPLACE block (its "diff" format) naming the file
+    {"match": "AIDER-EDIT-1", "reply": f"greeting.txt\n```\n<<<<<<< SEARCH\nhello\n=======\n{AIDER_EDIT}\n"
+                                       f">>>>>>> REPLACE\n```\nThe greeting is changed. {DONE}"},
     {"match": "WEATHER-STEP-1", "reply": tool_call("get_weather", {"city": "Paris", "days": 2})},
 ]
 
@@ -63,7 +81,7 @@ SCRIPT = [
 @pytest.fixture(scope="session")
 def agent_bin() -> Path:
     lock = (HERE / "package-lock.json").read_bytes()
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mlxsup-test-agents"
+    cache = _cache()
     target = cache / hashlib.sha256(lock + (HERE / "package.json").read_bytes()).hexdigest()[:16]
     bin_dir = target / "node_modules" / ".bin"
     if all((bin_dir / p).exists() for p in PROGRAMS):
@@ -91,6 +109,45 @@ def agent_bin() -> Path:
     shutil.rmtree(target, ignore_errors=True)
     partial.rename(target)
     return bin_dir
+
+
+def _cache() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mlxsup-test-agents"
+
+
+@pytest.fixture(scope="session")
+def aider_bin() -> Path:
+    cache = _cache()
+    link = cache / f"aider-{AIDER}-py{sys.version_info.major}.{sys.version_info.minor}"
+    if (link / "bin" / "aider").exists():
+        return link / "bin"
+    built = cache / f"{link.name}.build-{os.getpid()}"  # where the venv stays: its scripts name this path
+    shutil.rmtree(built, ignore_errors=True)
+    cache.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "venv", str(built)], check=True, capture_output=True, timeout=300)
+    done = subprocess.run([str(built / "bin" / "python"), "-m", "pip", "install", "--no-input",
+                           "--disable-pip-version-check", f"aider-chat=={AIDER}"],
+                          capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        shutil.rmtree(built, ignore_errors=True)
+        out = done.stdout + done.stderr
+        if unreachable := PIP_UNREACHABLE.search(out):
+            pytest.skip(f"pip cannot reach its registry ({unreachable.group(0)})")
+        raise AssertionError(f"pip install aider-chat=={AIDER} failed ({done.returncode}):\n{out[-3000:]}")
+    version = subprocess.run([str(built / "bin" / "aider"), "--version"], capture_output=True, text=True, timeout=120)
+    if version.returncode != 0 or AIDER not in version.stdout:
+        shutil.rmtree(built, ignore_errors=True)
+        raise AssertionError(f"aider --version ({version.returncode}): {version.stdout}{version.stderr}")
+    old = link.resolve() if link.is_symlink() else None
+    staged = cache / f"{link.name}.link-{os.getpid()}"
+    staged.unlink(missing_ok=True)
+    staged.symlink_to(built.name)
+    if link.exists() and not link.is_symlink():
+        shutil.rmtree(link)
+    os.replace(staged, link)  # atomic: another run sees the old install or this whole one
+    if old is not None and old != built and old.parent == cache:
+        shutil.rmtree(old, ignore_errors=True)
+    return link / "bin"
 
 
 @pytest.fixture(scope="session")

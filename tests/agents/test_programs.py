@@ -1,10 +1,12 @@
-"""Claude Code, Codex CLI and opencode, the real programs, each completing a tool loop against the daemon.
+"""Claude Code, Codex CLI, opencode, Continue's CLI and aider, the real programs, each completing its loop against
+the daemon.
 
 Each program runs non-interactively with an isolated HOME, against the scripted qwen3 (tests/agents/conftest.py)
 through a recording proxy: the model calls the program's shell tool to create made.txt in the program's work dir,
-the program runs it and sends the result back, the model's final answer is printed. Every program's HTTP(S)_PROXY
-refuses the outside world and records what was tried. Each run is bounded in time; the program's whole process
-session is proven gone afterwards.
+the program runs it and sends the result back, the model's final answer is printed. aider has no tools: it edits
+the files it was given through its edit format, so its model answers with a SEARCH/REPLACE block that aider applies
+to greeting.txt. Every program's HTTP(S)_PROXY refuses the outside world and records what was tried. Each run is
+bounded in time; the program's whole process session is proven gone afterwards.
 
 Each program runs as a new user would, with its default settings (issue 26): Claude Code's max_tokens and
 opencode's pass the context and are clamped to it, Codex's client_metadata is ignored. Claude Code gets nothing but
@@ -12,7 +14,7 @@ ANTHROPIC_BASE_URL and ANTHROPIC_API_KEY (issue 34): its nonessential traffic (a
 outside, and its two turns, the second with a subagent on its small model (claude-haiku-*), run on the one worker
 of the daemon's default configuration. The daemon's log must show
 every request of the run served 200, and the model nothing left running. docs/agents-traffic.md records what each
-sends; the README's "Using mlxsup with Claude Code, Codex and opencode" gives these very settings.
+sends; the README's "Using mlxsup with coding agents" gives these very settings.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.agents.conftest import CHECKER, DONE, KEY
+from tests.agents.conftest import AIDER_EDIT, CHECKER, DONE, GREETING, KEY
 from tests.agents.proxy import OutsideRefused, RecordingProxy, Seen
 from tests.conftest import Daemon, assert_gone, wait_for
 
@@ -55,14 +57,23 @@ class Setup:
     log_from: int  # the daemon log's size when this test began
 
 
-@pytest.fixture
-def setup(tmp_path: Path, agent_bin: Path, scripted_daemon: Daemon) -> Iterator[Setup]:
+def _setup(tmp_path: Path, bin_dir: Path, daemon: Daemon) -> Iterator[Setup]:
     (tmp_path / "home").mkdir()
     (tmp_path / "work").mkdir()
-    log = scripted_daemon.state_dir / "daemon.log"
-    s = Setup(tmp_path / "home", tmp_path / "work", agent_bin, scripted_daemon, log.stat().st_size)
+    s = Setup(tmp_path / "home", tmp_path / "work", bin_dir, daemon, (daemon.state_dir / "daemon.log").stat().st_size)
     yield s
     served_all(s)
+
+
+@pytest.fixture
+def setup(tmp_path: Path, agent_bin: Path, scripted_daemon: Daemon) -> Iterator[Setup]:
+    """For the npm programs."""
+    yield from _setup(tmp_path, agent_bin, scripted_daemon)
+
+
+@pytest.fixture
+def aider_setup(tmp_path: Path, aider_bin: Path, scripted_daemon: Daemon) -> Iterator[Setup]:
+    yield from _setup(tmp_path, aider_bin, scripted_daemon)
 
 
 def daemon_log(s: Setup, start: int | None = None) -> str:
@@ -212,3 +223,49 @@ def test_opencode_runs_its_bash_tool(setup: Setup) -> None:
     assert max(s.body["max_tokens"] for s in proxy.seen if s.body) == 32000 and all(s.status == 200 for s in proxy.seen)
     # it tries to install its provider package at run time, then goes on with the one it bundles
     assert set(outside.attempts) <= {"registry.npmjs.org:443"}
+
+
+def test_continue_runs_its_bash_tool(setup: Setup) -> None:
+    """Continue's CLI in headless mode (`cn -p`), its model an OpenAI provider in ~/.continue/config.yaml: headless,
+    its Bash tool runs without asking."""
+    (setup.home / ".continue").mkdir()
+    with RecordingProxy(setup.daemon.url) as proxy, OutsideRefused() as outside:
+        (setup.home / ".continue" / "config.yaml").write_text(
+            "name: mlxsup\nversion: 0.0.1\nschema: v1\nmodels:\n  - name: qwen3\n    provider: openai\n"
+            f"    model: qwen3\n    apiBase: {proxy.url}/v1\n    apiKey: {KEY}\n")
+        ran = run(["cn", "-p", "Create the file made.txt. CONTINUE-STEP-1"], setup, {}, outside, timeout=180)
+    assert ran.rc == 0, ran.err[-3000:]
+    assert DONE in ran.out and made(setup)
+    assert {s.path for s in proxy.seen} == {"/v1/chat/completions"} and len(proxy.seen) == 2
+    opening = proxy.seen[0].body or {}
+    assert opening["stream"] is True and "Bash" in [t["function"]["name"] for t in opening["tools"]]
+    # the tool's output came back to the model as a tool message
+    assert [m for m in (proxy.seen[1].body or {})["messages"] if m["role"] == "tool"]
+    assert all(s.status == 200 for s in proxy.seen) and outside.attempts == [], outside.attempts
+
+
+def test_aider_applies_its_search_replace_edit(aider_setup: Setup) -> None:
+    """aider with its model in ~/.aider.conf.yml (an OpenAI-compatible base URL and key) and the model's window in
+    ~/.aider.model.metadata.json, run with `--message`: the model's SEARCH/REPLACE block edits greeting.txt in
+    place, leaving its other lines as they were."""
+    s = aider_setup
+    (s.work / "greeting.txt").write_text(GREETING)
+    with RecordingProxy(s.daemon.url) as proxy, OutsideRefused() as outside:
+        (s.home / ".aider.conf.yml").write_text(
+            f"model: openai/qwen3\nopenai-api-base: {proxy.url}/v1\nopenai-api-key: {KEY}\nedit-format: diff\n"
+            "check-update: false\nshow-release-notes: false\nanalytics: false\n")
+        # without it aider fetches litellm's model list from GitHub for the window (and warns it knows none)
+        (s.home / ".aider.model.metadata.json").write_text(json.dumps({"openai/qwen3": {
+            "max_input_tokens": 40960, "max_output_tokens": 8192, "input_cost_per_token": 0,
+            "output_cost_per_token": 0, "litellm_provider": "openai", "mode": "chat"}}))
+        # LITELLM_LOCAL_MODEL_COST_MAP: else litellm fetches that list too, at import
+        ran = run(["aider", "--no-git", "--yes-always", "--message", "Change the greeting. AIDER-EDIT-1",
+                   "greeting.txt"], s, {"LITELLM_LOCAL_MODEL_COST_MAP": "True"}, outside, timeout=180)
+    assert ran.rc == 0, ran.out[-3000:] + ran.err[-3000:]
+    assert (s.work / "greeting.txt").read_text() == GREETING.replace("hello", AIDER_EDIT)
+    assert DONE in ran.out and "Applied edit to greeting.txt" in ran.out, ran.out[-3000:]
+    # one request (an edit that failed to apply would be sent back to the model), streamed, no tools
+    assert [s.path for s in proxy.seen] == ["/v1/chat/completions"] and proxy.seen[0].status == 200
+    body = proxy.seen[0].body or {}
+    assert body["stream"] is True and "tools" not in body and "greeting.txt" in json.dumps(body["messages"])
+    assert outside.attempts == [], outside.attempts

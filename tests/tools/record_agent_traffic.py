@@ -39,7 +39,7 @@ from worker.mlx_engine.scripted import Script
 
 NOTES = "Project notes\nThe app prints a number. It should print 2, not 1.\nNext: {P}-S03\n"
 APP = "def answer():\n    return 1  # TODO: {P}-S05\n\n\nprint(answer())\n"
-VERSIONS = {"claude": "2.1.328", "codex": "0.169.0", "opencode": "1.18.33"}  # tests/agents/package.json
+VERSIONS = {"claude": "2.1.332", "codex": "0.171.0", "opencode": "1.18.33"}  # tests/agents/package.json
 
 
 def think(text: str) -> str:
