@@ -14,11 +14,20 @@ handler). First SIGINT/SIGTERM: stop accepting connections, evict every worker i
 (more than FORCE_AFTER_S after the first), forces: SIGKILL the workers. Signals that arrive
 together (GNU `timeout` signals both the process and its group) count as one.
 The daemon file (`state_dir/daemon.json`: pid, URL, router endpoint) lets clients find it.
+
+One daemon per state directory: it holds an exclusive lock on `state_dir/daemon.lock` (flock, its pid written in
+it) from before it touches anything there (a dead run's daemon file, stale workers, the router socket) to the very
+end of its shutdown, and the kernel lets go of it when the process ends, however it ends. A second daemon, while
+the first starts, serves or shuts down, is refused (AlreadyRunning, exit 2) and touches nothing. At its exit a
+daemon removes only what is still its own: the daemon file while it names its pid, the socket file while it is
+the one it bound (transport.py), so a successor's are never lost (issue 48).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import gc
 import json
 import logging
@@ -78,16 +87,75 @@ class AlreadyRunning(StartupError):
     pass
 
 
-def claim_state_dir(settings: Settings) -> None:
-    """Refuse to share a state directory with a live daemon; clear what a dead one left."""
+class StateLock:
+    """This process's hold on a state directory: an open file description holding an exclusive flock."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd: int | None = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # the lock goes with the last descriptor of it (none is inherited: O_CLOEXEC)
+            self.fd = None
+
+
+def lock_file(state_dir: Path) -> Path:
+    return state_dir / "daemon.lock"
+
+
+def claim_state_dir(settings: Settings) -> StateLock:
+    """Hold the state directory, or refuse to share it with a live daemon (starting, serving or shutting down);
+    then clear what a dead one left."""
+    fd = os.open(lock_file(settings.state_dir), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.read(fd, 32).decode(errors="replace").strip()
+        os.close(fd)
+        raise AlreadyRunning(already_runs(settings, holder)) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    lock = StateLock(fd)
+    try:  # a daemon of a version before the lock is still known by its daemon file
         info = json.loads(settings.daemon_file.read_text())
         proc = psutil.Process(int(info["pid"]))
         if proc.pid != os.getpid() and "serve" in proc.cmdline():
+            lock.release()
             raise AlreadyRunning(f"a daemon already runs on {settings.state_dir} (pid {proc.pid}, {info['url']})")
     except (OSError, ValueError, KeyError, psutil.Error):
         pass
     settings.daemon_file.unlink(missing_ok=True)
+    return lock
+
+
+def already_runs(settings: Settings, holder: str) -> str:
+    """The refusal: who holds the state directory, and where it serves, or that it is not serving (yet, or any
+    more)."""
+    where = "starting or shutting down: it serves nowhere now"
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        info = json.loads(settings.daemon_file.read_text())
+        if str(info["pid"]) == holder:
+            where = info["url"]
+    who = f"pid {holder}" if holder.isdigit() else "pid unknown"
+    return (f"a daemon already runs on {settings.state_dir} ({who}, {where}); stop it first (or wait for its "
+            "shutdown to end), or give this one another --state-dir")
+
+
+def write_daemon_file(settings: Settings, info: dict) -> None:
+    """Whole or not at all (a client reading it meanwhile never sees half of it)."""
+    part = settings.daemon_file.with_name(f".{settings.daemon_file.name}.{os.getpid()}")
+    part.write_text(json.dumps(info))
+    os.replace(part, settings.daemon_file)
+
+
+def remove_daemon_file(settings: Settings) -> None:
+    """This daemon's file, only while it names this process."""
+    try:
+        mine = json.loads(settings.daemon_file.read_text()).get("pid") == os.getpid()
+    except (OSError, ValueError, AttributeError):
+        return
+    if mine:
+        settings.daemon_file.unlink(missing_ok=True)
 
 
 def build_registry(settings: Settings) -> Registry:
@@ -143,7 +211,14 @@ def build_router(registry: Registry, settings: Settings, run_dir: Path) -> Route
 async def serve(settings: Settings) -> int:
     settings.state_dir.mkdir(parents=True, exist_ok=True)
     settings.log_dir.mkdir(parents=True, exist_ok=True)
-    claim_state_dir(settings)
+    lock = claim_state_dir(settings)
+    try:
+        return await _serve(settings)
+    finally:
+        lock.release()  # the very end: nothing of the state directory is touched after this
+
+
+async def _serve(settings: Settings) -> int:
     registry = build_registry(settings)
     listener = listen(settings.host, settings.port)
     run_dir = runtime_dir(settings.state_dir)
@@ -189,8 +264,7 @@ async def serve(settings: Settings) -> int:
         return 1
     port = listener.getsockname()[1]
     url = f"http://{f'[{settings.host}]' if ':' in settings.host else settings.host}:{port}"
-    settings.daemon_file.write_text(json.dumps({"pid": os.getpid(), "url": url,
-                                                "router": router.transport.endpoint}))
+    write_daemon_file(settings, {"pid": os.getpid(), "url": url, "router": router.transport.endpoint})
     log.info("[start] mlxsup serving %d model(s) on %s (router %s) frozen_objects=%d", len(registry.specs), url,
              router.transport.endpoint, gc.get_freeze_count())
     await asyncio.wait([serving, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
@@ -199,6 +273,6 @@ async def serve(settings: Settings) -> int:
     server.should_exit = True
     reports = await router.shutdown()
     await serving
-    settings.daemon_file.unlink(missing_ok=True)
+    remove_daemon_file(settings)
     log.info("[shutdown] done: %d worker(s) stopped", len(reports))
     return 0

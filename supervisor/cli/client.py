@@ -1,7 +1,10 @@
 """How the client commands reach a running daemon: its URL, its API key, and HTTP calls to it.
 
 The URL comes from --url, else $MLXSUP_URL, else the daemon file in the state directory, else the
-configured host and port. The API key comes from $MLXSUP_API_KEY, else the config file's
+configured host and port; but a state directory named (--state-dir, $MLXSUP_STATE_DIR, the config file's) is
+reached only through its daemon file: with none there, or one naming a process that has exited, the command says
+so (EXIT_NO_DAEMON) rather than reach whatever daemon answers on the configured port. A daemon file naming a dead
+process is never followed. The API key comes from $MLXSUP_API_KEY, else the config file's
 `api_key` (the same file and variables `serve` reads), so a client on the daemon's machine needs
 nothing exported. Every failure is one CliError line: the daemon's own error message for an HTTP
 error, "not running" (EXIT_NO_DAEMON) when nothing answers.
@@ -22,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.cli.exits import EXIT_NO_DAEMON, EXIT_USAGE, CliError
-from supervisor.config import DEFAULT_PORT, ConfigError, Settings, resolve
+from supervisor.config import DEFAULT_PORT, ConfigError, Settings, default_state_dir, resolve
 
 
 def client_settings(args: argparse.Namespace) -> Settings:
@@ -81,9 +84,39 @@ def daemon_url(args: argparse.Namespace, settings: Settings | None = None) -> st
         return env.rstrip("/")
     settings = settings or client_settings(args)
     try:
-        return json.loads(settings.daemon_file.read_text())["url"]
-    except (OSError, ValueError, KeyError):
+        info = json.loads(settings.daemon_file.read_text())
+        url, pid = str(info["url"]), int(info["pid"])
+    except FileNotFoundError:
+        if named_state_dir(args, settings):
+            raise CliError(f"no mlxsup daemon runs on {settings.state_dir}: no daemon file ({settings.daemon_file}); "
+                           f"start one with `mlxsup serve --state-dir {settings.state_dir}`, or name a daemon with "
+                           "--url", EXIT_NO_DAEMON) from None
         return f"http://{settings.host}:{settings.port or DEFAULT_PORT}"
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CliError(f"the daemon file {settings.daemon_file} cannot be read ({exc}); name the daemon with --url",
+                       EXIT_NO_DAEMON) from None
+    if not alive(pid):
+        raise CliError(f"the mlxsup daemon of {settings.state_dir} is not running: its daemon file names pid {pid}, "
+                       "which has exited", EXIT_NO_DAEMON)
+    return url.rstrip("/")
+
+
+def named_state_dir(args: argparse.Namespace, settings: Settings) -> bool:
+    """Whether a state directory was named (an option, the environment, a config file), not the default."""
+    return bool(getattr(args, "state_dir", None) or os.environ.get("MLXSUP_STATE_DIR")
+                or settings.state_dir != default_state_dir())
+
+
+def alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        return True
+    return True
 
 
 def connect(args: argparse.Namespace) -> Client:

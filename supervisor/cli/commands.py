@@ -199,14 +199,14 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     if args.local:
         view, source = local_config(args), "the configuration `mlxsup serve` would use now (files and environment)"
     else:
-        client = connect(args)
         try:
+            client = connect(args)
             view, source = client.call("/api/config"), f"the running daemon's configuration ({client.url})"
         except CliError as exc:
             if exc.code != EXIT_NO_DAEMON:
                 raise
             view = local_config(args)
-            source = f"no daemon answers at {client.url}: the configuration `mlxsup serve` would use now"
+            source = f"{exc}: the configuration `mlxsup serve` would use now"
     if args.json:
         print(f"mlxsup: {source}", file=sys.stderr)
         print(json.dumps(view, indent=2))
