@@ -186,10 +186,9 @@ def weight_layers(names: list[str]) -> int | None:
     return max(found) + 1 if found else None
 
 
-def check_model(path: Path) -> dict:
-    """Refuse (ConfigError) a model whose config or weights' headers are hostile or inconsistent, before anything
-    is built from them; the config when it passes."""
-    config = read_config(path)
+def check_config(config: dict) -> list[tuple[dict, str]]:
+    """Every level of the config (itself, its text_config, vision_config, audio_config) checked (check_fields);
+    the levels with their fields' prefixes."""
     levels = [(config, "")]
     for name in _NESTED:
         nested = config.get(name)
@@ -199,6 +198,14 @@ def check_model(path: Path) -> dict:
             levels.append((nested, f"{name}."))
     for level, prefix in levels:
         check_fields(level, prefix)
+    return levels
+
+
+def check_model(path: Path) -> dict:
+    """Refuse (ConfigError) a model whose config or weights' headers are hostile or inconsistent, before anything
+    is built from them; the config when it passes."""
+    config = read_config(path)
+    levels = check_config(config)
     held = weight_layers(tensor_names(path))
     if held is not None:
         for level, prefix in levels:
@@ -247,8 +254,11 @@ def memory_estimate(config: dict) -> MemoryEstimate:
 
 
 def model_estimate(path: Path) -> MemoryEstimate:
-    """memory_estimate of the folder's config.json; zero for one that cannot be read (its load says why)."""
+    """memory_estimate of the folder's config.json; zero for one that cannot be read or that check_config refuses
+    (admission lets its load fail, naming the field, rather than refuse it for the memory its claims would take)."""
     try:
-        return memory_estimate(read_config(path))
+        config = read_config(path)
+        check_config(config)
     except ConfigError:
         return MemoryEstimate()
+    return memory_estimate(config)

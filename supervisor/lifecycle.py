@@ -11,7 +11,8 @@ only through the effects passed in (effects.py). Rules:
 - A worker's route and accounting are dropped only after its process has been reaped
   (`_on_exited`, called once per worker when its process is gone).
 - A crash or a failed load is written in the model's record: restarts back off, and a crash
-  loop or a failed load marks the model failed until a cool-down (or an explicit load).
+  loop or a failed load marks the model failed until a cool-down (or an explicit load). A load
+  that outgrows its memory (policy.load_overrun) is killed and counts as a failed load.
 - Slow work (spawn, stop) runs as tasks; nothing here awaits between a check and its act.
 - Every task is started by tasks.background: kept until done, its exception logged, never lost.
 - A hang kill never blocks the loop: the stack dump and the SIGKILL run as a task.
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 
 STACK_DUMP_WAIT_S = 1.0  # how long a hang kill waits for the worker's stacks before SIGKILL
 RECENT_EVICTIONS = 20  # finished evictions the status lists (the dashboard's history)
+LOAD_OVERRUN = "its load outgrew its memory"  # a kill's reason: the model is then marked failed, as a failed load is
 
 
 class Lifecycle:
@@ -106,7 +108,8 @@ class Lifecycle:
             self.begin_evict(self.workers[model_id], "now" if busy else "drain", None, f"pressure-{level}")
 
     def _watch_liveness(self, now: float) -> None:
-        """Kill workers whose loop stopped turning (see policy.hang_reason) or whose load stalls."""
+        """Kill workers whose loop stopped turning (see policy.hang_reason), whose load stalls, or whose load outgrows
+        its memory (policy.load_overrun: a hostile config's model being built grows without bound)."""
         s = self.settings
         for worker in list(self.workers.values()):
             if worker.kill_reason is not None:
@@ -118,6 +121,9 @@ class Lifecycle:
                     self._kill(worker, f"hung: {why}", dump_stacks=True)
             elif worker.state is State.LOADING and now - worker.started_at > s.load_timeout_s:
                 self._kill(worker, f"the load did not finish within {s.load_timeout_s:.0f}s", dump_stacks=True)
+            elif worker.state is State.LOADING and (
+                    why := policy.load_overrun(self.measured(worker), self.estimate(worker.spec), self.ceiling)):
+                self._kill(worker, f"{LOAD_OVERRUN}: {why}")  # at once: every moment it grows
 
     def _kill(self, worker: Worker, reason: str, dump_stacks: bool = False) -> None:
         """SIGKILL the worker, recording why; with `dump_stacks`, after it wrote its stacks to its log (a task)."""
@@ -147,11 +153,20 @@ class Lifecycle:
         return self.stranded.measure(self.memory.system_wired(), held)
 
     def estimate(self, spec: ModelSpec) -> int:
-        """A loading worker's bytes on this machine: a group's ranks here hold their share of the weights."""
+        """A loading worker's bytes on this machine: its weights, what a first request needs past them (its KV and
+        logits, from the config: registry.memory_facts) and the overhead; a group's ranks here hold their share."""
+        model = spec.weights_bytes + spec.runtime_bytes
         if spec.group is not None:
             local = spec.group.local_ranks
-            return spec.weights_bytes * local // spec.group.ranks + self.settings.worker_overhead_bytes * local
-        return spec.weights_bytes + self.settings.worker_overhead_bytes
+            return model * local // spec.group.ranks + self.settings.worker_overhead_bytes * local
+        return model + self.settings.worker_overhead_bytes
+
+    def context_cap(self, spec: ModelSpec) -> int | None:
+        """The context a new worker of `spec` may publish for this machine's memory (policy.context_cap); a group's
+        is not capped here (its KV is spread over its ranks' machines)."""
+        if spec.group is not None:
+            return None
+        return policy.context_cap(spec.kv_bytes_per_token, self.estimate(spec), self.ceiling)
 
     def _local_pids(self, worker: Worker) -> list[int]:
         """The worker's processes on this machine: its own, or a group's local ranks (remote ones count elsewhere)."""
@@ -191,7 +206,8 @@ class Lifecycle:
         st = self.settings
         args = model_args(spec.path, spec.id, st.max_batch_size, st.prefill_step_size, spec.worker_args,
                           tuple(st.model_cache(spec).worker_args(st.state_dir)), step_target_s=st.step_target_s,
-                          warm_batch_shapes=st.warm_batch_shapes, strict_context=st.strict_context)
+                          warm_batch_shapes=st.warm_batch_shapes, strict_context=st.strict_context,
+                          max_context=self.context_cap(spec))
         log_path = st.worker_log(spec.id)
         spare = self.spare if self.spare is not None and self.spare.standing_by and spec.group is None else None
         if spec.group is not None:  # a group's ranks start together, never on the spare
@@ -290,8 +306,11 @@ class Lifecycle:
             record.last_error = (reason or worker.kill_reason or f"worker exited with code {rc}"
                                  + (f" ({meaning})" if meaning else "") + (f": {tail[-1]}" if tail else ""))
             record.last_stderr = tail[-10:]
-            # a refused worker speaks another protocol version: its next one would be refused too
-            record.note_crash(self.clock.monotonic(), self.settings, load_failed=rc == EXIT_LOAD_FAILED or refused)
+            # a refused worker speaks another protocol version: its next one would be refused too; a load that outgrew
+            # its memory would outgrow it again
+            outgrew = (worker.kill_reason or "").startswith(LOAD_OVERRUN)
+            record.note_crash(self.clock.monotonic(), self.settings,
+                              load_failed=rc == EXIT_LOAD_FAILED or refused or outgrew)
             if self.stranded.bytes:  # while memory is stranded, a restart loop would only strand more
                 record.backoff_until = max(record.backoff_until,
                                            self.clock.monotonic() + self.settings.restart_backoff_max_s)

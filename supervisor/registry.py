@@ -11,7 +11,8 @@ only ever added while the daemon runs, never dropped, but one whose folder is go
 found until it is there again. A repo the cache holds under a pull mark (hub/store.py: a pull under way
 or cut) is not discovered, and a request for it is a 503 (downloading) or a 404 that says to pull it
 again. A weights index naming a shard that is not there makes no model. Each model's kind (chat or
-embedding) is read from its files (protocol/modelkind.py), as its worker reads it to choose its engine.
+embedding) is read from its files (protocol/modelkind.py), as its worker reads it to choose its engine, and a
+generating model's memory past its weights from its config (protocol/modelconfig.py: admission's estimate).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from protocol.modelkind import CHAT, model_kind
+from protocol.modelconfig import MemoryEstimate, model_estimate
+from protocol.modelkind import CHAT, VISION, model_kind
 from supervisor.cache_config import CacheConfig, parse_cache
 from supervisor.draft_config import KEYS as DRAFT_KEYS
 from supervisor.draft_config import speculative_args
@@ -46,6 +48,10 @@ class ModelSpec:
     cache: CacheConfig = CacheConfig()  # overrides of the [cache] section; unset keys inherit
     group: GroupSpec | None = None  # served by a worker group of several ranks (supervisor/group.py)
     kind: str = CHAT  # protocol/modelkind.py: chat or embedding (which routes serve it)
+    # a generating model's memory past its weights, from its config (protocol/modelconfig.py): admission's estimate
+    # counts runtime_bytes (a first request's KV and logits); the KV a token costs caps its published context
+    runtime_bytes: int = 0
+    kv_bytes_per_token: int = 0
 
 
 def is_model_dir(path: Path) -> bool:
@@ -68,16 +74,29 @@ def weights_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.glob("*.safetensors"))
 
 
+def memory_facts(path: Path, kind: str) -> MemoryEstimate:
+    """A model's bytes past its weights, from its config.json: a generating model's (chat, vision) runtime bytes
+    and KV bytes per token; none for an embedding or rerank model (no KV kept, no logits over a vocabulary)."""
+    return model_estimate(path) if kind in (CHAT, VISION) else MemoryEstimate()
+
+
+def _spec(model_id: str, path: Path) -> ModelSpec:
+    """A discovered model's spec: its weights and kind read from its files."""
+    kind = model_kind(path)
+    facts = memory_facts(path, kind)
+    return ModelSpec(model_id, path, weights_bytes=weights_bytes(path), kind=kind, runtime_bytes=facts.runtime_bytes,
+                     kv_bytes_per_token=facts.kv_bytes_per_token)
+
+
 def discover(model_dir: Path) -> list[ModelSpec]:
     if not model_dir.is_dir():
         return []
     if is_model_dir(model_dir):  # a model folder itself, not a folder of them
-        return [ModelSpec(model_dir.resolve().name, model_dir.resolve(), weights_bytes=weights_bytes(model_dir),
-                          kind=model_kind(model_dir))]
+        return [_spec(model_dir.resolve().name, model_dir.resolve())]
     found = []
     for sub in sorted(model_dir.iterdir()):
         if sub.is_dir() and is_model_dir(sub):
-            found.append(ModelSpec(sub.name, sub.resolve(), weights_bytes=weights_bytes(sub), kind=model_kind(sub)))
+            found.append(_spec(sub.name, sub.resolve()))
     return found
 
 
@@ -101,8 +120,7 @@ def discover_hf(hub: Path) -> list[ModelSpec]:
             snapshot = candidates[-1] if candidates else None
         if snapshot is not None and is_model_dir(snapshot):
             model_id = repo.name[len("models--"):].replace("--", "/")
-            found.append(ModelSpec(model_id, snapshot.resolve(), weights_bytes=weights_bytes(snapshot),
-                                   kind=model_kind(snapshot)))
+            found.append(_spec(model_id, snapshot.resolve()))
     return found
 
 
@@ -132,8 +150,11 @@ def from_config(models: dict, base: Path) -> list[ModelSpec]:
         cache = parse_cache(entry.get("cache", {}), f"models.{model_id}.cache", base)
         group = parse_group(entry["group"], f"models.{model_id}.group") if "group" in entry else None
         drafting, draft_bytes = speculative_args(entry, f"models.{model_id}", base)  # before worker_args: they win
+        kind = model_kind(path)
+        facts = memory_facts(path, kind)
         specs.append(ModelSpec(model_id, path, tuple(aliases), (*drafting, *args), weights_bytes(path) + draft_bytes,
-                               None if ttl is None else float(ttl), pinned, cache, group, model_kind(path)))
+                               None if ttl is None else float(ttl), pinned, cache, group, kind,
+                               runtime_bytes=facts.runtime_bytes, kv_bytes_per_token=facts.kv_bytes_per_token))
     return specs
 
 

@@ -245,6 +245,7 @@ def serve_model(args: argparse.Namespace, sock: zmq.Socket, shutdown: Shutdown, 
         from worker.mlx_engine.engine import Engine
         from worker.mlx_engine.prompt_cache import CacheOptions
 
+        faults.while_loading()
         check_model(args.model_path)  # a hostile config is refused here, naming its field, before anything is built
 
         def report(stage: str, fraction: float) -> None:

@@ -40,6 +40,8 @@ FAULTS: dict[str, str] = {
               "the worker (SIGSTOP/SIGCONT every SLOW_PERIOD_S), as a machine too busy or too small would",
     "spin-in-step": "at the STRIKE_STEP-th engine step, spin in Python for ever (a loop stuck outside MLX)",
     "block-in-step": "at the STRIKE_STEP-th engine step, wait for ever on a lock (a deadlocked loop)",
+    "grow-while-loading": "before the model loads, take GROW_STEP_BYTES more every GROW_EVERY_S up to GROW_MAX_BYTES "
+                          "(then load): a load that outgrows its memory, as building a hostile config's model did",
 }
 
 SLOW_STEP_S = 0.4  # slow-steps: added to every engine step
@@ -49,6 +51,9 @@ SLOW_FACTOR = 20  # slowed: the worker runs SLOW_PERIOD_S / SLOW_FACTOR of every
 SLOW_PERIOD_S = 0.5
 STRIKE_STEP = 4  # slowed, spin-in-step, block-in-step: the engine step they strike at (a request is under way, its
 # steps' cost learnt at full speed)
+GROW_STEP_BYTES = 64 * 2**20  # grow-while-loading: this much more ...
+GROW_EVERY_S = 0.05  # ... this often ...
+GROW_MAX_BYTES = 3 * 2**30  # ... up to this much, then the load goes on (holding it)
 STALL_DEPTH = 4  # ssd-stall: the writer stops forever halfway through the block at this depth of its chain
 
 
@@ -67,6 +72,7 @@ class Faults(frozenset[str]):
 
     _steps: int
     _cycler: subprocess.Popen | None
+    _held: list[bytes]  # grow-while-loading: what it took
 
     # --- process start ------------------------------------------------------------------
 
@@ -82,6 +88,16 @@ class Faults(frozenset[str]):
             return None
         body = msgpack.unpackb(frame)
         return bytes(msgpack.packb({**body, "v": body["v"] + 1}))
+
+    def while_loading(self) -> None:
+        """grow-while-loading: the worker's footprint grows while it loads, GROW_STEP_BYTES at a time (each page
+        written, so it is resident), until the supervisor stops it or GROW_MAX_BYTES is held."""
+        if "grow-while-loading" not in self:
+            return
+        self._held = [b"\1" * GROW_STEP_BYTES]
+        while len(self._held) * GROW_STEP_BYTES < GROW_MAX_BYTES:
+            time.sleep(GROW_EVERY_S)
+            self._held.append(b"\1" * GROW_STEP_BYTES)
 
     # --- the loop -----------------------------------------------------------------------
 

@@ -11,7 +11,6 @@ comment saying what it waits for (waits.py); a whole response just comes later.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +21,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from protocol.messages import Finished
+from protocol.modelconfig import MAX_CONTEXT, ConfigError, check_config, context_length, read_config, text_config
 from supervisor import errors
 from supervisor.config import Settings
 from supervisor.gateway.call import Calls
@@ -137,7 +137,8 @@ class OpenAIRoutes:
         state = status.get("state")
         return JSONResponse({"id": spec.id, "object": "model", "created": int(self.started), "owned_by": owner(spec.id),
                              "loaded": state == "ready", "state": state or "unloaded",
-                             "context_length": status.get("context_length") or _config_context(spec.path)})
+                             "context_length": status.get("context_length")
+                             or _config_context(spec.path, self.router.lifecycle.context_cap(spec))})
 
 
 def owner(model_id: str) -> str:
@@ -146,14 +147,18 @@ def owner(model_id: str) -> str:
     return org if slash else "mlxsup"
 
 
-def _config_context(path: Path) -> int | None:
-    """A model's context length from its config.json (a nested text_config first), before any worker reads it."""
+def _config_context(path: Path, cap: int | None) -> int | None:
+    """A model's context length from its config.json (a nested text_config first), before any worker reads it: as its
+    worker would publish it (modelconfig.context_length, under the memory's `cap`); None for a config its worker
+    would refuse, or one that names none."""
     try:
-        config = json.loads((path / "config.json").read_text())
-        value = {**config, **(config.get("text_config") or {})}.get("max_position_embeddings")
-    except (OSError, ValueError, AttributeError):
+        config = read_config(path)
+        check_config(config)
+    except ConfigError:
         return None
-    return value if isinstance(value, int) else None
+    if text_config(config).get("max_position_embeddings") is None:
+        return None
+    return min(context_length(config), cap or MAX_CONTEXT)
 
 
 def openai_routes(router: Router, settings: Settings) -> list[Route]:

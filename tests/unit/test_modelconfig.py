@@ -153,3 +153,7 @@ def test_the_memory_estimate_is_the_kv_of_its_attention_layers_and_one_chunks_lo
     assert memory_estimate({}).runtime_bytes == 0
     huge = memory_estimate({**TINY, "num_hidden_layers": 10**9, "num_key_value_heads": 10**9, "vocab_size": 2**40})
     assert huge.kv_bytes_per_token <= 2**12 * 2 * 2**12 * 2**12 * 4  # bounded by the limits, never 10^18
+    # a folder's estimate: a config its worker refuses counts nothing (its load fails naming the field, not a 507)
+    assert model_estimate(model(tmp_path)) == estimate
+    assert model_estimate(model(tmp_path, num_hidden_layers=10**9)) == model_estimate(
+        model(tmp_path, text_config={"vocab_size": -1})) == memory_estimate({})

@@ -5,11 +5,15 @@ from __future__ import annotations
 import pytest
 
 from supervisor.policy import (
+    LOAD_MARGIN_BYTES,
+    MIN_CONTEXT,
     STEP_OVERRUN,
     Admission,
     WorkerView,
     admit,
+    context_cap,
     hang_reason,
+    load_overrun,
     pressure_level,
     pressure_victim,
     ttl_expired,
@@ -97,3 +101,44 @@ def test_hang_verdict(now: float, last_seen: float, step_started: float | None, 
 def test_hang_reason_says_what_the_loop_was_doing() -> None:
     assert hang_reason(140.1, 100.0, 5.0, 100.0, 10.0).startswith("a step predicted to take 10.0s has run 40.1s")
     assert hang_reason(106.0, 100.0, 5.0) == "no message from its generation loop for 6.0s"
+
+
+GiB = 2**30
+
+
+@pytest.mark.parametrize("measured, estimate, ceiling, stopped", [
+    (None, 100 * MiB, 2 * GiB, False),  # not measured (yet): nothing to go on
+    (100 * MiB, 100 * MiB, 2 * GiB, False),
+    # a small model may pass its estimate by LOAD_MARGIN_BYTES (imports, a CUDA context), not more ...
+    (100 * MiB + LOAD_MARGIN_BYTES, 100 * MiB, 16 * GiB, False),
+    (101 * MiB + LOAD_MARGIN_BYTES, 100 * MiB, 16 * GiB, True),
+    # ... a large one by its estimate again (a load's transient copies)
+    (2 * 10 * GiB, 10 * GiB, 64 * GiB, False),
+    (2 * 10 * GiB + MiB, 10 * GiB, 64 * GiB, True),
+    # past the ceiling it can never fit, however small its estimate
+    (2 * GiB, 100 * MiB, 2 * GiB, False),
+    (2 * GiB + 1, 100 * MiB, 2 * GiB, True),
+    (6 * GiB, 100 * MiB, 2 * GiB, True),  # issue 48: a loading worker at 6.0 GB under a 2 GiB ceiling
+])
+def test_a_load_that_outgrows_its_memory_is_stopped(measured: int | None, estimate: int, ceiling: int,
+                                                     stopped: bool) -> None:
+    assert (load_overrun(measured, estimate, ceiling) is not None) is stopped
+
+
+def test_load_overrun_says_what_it_measured_and_what_was_allowed() -> None:
+    assert load_overrun(6 * GiB, 100 * MiB, 2 * GiB) == (
+        "it measures 6144 MiB while loading, past the memory ceiling of 2048 MiB")
+    assert load_overrun(5 * GiB, 100 * MiB, 16 * GiB) == (
+        "it measures 5120 MiB while loading, past the 4196 MiB its estimate of 100 MiB allows")
+
+
+@pytest.mark.parametrize("kv, estimate, ceiling, cap", [
+    (0, 100 * MiB, GiB, None),  # its KV is not known: only the worker's MAX_CONTEXT caps it
+    (MiB, 100 * MiB, 1000 * MiB, 900),  # the tokens whose KV fits in what the ceiling leaves past the estimate
+    (512, 100 * MiB, 20 * GiB, (20 * GiB - 100 * MiB) // 512),
+    (MiB, 999 * MiB, 1000 * MiB, MIN_CONTEXT),  # never less than MIN_CONTEXT
+    (MiB, 2000 * MiB, 1000 * MiB, MIN_CONTEXT),  # a pinned model started past the ceiling (no admission)
+])
+def test_the_context_a_model_publishes_is_what_its_kv_can_have_of_the_ceiling(kv: int, estimate: int, ceiling: int,
+                                                                              cap: int | None) -> None:
+    assert context_cap(kv, estimate, ceiling) == cap

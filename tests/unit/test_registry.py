@@ -52,3 +52,29 @@ def test_bad_config_is_rejected_with_the_key(tmp_path: Path, text: str, match: s
     cfg.write_text(text)
     with pytest.raises(ConfigError, match=match):
         load_file(cfg, Settings())
+
+
+def test_a_generating_models_memory_past_its_weights_is_read_from_its_config(tmp_path: Path) -> None:
+    """Admission's estimate (issue 48): a chat model's KV per token and first request's bytes, from its config.json;
+    none for an embedding model, or a config that says too little; the same for a model the config file names."""
+    import json
+
+    from protocol.modelconfig import memory_estimate
+
+    config = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "vocab_size": 1024, "max_position_embeddings": 8192, "torch_dtype": "float32"}
+    fake_model(tmp_path / "models" / "chat")
+    (tmp_path / "models" / "chat" / "config.json").write_text(json.dumps(config))
+    fake_model(tmp_path / "models" / "embed")
+    (tmp_path / "models" / "embed" / "config.json").write_text(json.dumps({**config, "architectures": ["BertModel"]}))
+    fake_model(tmp_path / "models" / "bare")
+    specs = {s.id: s for s in discover(tmp_path / "models")}
+    expected = memory_estimate(config)
+    assert (specs["chat"].kv_bytes_per_token, specs["chat"].runtime_bytes) == (512, expected.runtime_bytes)
+    assert expected.runtime_bytes > 0
+    assert (specs["embed"].kv_bytes_per_token, specs["embed"].runtime_bytes) == (0, 0)
+    assert (specs["bare"].kv_bytes_per_token, specs["bare"].runtime_bytes) == (0, 0)
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(f'[models.named]\npath = "{tmp_path / "models" / "chat"}"\n')
+    [named] = load_file(cfg, Settings()).models
+    assert (named.kv_bytes_per_token, named.runtime_bytes) == (512, expected.runtime_bytes)

@@ -510,6 +510,67 @@ async def test_a_load_that_cannot_fit_is_refused_with_what_is_loaded(tmp_path: P
     lease.release()
 
 
+@scenario
+async def test_admission_counts_what_a_models_config_says_a_first_request_needs(tmp_path: Path) -> None:
+    """Catches: an estimate of the weights alone, which let a model whose KV and logits cannot fit start anyway."""
+    w = World(tmp_path, [ModelSpec("m", tmp_path, weights_bytes=100 * MIB, runtime_bytes=950 * MIB)])
+    with pytest.raises(errors.InsufficientMemory, match="needs about 1050 MiB, ceiling 1000 MiB"):
+        await now(w.router.acquire("m"))
+    assert w.processes == []
+
+
+@scenario
+async def test_a_loading_worker_that_outgrows_its_memory_is_killed_and_its_waiters_told_why(tmp_path: Path) -> None:
+    """Catches: a load measured but never stopped (issue 48: a hostile config's worker at 6 GB under a 2 GiB ceiling,
+    its client waiting with no answer); a kill that feeds a respawn loop instead of marking the model failed."""
+    w = World(tmp_path, crash_limit=3)  # ceiling 1000 MiB; m: 100 MiB of weights, no overhead
+    acquiring = asyncio.ensure_future(w.router.acquire("m"))
+    await settle()
+    process = w.process("m")
+    w.memory.sizes[process.pid or 0] = 900 * MIB  # far past its estimate, but under the ceiling and the margin
+    w.clock.advance(w.settings.housekeeping_s)
+    await settle()
+    assert process.signals == [] and pending(acquiring)
+    w.memory.sizes[process.pid or 0] = 1001 * MIB
+    w.clock.advance(w.settings.housekeeping_s)
+    await settle()
+    assert process.signals == ["SIGKILL"]
+    why = "its load outgrew its memory: it measures 1001 MiB while loading, past the memory ceiling of 1000 MiB"
+    with pytest.raises(errors.ModelLoadFailed, match=why):
+        acquiring.result()
+    status = w.router.model_status("m")
+    assert status.state == "failed" and why in (status.last_error or ""), status
+    with pytest.raises(errors.ModelLoadFailed, match="marked failed"):
+        await now(w.router.acquire("m"))
+    assert len(w.processes) == 1
+
+
+@scenario
+async def test_a_ready_worker_over_its_estimate_is_not_a_loads_overrun(tmp_path: Path) -> None:
+    """Catches: the load rule applied to a worker that finished loading (what it holds then is admission's and
+    pressure's to weigh)."""
+    w = World(tmp_path)
+    (await w.load("m")).release()
+    w.memory.sizes[w.process("m").pid or 0] = 1001 * MIB
+    w.clock.advance(w.settings.housekeeping_s)
+    await settle()
+    assert w.process("m").signals == [] and w.worker("m").state is State.READY
+
+
+@scenario
+async def test_a_worker_is_told_the_context_its_kv_can_have_of_the_ceiling(tmp_path: Path) -> None:
+    """Catches: a context published from the config alone (max_position_embeddings 2**62 was), with no regard for
+    what the model's KV can have of the memory ceiling."""
+    specs = [ModelSpec("m", tmp_path, weights_bytes=100 * MIB, kv_bytes_per_token=MIB),
+             ModelSpec("n", tmp_path, weights_bytes=100 * MIB)]
+    w = World(tmp_path, specs)
+    (await w.load("m")).release()
+    argv = w.process("m").argv
+    assert argv[argv.index("--max-context") + 1] == "900"  # (1000 - 100) MiB of KV at 1 MiB a token
+    (await w.load("n")).release()
+    assert "--max-context" not in w.process("n").argv  # no KV known: the worker's own cap (MAX_CONTEXT) only
+
+
 # --- evictions -------------------------------------------------------------------------------
 
 
