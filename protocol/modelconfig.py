@@ -45,6 +45,7 @@ LIMITS: dict[str, tuple[int, int]] = {
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok"), (0, 2**14)),
 }
 LAYER_FIELDS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers")
+VISION_LAYER_FIELDS = ("depth",)  # a vision tower's layers (Qwen-VL's vision_config)
 MAX_ROPE_THETA = 1e15
 MAX_ROPE_FACTOR = 1e6  # rope_scaling's factor, beta_fast, ...: tens in real configs
 _ROPE_DICTS = ("rope_scaling", "rope_parameters")
@@ -119,6 +120,8 @@ def _rope(where: str, rope: object) -> None:
         raise ConfigError(f"config.json: {where} is {_shown(rope)}; it must be an object or null")
     for key, value in rope.items():
         at = f"{where}.{key}"
+        if value is None:  # unset, as at the top level
+            continue
         if isinstance(value, dict):  # per layer type (transformers 5: {"full_attention": {...}, ...})
             _rope(at, value)
         elif key == "rope_theta":
@@ -198,7 +201,14 @@ def check_config(config: dict) -> list[tuple[dict, str]]:
             levels.append((nested, f"{name}."))
     for level, prefix in levels:
         check_fields(level, prefix)
+        for name in _layer_fields(prefix):
+            if name not in LAYER_FIELDS and level.get(name) is not None:
+                _int_field(prefix + name, level[name], 1, _LAYERS)
     return levels
+
+
+def _layer_fields(prefix: str) -> tuple[str, ...]:
+    return LAYER_FIELDS + VISION_LAYER_FIELDS if prefix == "vision_config." else LAYER_FIELDS
 
 
 def check_model(path: Path) -> dict:
@@ -209,7 +219,7 @@ def check_model(path: Path) -> dict:
     held = weight_layers(tensor_names(path))
     if held is not None:
         for level, prefix in levels:
-            for name in LAYER_FIELDS:
+            for name in _layer_fields(prefix):
                 claimed = level.get(name)
                 if _is_int(claimed) and claimed > held:
                     raise ConfigError(f"config.json: {prefix}{name} is {claimed} but the weights hold {held} layers")

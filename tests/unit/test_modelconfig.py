@@ -74,6 +74,8 @@ HOSTILE = [
     ({"vision_config": {"num_hidden_layers": -1}}, "vision_config.num_hidden_layers is -1"),
     ({"text_config": [1]}, "text_config is [1]"),
     ({"num_local_experts": 10**9}, "num_local_experts is 1000000000"),
+    ({"vision_config": {"depth": 10**9}}, "vision_config.depth is 1000000000"),  # a Qwen-VL vision tower's layers
+    ({"vision_config": {"depth": 32}}, "vision_config.depth is 32 but the weights hold 2 layers"),
     # within the bounds, but the weights on disk hold 2 layers
     ({"num_hidden_layers": 64}, "num_hidden_layers is 64 but the weights hold 2 layers"),
     ({"text_config": {"num_hidden_layers": 3}}, "text_config.num_hidden_layers is 3 but the weights hold 2 layers"),
@@ -94,7 +96,8 @@ def test_nulls_and_real_layouts_pass(tmp_path: Path) -> None:
                       text_config={"num_hidden_layers": 3, "rope_parameters": {"full_attention": {"rope_theta": 1e6},
                                                                                "mrope_section": [1, 1, 0]}},
                       rope_parameters={"rope_type": "longrope", "short_factor": [1.0, 1.5], "long_factor": [2.0],
-                                       "truncate": False, "mscale_all_dim": 0}))
+                                       "truncate": False, "mscale_all_dim": 0, "attention_factor": None,
+                                       "original_max_position_embeddings": None}))
     check_model(model(tmp_path, layers=2, prefix="language_model.model.", num_hidden_layers=1))
 
 
