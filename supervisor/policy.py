@@ -73,7 +73,9 @@ def admit(need: int, views: list[WorkerView], ceiling: int, max_loaded: int | No
     return Admission(evict=tuple(chosen), wait=not chosen)
 
 
-LOAD_MARGIN_BYTES = 4 * 2**30  # a loading worker may pass its estimate by this much (or by the estimate, if more)
+# a loading worker may pass its estimate by this much (or by the estimate, if more): imports, a CUDA context, a load's
+# transient copies, and a vision model's probe of one image at the processor's largest size (vision.py) are not in it
+LOAD_MARGIN_BYTES = 8 * 2**30
 
 
 def load_overrun(measured: int | None, estimate: int, ceiling: int) -> str | None:
@@ -81,8 +83,7 @@ def load_overrun(measured: int | None, estimate: int, ceiling: int) -> str | Non
 
     Admission let it start on its estimate (weights, runtime, overhead); a load that keeps growing (a hostile
     config's model being built) is stopped once its measured footprint passes the memory ceiling (alone it can
-    never fit) or its estimate by a margin: the estimate again or LOAD_MARGIN_BYTES, whichever is more (imports,
-    a CUDA context and a load's transient copies are not in the estimate)."""
+    never fit) or its estimate by a margin: the estimate again or LOAD_MARGIN_BYTES, whichever is more."""
     if measured is None:
         return None
     if measured > ceiling:
