@@ -4,7 +4,11 @@ Clearing goes to the worker that owns the cache: a ready worker gets ClearCache 
 with what it gave back (CacheCleared), by the router's one request/reply mechanism (`ask`),
 which also waits out a load or an eviction. A model with no worker has no hot cache, while
 its SSD directory (which no process owns then) is emptied here, in the very loop turn in which
-`ask` found no worker, so no worker of the model can start in the middle of it.
+`ask` found no worker, so no worker of the model can start in the middle of it. The directory is named by every
+byte of the model's weights (protocol/cachedir.py), so it is found before `ask`, on a thread, from the weights'
+digests its workers kept under the cache root (a stat each; a model with none kept has no blocks, and nothing of
+it is hashed); each model's directory is its own, so each model is credited with exactly its blocks. An older mlxsup's directory for the
+model (the sampled fingerprint's) is emptied with it and counted to it.
 
 Invariant: the answer's `reclaimed_bytes` is what was actually freed (memory or disk bytes).
 This module needs of the router only what CacheHost names.
@@ -15,9 +19,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Protocol
 
-from protocol.cachedir import clear_dir, model_cache_dir
+from protocol.cachedir import clear_dir, known_cache_dir, legacy_cache_dir, retire
 from protocol.messages import CacheCleared, CacheStats, ClearCache, Message
 from supervisor import errors
 from supervisor.config import Settings
@@ -59,6 +64,16 @@ async def clear(host: CacheHost, which: str, name: str | None) -> dict:
 
 
 async def _clear_model(host: CacheHost, model_id: str, which: str) -> dict:
+    found: tuple[Path | None, Path] | str | None = None  # the model's SSD directory and an older mlxsup's, or why not
+    spec = host.registry.specs[model_id]
+    cfg = host.settings.model_cache(spec)
+    if which == "ssd" and cfg.ssd_on:
+        root = cfg.ssd_root(host.settings.state_dir)
+        try:
+            found = await asyncio.to_thread(lambda: (known_cache_dir(root, spec.path),
+                                                     legacy_cache_dir(root, spec.path)))
+        except OSError as exc:
+            found = f"could not read the model's files to find its SSD cache: {exc}"
     try:
         reply = await host.ask(model_id, lambda rid: ClearCache(rid, which), CLEAR_TIMEOUT_S)
     except errors.WorkerDied:
@@ -66,22 +81,25 @@ async def _clear_model(host: CacheHost, model_id: str, which: str) -> dict:
     except TimeoutError:
         return _result(model_id, True, error=f"no answer from the worker in {CLEAR_TIMEOUT_S:.0f}s")
     if reply is None:  # no worker, in this very turn: clear what it left on disk before any can start
-        return _clear_unloaded(host, model_id, which)
+        return _clear_unloaded(host, model_id, found)
     assert isinstance(reply, CacheCleared)
     log.info("[cache] model=%s cleared=%s entries=%d bytes=%d", model_id, which, reply.entries,
              reply.reclaimed_bytes)
     return _result(model_id, True, reply.entries, reply.reclaimed_bytes)
 
 
-def _clear_unloaded(host: CacheHost, model_id: str, which: str) -> dict:
-    spec = host.registry.specs[model_id]
-    cfg = host.settings.model_cache(spec)
-    if which != "ssd" or not cfg.ssd_on:
+def _clear_unloaded(host: CacheHost, model_id: str, found: tuple[Path | None, Path] | str | None) -> dict:
+    if found is None:  # the hot tier, or no SSD cache for this model
         return _result(model_id, False)
+    if isinstance(found, str):
+        return _result(model_id, False, error=found)
+    directory, legacy = found  # directory None: no worker wrote blocks for the weights as they are now
     try:
-        entries, reclaimed = clear_dir(model_cache_dir(cfg.ssd_root(host.settings.state_dir), spec.path))
+        entries, reclaimed = clear_dir(directory) if directory is not None else (0, 0)
+        old_entries, old_reclaimed = retire(legacy, directory or legacy.parent)
     except OSError as exc:
         return _result(model_id, False, error=f"could not clear the SSD cache: {exc}")
+    entries, reclaimed = entries + old_entries, reclaimed + old_reclaimed
     log.info("[cache] model=%s cleared=ssd entries=%d bytes=%d (not loaded)", model_id, entries, reclaimed)
     return _result(model_id, False, entries, reclaimed)
 

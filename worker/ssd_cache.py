@@ -54,7 +54,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from protocol.cachedir import BLOCK_SUFFIX, TEMP_SUFFIX
+from protocol.cachedir import BLOCK_SUFFIX, TEMP_SUFFIX, private_dir
 from worker.faults import Faults
 from worker.ssd_format import BadBlock, BlockData, read_block, read_header, write_block
 
@@ -63,18 +63,6 @@ log = logging.getLogger(__name__)
 DEFAULT_QUEUE_BYTES = 256 * 2**20
 READERS = max(2, min(8, os.cpu_count() or 2))  # threads that read and check a hit's blocks at once
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-def private_dir(directory: Path) -> None:
-    """`directory` and any missing parent created 0700; the directory itself narrowed to 0700 if it was wider."""
-    missing = [p for p in (directory, *directory.parents) if not p.exists()]
-    for p in reversed(missing):
-        try:
-            p.mkdir(mode=0o700)
-        except FileExistsError:
-            pass
-    if directory.stat().st_mode & 0o077:
-        os.chmod(directory, 0o700)
 
 
 def temp_name(final: Path) -> Path:

@@ -202,6 +202,65 @@ def test_clear_endpoints_reclaim_what_they_say(daemon_factory: Factory, model_di
     assert post(d, "/api/hot-cache/clear", {"model": "nope"}, 404)["error"]["code"] == "model_not_found"
 
 
+def _twins(model_dir: Path, root: Path) -> tuple[Path, Path]:
+    """Two copies of `tiny` that differ in one bit of one tensor in the middle of the weights file, where none of
+    the old fingerprint's 16 samples of 64 KiB reads: its header is padded (safetensors allows spaces after the
+    JSON) to 4 MiB, so the samples are 320 KiB apart and most of the data lies between them."""
+    import json
+    import shutil
+    import struct
+
+    twins = []
+    for name in ("alpha", "beta"):
+        shutil.copytree(model_dir / "tiny", root / name)
+        weights = root / name / "model.safetensors"
+        raw = weights.read_bytes()
+        (n,) = struct.unpack("<Q", raw[:8])
+        header = raw[8:8 + n] + b" " * (4 * 2**20)
+        padded = bytearray(struct.pack("<Q", len(header)) + header + raw[8 + n:])
+        twins.append((weights, padded, 8 + len(header), json.loads(raw[8:8 + n])))
+    (alpha, data, start, tensors), (beta, other, _, _) = twins
+    size = len(data)
+    samples = [(size * i // 16, size * i // 16 + 64 * 1024) for i in range(16)]
+    tensor = tensors["model.layers.1.mlp.up_proj.weight"]["data_offsets"]  # 48 KiB of F32, mid-file
+    at = next(start + o for o in range(tensor[0], tensor[1], 4) if not any(a <= start + o < b for a, b in samples))
+    other[at] ^= 1  # the lowest mantissa bit of one weight
+    alpha.write_bytes(bytes(data))
+    beta.write_bytes(bytes(other))
+    return alpha.parent, beta.parent
+
+
+def test_models_that_differ_between_the_old_samples_never_share_k_v_and_clear_counts_each(
+        daemon_factory: Factory, model_dir: Path, tmp_path: Path) -> None:
+    """Catches: two models whose weights differ in one tensor between two of the old fingerprint's samples got one
+    SSD directory: the second read the first's K/V (an SSD hit on its first request), and /api/ssd-cache/clear
+    counted the shared directory to one model only."""
+    alpha, beta = _twins(model_dir, tmp_path / "models")
+    config = tmp_path / "c.toml"
+    config.write_text(f'[models.alpha]\npath = "{alpha}"\n\n[models.beta]\npath = "{beta}"\n')
+    d = daemon_factory("--config", str(config))
+    prompt = long_prompt(7)
+    dirs, files = {}, {}
+    for model in ("alpha", "beta"):
+        _, n, cached = complete(d, prompt, model=model)
+        assert cached == 0, f"{model} was served K/V it did not compute"  # beta: not alpha's blocks
+        blocks = (n + 23) // BLOCK
+        wait_for(lambda m=model: cache(d, m)["ssd"]["entries"] == blocks, 15, what=f"{model}'s SSD writes")
+        dirs[model] = Path(cache(d, model)["ssd"]["dir"])
+        files[model] = ssd_files(d, model)
+        pid = d.model(model)["pid"]
+        post(d, f"/api/models/{model}/evict", {"mode": "drain"})
+        assert_gone([pid])
+    assert dirs["alpha"] != dirs["beta"] and dirs["alpha"].parent == dirs["beta"].parent
+    assert {p.name for p in files["alpha"]} == {p.name for p in files["beta"]}  # the same prompt's blocks, twice
+    on_disk = {m: (len(files[m]), sum(p.stat().st_size for p in files[m])) for m in files}
+    out = post(d, "/api/ssd-cache/clear")  # no body: every model, neither loaded
+    got = {m["model"]: (m["loaded"], m["entries"], m["reclaimed_bytes"]) for m in out["models"]}
+    assert got == {m: (False, *on_disk[m]) for m in ("alpha", "beta")}  # each its own blocks, none twice
+    assert out["entries"] == sum(n for n, _ in on_disk.values()) and on_disk["alpha"][0] > 0
+    assert not any(p.exists() for m in files for p in files[m])
+
+
 def test_ssd_cache_survives_a_worker_killed_mid_write(daemon_factory: Factory, model_dir: Path, tmp_path: Path) -> None:
     shared = tmp_path / "shared-cache"
     stall = write_config(tmp_path / "stall.toml", model_dir, f'ssd_dir = "{shared}"',

@@ -297,6 +297,120 @@ def test_model_directory_follows_the_weights(tmp_path: Path) -> None:
     assert [p.name for p in d.iterdir()] == ["keep.txt"]
 
 
+def _weights(d: Path, data: bytes, tensors: int = 8) -> Path:
+    """A model folder whose safetensors file holds `data` as `tensors` F32 tensors."""
+    import json
+    import struct
+
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text('{"model_type": "llama"}')
+    step = len(data) // tensors
+    header = json.dumps({f"t{i}": {"dtype": "F32", "shape": [step // 4], "data_offsets": [i * step, (i + 1) * step]}
+                         for i in range(tensors)}).encode()
+    (d / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + data[:step * tensors])
+    return d
+
+
+def _between_samples(size: int) -> int:
+    """An offset in the middle of a file of `size` bytes that none of the old fingerprint's 16 samples of 64 KiB
+    read (protocol/cachedir.py up to 2026-12: name, size, header and those samples)."""
+    at = size * 8 // 16 + 64 * 1024 + (size // 16 - 64 * 1024) // 2
+    assert all(not size * i // 16 <= at < size * i // 16 + 64 * 1024 for i in range(16))
+    return at
+
+
+def test_models_whose_weights_differ_anywhere_get_different_directories(tmp_path: Path) -> None:
+    """Two 4 MiB models that differ in one tensor in the middle of the file, between two of the old samples, got
+    one fingerprint: one SSD directory, each reading the other's K/V. Every byte counts now."""
+    data = np.random.default_rng(0).integers(0, 256, 4 * 2**20, dtype=np.uint8).tobytes()
+    a = _weights(tmp_path / "a", data)
+    size = (a / "model.safetensors").stat().st_size
+    at = _between_samples(size)
+    changed = bytearray((a / "model.safetensors").read_bytes())
+    changed[at] ^= 1  # the low bit of one float of one tensor
+    b = _weights(tmp_path / "b", data)
+    (b / "model.safetensors").write_bytes(bytes(changed))
+    root = tmp_path / "cache"
+    assert model_fingerprint(a) != model_fingerprint(b)
+    assert model_cache_dir(root, a) != model_cache_dir(root, b)
+    copy = _weights(tmp_path / "copy", data)  # the same bytes elsewhere: the same model, the same directory
+    assert model_cache_dir(root, copy) == model_cache_dir(root, a)
+    for offset in (8 + 3, size - 1):  # the header's last bytes, the file's last byte
+        other = bytearray((a / "model.safetensors").read_bytes())
+        other[offset] ^= 0x20
+        (copy / "model.safetensors").write_bytes(bytes(other))
+        assert model_cache_dir(root, copy) != model_cache_dir(root, a), offset
+
+
+def test_a_weights_digest_is_kept_beside_the_cache_and_a_change_in_place_is_seen(tmp_path: Path,
+                                                                                 monkeypatch) -> None:
+    """A restart does not hash the weights again: each file's digest is kept under <root>/.fingerprints, keyed by
+    its device, inode, size, mtime and ctime. A file rewritten in place, its mtime put back, is hashed again (its
+    ctime moved); a digest is not kept for a file that changed while it was hashed."""
+    from protocol import cachedir
+
+    data = np.random.default_rng(1).integers(0, 256, 2**20, dtype=np.uint8).tobytes()
+    a = _weights(tmp_path / "a", data)
+    root = tmp_path / "cache"
+    first = model_cache_dir(root, a)
+    kept = list((root / cachedir.DIGESTS).iterdir())
+    assert len(kept) == 1 and stat.S_IMODE(kept[0].stat().st_mode) == 0o600
+    assert stat.S_IMODE((root / cachedir.DIGESTS).stat().st_mode) == 0o700
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+
+    hashed: list[Path] = []
+    real = cachedir._hash_files
+    monkeypatch.setattr(cachedir, "_hash_files", lambda paths: (hashed.extend(paths), real(paths))[1])
+    assert model_cache_dir(root, a) == first and hashed == []  # from the kept digest
+    assert model_fingerprint(a) == first.name and len(hashed) == 1  # no root: no digests kept, every byte read
+
+    weights = a / "model.safetensors"
+    before = weights.stat()
+    time.sleep(0.05)  # past the file system's timestamp granularity
+    with open(weights, "r+b") as f:  # rewritten in place, the same size ...
+        f.seek(_between_samples(before.st_size))
+        f.write(b"\xff\xfe")
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))  # ... and its mtime put back
+    assert weights.stat().st_mtime_ns == before.st_mtime_ns and weights.stat().st_ino == before.st_ino
+    assert model_cache_dir(root, a) != first and len(hashed) == 2
+
+    (root / cachedir.DIGESTS / kept[0].name).write_text("{not json")  # a damaged digest file: hashed again
+    assert model_cache_dir(root, a) != first and len(hashed) == 3
+    (tmp_path / "a-file").write_text("not a folder")  # a root that cannot be made: the digest is only not kept
+    assert model_cache_dir(tmp_path / "a-file" / "cache", a).name == model_fingerprint(a)
+
+
+def test_the_supervisor_finds_a_directory_from_kept_digests_alone(tmp_path: Path, monkeypatch) -> None:
+    """Clearing every model's SSD cache must not read every byte of every model on disk: a model whose digests
+    no worker kept has no blocks, and known_cache_dir says so without hashing."""
+    from protocol import cachedir
+
+    a = _weights(tmp_path / "a", bytes(range(256)) * 4096)
+    root = tmp_path / "cache"
+    monkeypatch.setattr(cachedir, "_hash_files", lambda paths: pytest.fail(f"hashed {paths}"))
+    assert cachedir.known_cache_dir(root, a) is None
+    monkeypatch.undo()
+    directory = model_cache_dir(root, a)  # a worker's load: hashed, kept
+    monkeypatch.setattr(cachedir, "_hash_files", lambda paths: pytest.fail(f"hashed {paths}"))
+    assert cachedir.known_cache_dir(root, a) == directory
+
+
+def test_the_old_fingerprints_directory_is_retired_once_the_new_one_is_found(tmp_path: Path) -> None:
+    """An upgrade names every model's directory anew: the old one (which may have been shared with a model of
+    other weights) is emptied and removed, so no cap's worth of unreachable blocks stays behind per model."""
+    from protocol.cachedir import legacy_cache_dir, retire
+
+    a = _weights(tmp_path / "a", bytes(range(256)) * 4096)
+    root = tmp_path / "cache"
+    old, new = legacy_cache_dir(root, a), model_cache_dir(root, a)
+    assert old != new and old.parent == new.parent == root
+    old.mkdir(parents=True)
+    (old / "x.kvb").write_bytes(b"12345")
+    (old / "y.kvb.1.tmp").write_bytes(b"12")
+    assert retire(old, new) == (1, 7) and not old.exists()
+    assert retire(old, new) == (0, 0) and retire(new, new) == (0, 0)
+
+
 def test_a_damaged_block_mid_chain_ends_the_hit_there_and_goes(tmp_path: Path) -> None:
     # The chain's blocks are read at once by the reader pool; the hit is still the prefix before
     # the first bad block, whose file goes, and the blocks after it are not part of the hit.

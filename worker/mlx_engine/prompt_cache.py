@@ -44,7 +44,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from protocol.cachedir import model_fingerprint
+from protocol.cachedir import legacy_cache_dir, model_cache_dir, retire
 from protocol.messages import CacheStats
 from worker.faults import NO_FAULTS, Faults
 from worker.hot_cache import HotCache
@@ -85,8 +85,13 @@ class PromptCaches:
         self.hot = HotCache(options.hot_bytes)
         self.ssd: SsdCache | None = None
         if options.ssd_root is not None:
-            fingerprint = model_fingerprint(model_path)
-            self.ssd = SsdCache(options.ssd_root / fingerprint, fingerprint, options.ssd_bytes, model_id,
+            directory = model_cache_dir(options.ssd_root, model_path)  # every weight byte (digests kept by file)
+            fingerprint = directory.name
+            blocks, reclaimed = retire(legacy_cache_dir(options.ssd_root, model_path), directory)
+            if blocks or reclaimed:
+                log.info("[cache] model=%s retired the directory of the old fingerprint: blocks=%d bytes=%d",
+                         model_id, blocks, reclaimed)
+            self.ssd = SsdCache(directory, fingerprint, options.ssd_bytes, model_id,
                                 faults=options.faults, layout=self.layout.name)
         self.to_disk = DiskHandoff(self.ssd, self.block) if self.ssd is not None else None
         if self.enabled:
