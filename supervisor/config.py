@@ -25,6 +25,8 @@ from supervisor.units import is_number, parse_size
 
 DEFAULT_PORT = 8800
 DEMO_MODEL_ID = "demo"
+DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"  # the demo's folder name (state_dir/demo/...)
+IMPORT_DIR = "models"  # state_dir/models: the model folder every serve watches, `mlxsup import`'s default
 ROUTER_SOCKET = "router.sock"  # the router's ipc:// socket, in the runtime directory
 IPC_PATH_LIMIT = 100  # an ipc:// socket path must be shorter (sun_path: 104 bytes on macOS, 108 on Linux)
 
@@ -159,6 +161,21 @@ class Settings:
     @property
     def daemon_file(self) -> Path:
         return self.state_dir / "daemon.json"
+
+    @property
+    def import_dir(self) -> Path:
+        """The model folder every `serve` watches besides `model_dirs`, and `mlxsup import` writes to where no
+        model folder is configured (so a model imported beside any daemon, the demo's included, is served)."""
+        return self.state_dir / IMPORT_DIR
+
+    @property
+    def demo_path(self) -> Path:
+        """Where `serve --demo` imports its model, once: outside every watched folder (served as `demo` alone)."""
+        return self.state_dir / "demo" / DEMO_MODEL_NAME
+
+    def watched_dirs(self) -> list[Path]:
+        """The folders of model folders `serve` looks in: `model_dirs`, then the import folder."""
+        return list(dict.fromkeys([*self.model_dirs, self.import_dir]))
 
 
 _SERVER_KEYS: dict[str, type | tuple[type, ...]] = {

