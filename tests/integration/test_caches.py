@@ -245,7 +245,7 @@ def test_models_that_differ_between_the_old_samples_never_share_k_v_and_clear_co
         _, n, cached = complete(d, prompt, model=model)
         assert cached == 0, f"{model} was served K/V it did not compute"  # beta: not alpha's blocks
         blocks = (n + 23) // BLOCK
-        wait_for(lambda m=model: cache(d, m)["ssd"]["entries"] == blocks, 15, what=f"{model}'s SSD writes")
+        wait_for(lambda m=model, b=blocks: cache(d, m)["ssd"]["entries"] == b, 15, what=f"{model}'s SSD writes")
         dirs[model] = Path(cache(d, model)["ssd"]["dir"])
         files[model] = ssd_files(d, model)
         pid = d.model(model)["pid"]
