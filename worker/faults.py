@@ -49,6 +49,7 @@ SLOW_WRITE_S = 0.25  # ssd-slow: added to every block the SSD writer writes
 LOUD_EVERY = 100  # megabyte-lines: steps between two 1 MiB lines
 SLOW_FACTOR = 20  # slowed: the worker runs SLOW_PERIOD_S / SLOW_FACTOR of every SLOW_PERIOD_S
 SLOW_PERIOD_S = 0.5
+SLOW_FACTOR_ENV = "MLXSUP_TEST_SLOW_FACTOR"
 STRIKE_STEP = 4  # slowed, spin-in-step, block-in-step: the engine step they strike at (a request is under way, its
 # steps' cost learnt at full speed)
 GROW_STEP_BYTES = 64 * 2**20  # grow-while-loading: this much more ...
@@ -186,11 +187,13 @@ finally:
 
 
 def slow_down(pid: int) -> subprocess.Popen:
-    """Start slowed's helper on `pid` (the worker itself)."""
-    run_s = SLOW_PERIOD_S / SLOW_FACTOR
+    """Start slowed's helper on `pid` (the worker itself); $MLXSUP_TEST_SLOW_FACTOR sets another factor than
+    SLOW_FACTOR (a test whose timeouts need less)."""
+    factor = float(os.environ.get(SLOW_FACTOR_ENV) or SLOW_FACTOR)
+    run_s = SLOW_PERIOD_S / factor
     cycler = subprocess.Popen([sys.executable, "-c", _CYCLER, str(pid), str(run_s), str(SLOW_PERIOD_S - run_s)],
                               stdin=subprocess.DEVNULL, close_fds=True)
-    log.warning("[fault] slowed %dx: stopped and continued by pid=%d", SLOW_FACTOR, cycler.pid)
+    log.warning("[fault] slowed %gx: stopped and continued by pid=%d", factor, cycler.pid)
     return cycler
 
 
