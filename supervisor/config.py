@@ -76,6 +76,7 @@ class Settings:
     kill_timeout_s: float = 5.0  # after SIGTERM, before SIGKILL
     shutdown_drain_s: float = 5.0
     max_body_bytes: int = 8 * 1024 * 1024
+    body_timeout_s: float = 60.0  # a request's body not whole this long after it arrived: 408, connection closed
     log_level: str = "info"
     sse_keepalive_s: float = 2.0  # a stream waiting (queued, loading, prefilling) gets its API's keep-alive this often
     # lifecycle
@@ -182,6 +183,7 @@ _SERVER_KEYS: dict[str, type | tuple[type, ...]] = {
     "host": str, "port": int, "state_dir": str, "model_dirs": list, "heartbeat_s": (int, float),
     "max_batch_size": int, "evict_timeout_s": (int, float), "settle_grace_s": (int, float),
     "kill_timeout_s": (int, float), "shutdown_drain_s": (int, float), "max_body_bytes": int, "log_level": str,
+    "body_timeout_s": (int, float),
     "default_ttl_s": (int, float), "housekeeping_s": (int, float), "hang_timeout_s": (int, float),
     "load_timeout_s": (int, float), "prefill_step_size": int, "crash_limit": int, "crash_window_s": (int, float),
     "crash_cooldown_s": (int, float), "restart_backoff_s": (int, float), "restart_backoff_max_s": (int, float),

@@ -83,6 +83,14 @@ class PayloadTooLarge(MlxsupError):
     code = "payload_too_large"
 
 
+class RequestTimeout(MlxsupError):
+    """The request's body was not whole within server.body_timeout_s (a stalled or slow-loris upload)."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+
 class UnsupportedMediaType(MlxsupError):
     status = 415
     type = "invalid_request_error"

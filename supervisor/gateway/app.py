@@ -31,7 +31,7 @@ from supervisor.gateway.arrivals import Arrivals
 from supervisor.gateway.body import decode_json
 from supervisor.gateway.embeddings_routes import embeddings_routes
 from supervisor.gateway.guard import WebGuard
-from supervisor.gateway.http import SSEResponse, error_response, read_body, sse
+from supervisor.gateway.http import BodyDeadline, SSEResponse, error_response, read_body, sse
 from supervisor.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from supervisor.gateway.openai_routes import openai_routes
 from supervisor.gateway.pull_routes import pull_routes
@@ -222,6 +222,7 @@ def build_app(router: Router, settings: Settings) -> ASGIApp:
     ]
     handlers = {errors.MlxsupError: _on_error, HTTPException: _on_error, Exception: _on_error}
     app: ASGIApp = Arrivals(Starlette(routes=routes, exception_handlers=handlers))  # each Submit says what follows
+    app = BodyDeadline(app, settings.body_timeout_s)  # a body not whole in time: 408, never held for ever
     if settings.api_key:
         app = RequireApiKey(app, settings.api_key)
     # outermost: a request from a foreign Host or Origin is refused before anything else looks at it

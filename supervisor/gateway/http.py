@@ -3,7 +3,8 @@ framing, and the client's disconnect seen while a request runs.
 
 Imported by app.py and by each API's routes (openai_routes.py, agent_routes.py), and imports none of
 them. Invariants: a body is refused with 413 as soon as it passes its limit, never buffered whole
-first; an `SSEResponse` runs its `on_close` exactly once, whether its body finished, failed, or the
+first; a body not whole within `body_timeout_s` of the request's arrival is refused with 408 and its connection
+closed (`BodyDeadline`: neither uvicorn nor starlette times a body, so a stalled upload was held for ever); an `SSEResponse` runs its `on_close` exactly once, whether its body finished, failed, or the
 client left (even before the first byte); a whole response's work is cancelled the moment its client
 disconnects (`unless_client_leaves`).
 """
@@ -12,16 +13,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from supervisor import errors
 from supervisor.gateway.body import decode_json_off_loop
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -55,6 +58,50 @@ async def read_body(request: Request, limit: int) -> bytes:
         if len(body) > limit:
             raise errors.PayloadTooLarge(f"the request body exceeds the limit of {limit} bytes")
     return bytes(body)
+
+
+class BodyDeadline:
+    """ASGI middleware: a request's body is whole within `timeout_s` of its arrival, or reading it raises
+    RequestTimeout (the routes' error mapping makes it a 408) and the response closes the connection, so a
+    slow-loris upload holds neither a connection nor a task past the deadline. Once the body is whole (or for a
+    request that never reads it) `receive` is passed through untimed: the watch for a client leaving runs as long
+    as its answer does."""
+
+    def __init__(self, app: ASGIApp, timeout_s: float) -> None:
+        self.app = app
+        self.timeout_s = timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.timeout_s:
+            await self.app(scope, receive, send)
+            return
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
+        whole = False
+        late = False
+
+        async def timed_receive() -> Message:
+            nonlocal whole, late
+            if whole:
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                late = True
+                log.warning("[http] %s %s: the request body was not whole within %gs (client %s): 408",
+                            scope["method"], scope["path"], self.timeout_s, (scope.get("client") or ("?",))[0])
+                raise errors.RequestTimeout(f"the request body did not arrive within {self.timeout_s:g}s "
+                                            "(server.body_timeout_s)") from None
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                whole = True
+            return message
+
+        async def closing_send(message: Message) -> None:
+            if late and message["type"] == "http.response.start":  # the rest of the body is never read
+                message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, timed_receive, closing_send)
 
 
 async def read_json(request: Request, limit: int) -> Any:
