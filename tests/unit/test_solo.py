@@ -25,6 +25,10 @@ from worker.pace import Pace
 
 LONG = [(i * 7919) % 1000 + 3 for i in range(150)]
 OTHER = [5, 9, 17, 33, 2, 41, 8]
+# A step target no step misses: every prefill chunk is the prefill_step_size cap, whatever this machine's speed (the
+# engine sizes a chunk to the step target from the measured speed, and a loaded machine's would be smaller). For the
+# tests whose point is where in a request a step falls, not the sizing.
+ANY_STEP_S = 1e9
 
 
 @pytest.fixture(scope="module")
@@ -83,10 +87,10 @@ def test_a_request_alone_never_enters_the_batch_and_matches_mlx_lm(model_dir: Pa
 @pytest.mark.parametrize("steps_alone", [1, 3, 4, 6, 8], ids=lambda n: f"after{n}")
 def test_switching_into_the_batch_loses_and_repeats_nothing(model_dir: Path, reference, steps_alone: int,
                                                            solo: str) -> None:
-    """With prefill chunks of 64 (the cap), LONG is prefilled in 3 steps and its 6 tokens come out at steps 4..9:
-    the switch comes mid-prefill (1), with the prefill done (3), after the first token (4), mid-decode (6: ahead, with
-    the next graph built), and with its last token in flight (8)."""
-    engine = Engine(model_dir / "tiny", prefill_step_size=64, solo=solo)
+    """With prefill chunks of 64 (the cap, pinned: ANY_STEP_S), LONG is prefilled in 3 steps and its 6 tokens come out
+    at steps 4..9: the switch comes mid-prefill (1), with the prefill done (3), after the first token (4), mid-decode
+    (6: ahead, with the next graph built), and with its last token in flight (8)."""
+    engine = Engine(model_dir / "tiny", prefill_step_size=64, step_target_s=ANY_STEP_S, solo=solo)
     got: dict[str, list[int]] = {}
     submit(engine, "a", LONG, 6)
     collect(engine, got, steps=steps_alone)
@@ -382,7 +386,7 @@ def test_ahead_a_seeded_request_draws_what_it_draws_without_it_across_the_switch
     ahead and undone would have taken a draw from it, so a seeded solo never builds ahead."""
     outs = []
     for solo in ("plain", "ahead"):
-        engine = Engine(model_dir / "tiny", prefill_step_size=64, solo=solo)
+        engine = Engine(model_dir / "tiny", prefill_step_size=64, step_target_s=ANY_STEP_S, solo=solo)
         engine.submit(Submit(rid="a", max_tokens=12, prompt_ids=LONG, temperature=1.0, seed=7))
         got: dict[str, list[int]] = {}
         collect(engine, got, steps=6)  # prefilled in 3 steps, 3 tokens out: mid-decode
