@@ -91,6 +91,9 @@ class Settings:
     # faults
     hang_timeout_s: float = 30.0  # a ready worker's loop silent this long (or far past a long step's prediction): kill
     load_timeout_s: float = 600.0
+    # an embedding or rerank request fails (504) once its worker has sent no heartbeat for this long: a silence
+    # limit, not a deadline (the worker heartbeats between its batches, so long work on a slow host completes)
+    embed_timeout_s: float = 600.0
     prefill_step_size: int = 2048  # the most prompt tokens of a sequence one engine step prefills
     step_target_s: float = 0.25  # an engine step's target duration: prefill chunks are sized to it
     warm_batch_shapes: str = "auto"  # idle workers run each batch size once (after Ready, a step at a time): auto (GPU only), on, off
@@ -195,6 +198,7 @@ _SERVER_KEYS: dict[str, type | tuple[type, ...]] = {
     "insecure_no_key": bool, "strict_context": bool, "strict_fields": bool,
     "image_max_bytes": int, "image_max_pixels": int, "image_max_count": int, "image_fetch": bool,
     "image_fetch_timeout_s": (int, float),
+    "embed_timeout_s": (int, float),
 }
 _MEMORY_KEYS = {
     "ceiling": "memory_ceiling_bytes", "reserve": "memory_reserve_bytes", "worker_overhead": "worker_overhead_bytes",

@@ -200,7 +200,8 @@ class Router(Generic[MetricsT]):
 
     # --- requests with a reply ---------------------------------------------------------
 
-    async def ask(self, model_id: str, build: Callable[[str], Message], timeout_s: float) -> Message | None:
+    async def ask(self, model_id: str, build: Callable[[str], Message], timeout_s: float,
+                  silence: bool = False) -> Message | None:
         """Send `build(rid)` to the model's worker and return its reply; None when no worker runs.
 
         Waits out a load (the ready worker answers), an eviction and a refused worker's end (each
@@ -208,8 +209,11 @@ class Router(Generic[MetricsT]):
         it answers fails the pending reply, and the model is looked at again. None is returned in
         the turn that found no worker, so a caller that acts on it before its next await acts
         while none can start. Raises WorkerDied if the worker is unreachable, TimeoutError
-        after `timeout_s` (on the router's clock). A question left unanswered (timed out, or the caller cancelled:
-        its client gone) is withdrawn with an Abort, so the worker stops computing what nobody will read.
+        after `timeout_s` (on the router's clock): counted from the question's sending, or with `silence` from the
+        worker's last Heartbeat since then (work the worker does over many loop turns, an embedding's batches: it
+        heartbeats between them, so only a worker gone quiet runs out the limit, however long the work). A question
+        left unanswered (timed out, or the caller cancelled: its client gone) is withdrawn with an Abort, so the
+        worker stops computing what nobody will read.
         """
         while True:
             worker = self.lifecycle.workers.get(model_id)
@@ -237,7 +241,7 @@ class Router(Generic[MetricsT]):
                 worker.replies.pop(rid, None)
                 raise errors.WorkerDied(f"the worker of '{model_id}' is not reachable")
             try:
-                return await self._reply_within(reply, timeout_s)
+                return await self._reply_within(reply, timeout_s, worker if silence else None)
             except errors.MlxsupError:
                 continue  # it exited before it answered (its exit failed the reply): look again
             except BaseException:  # no reply in time, or the asker gone (cancelled): the worker drops the work
@@ -247,15 +251,23 @@ class Router(Generic[MetricsT]):
             finally:
                 worker.replies.pop(rid, None)
 
-    async def _reply_within(self, reply: asyncio.Future, timeout_s: float) -> Message:
-        timer = asyncio.ensure_future(self.clock.sleep(timeout_s))
-        try:
-            await asyncio.wait({reply, timer}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            timer.cancel()
-        if not reply.done():
-            raise TimeoutError(f"no reply in {timeout_s:.0f}s")
-        return reply.result()
+    async def _reply_within(self, reply: asyncio.Future, timeout_s: float, beating: Worker | None = None) -> Message:
+        """The reply, or TimeoutError once `timeout_s` passed since the question was sent, or (`beating`) since the
+        later of that and the worker's last heartbeat."""
+        sent = self.clock.monotonic()
+        while True:
+            since = max(sent, beating.heartbeat_at or sent) if beating is not None else sent
+            left = since + timeout_s - self.clock.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no reply in {timeout_s:.0f}s" if beating is None else
+                                   f"no heartbeat in {timeout_s:.0f}s")
+            timer = asyncio.ensure_future(self.clock.sleep(left))
+            try:
+                await asyncio.wait({reply, timer}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                timer.cancel()
+            if reply.done():
+                return reply.result()
 
     async def clear_cache(self, which: str, name: str | None = None) -> dict:
         """Empty one cache tier of one model (`name`) or of all; see supervisor/cache_admin.py."""
@@ -323,6 +335,7 @@ class Router(Generic[MetricsT]):
 
     def _on_heartbeat(self, worker: Worker, msg: Heartbeat) -> None:
         worker.heartbeat = msg
+        worker.heartbeat_at = worker.last_seen
 
     def _on_step_started(self, worker: Worker, msg: StepStarted) -> None:
         worker.step_started = worker.last_seen

@@ -106,6 +106,7 @@ class Worker:
     last_used: float = field(init=False)  # the end of its last lease, or its start
     last_seen: float = field(init=False)  # any message: the loop is turning
     heartbeat: Heartbeat | None = None
+    heartbeat_at: float | None = None  # when the last Heartbeat came (the router's clock): its loop turned
     bye: Bye | None = None
     cache: CacheStats | None = None
     evicting: asyncio.Task | None = None

@@ -29,7 +29,6 @@ from supervisor.gateway.worker_ask import ask_worker
 from supervisor.router import Router
 
 MAX_INPUTS = 2048  # OpenAI's own limit per request
-EMBED_TIMEOUT_S = 600.0  # the worker heartbeats between batches; this bounds only a worker that stopped answering
 ENCODINGS = ("float", "base64")
 # input_type as clients send it -> Embed.input_type: ours, Cohere's (whose classification and clustering have no
 # prompt of their own in the models served here: no prefix)
@@ -155,7 +154,8 @@ class EmbeddingsRoutes:
         reply = await ask_worker(self.router, spec.id,
                                  lambda rid: Embed(rid, req.inputs, req.truncate, req.dimensions, req.input_type,
                                                    req.instruction),
-                                 EMBED_TIMEOUT_S, "embed the inputs", param="input", request=request)
+                                 self.settings.embed_timeout_s, "embed the inputs", param="input", request=request,
+                                 silence=True)  # the worker heartbeats between batches: a limit on its silence
         assert isinstance(reply, Embedded)
         data = [{"object": "embedding", "index": i, "embedding": _encoded(v, req.encoding_format)}
                 for i, v in enumerate(reply.vectors)]

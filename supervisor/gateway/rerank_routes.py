@@ -24,7 +24,7 @@ from protocol.messages import Rerank, Reranked
 from protocol.modelkind import RERANK
 from supervisor import errors
 from supervisor.config import Settings
-from supervisor.gateway.embeddings_routes import EMBED_TIMEOUT_S, positive_count
+from supervisor.gateway.embeddings_routes import positive_count
 from supervisor.gateway.http import read_json
 from supervisor.gateway.worker_ask import ask_worker
 from supervisor.router import Router
@@ -111,7 +111,8 @@ class RerankRoutes:
             raise errors.InvalidRequest(f"'{spec.id}' is a {spec.kind} model: rerank needs a reranker", param="model")
         reply = await ask_worker(self.router, spec.id,
                                  lambda rid: Rerank(rid, req.query, req.documents, req.instruction, req.truncate),
-                                 EMBED_TIMEOUT_S, "rerank the documents", param="documents", request=request)
+                                 self.settings.embed_timeout_s, "rerank the documents", param="documents",
+                                 request=request, silence=True)  # a limit on the worker's silence, not a deadline
         assert isinstance(reply, Reranked)
         tokens = reply.tokens
         return JSONResponse({

@@ -1,7 +1,8 @@
 """One question to a model's worker outside generation (count a prompt's tokens, embed inputs, rerank).
 
 The model is held by a lease while it is asked (loaded first if it is not), and every way the asking can end is
-one of the API's errors: a value the wire cannot carry is the request's fault (400), no answer in time a 504, a
+one of the API's errors: a value the wire cannot carry is the request's fault (400), no answer in time (or, for work
+of many batches, no heartbeat from the worker for that long) a 504, a
 worker gone before it answered WorkerDied, a client gone before the answer RequestAborted, and a refusal the
 worker sends back its own code. Invariant: a question nobody waits for any more (timed out, or its client
 disconnected) is withdrawn from the worker (Router.ask sends the Abort), and its lease is released at once.
@@ -21,12 +22,13 @@ from supervisor.router import Router
 
 
 async def ask_worker(router: Router, model: str, build: Callable[[str], Message], timeout_s: float, doing: str,
-                     param: str | None = None, request: Request | None = None) -> Message:
+                     param: str | None = None, request: Request | None = None, silence: bool = False) -> Message:
     """`build(rid)` sent to `model`'s worker, and its reply; `doing` names the work in errors ("count the prompt").
-    With `request` (its body already read), the question is withdrawn when that client disconnects."""
+    With `request` (its body already read), the question is withdrawn when that client disconnects. With `silence`,
+    `timeout_s` counts from the worker's last heartbeat, not from the asking (Router.ask): work of many batches."""
     lease = await router.acquire(model)
     try:
-        asking = asyncio.ensure_future(router.ask(lease.worker.spec.id, build, timeout_s))
+        asking = asyncio.ensure_future(router.ask(lease.worker.spec.id, build, timeout_s, silence))
         if request is not None:
             gone = asyncio.ensure_future(_disconnected(request))
             try:
@@ -41,6 +43,9 @@ async def ask_worker(router: Router, model: str, build: Callable[[str], Message]
     except ProtocolError as exc:  # a value the wire cannot carry: the request's fault, not the worker's
         raise errors.InvalidRequest(f"the request cannot be sent to the worker: {exc}", param=param) from None
     except TimeoutError:
+        if silence:
+            raise errors.WorkerTimeout(f"the worker of '{model}' did not {doing}: it showed no progress for "
+                                       f"{timeout_s:.0f}s (no heartbeat; [server] embed_timeout_s)") from None
         raise errors.WorkerTimeout(f"the worker of '{model}' did not {doing} in {timeout_s:.0f}s") from None
     finally:
         lease.release()

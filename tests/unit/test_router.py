@@ -920,3 +920,52 @@ async def test_a_question_the_wire_cannot_carry_leaves_no_reply_waiting(tmp_path
     with pytest.raises(ProtocolError):
         await w.router.ask("m", lambda rid: Tokenize(rid, prompt="x", template_kwargs={"n": 2**70}), 5.0)
     assert w.worker("m").replies == {}
+
+
+@scenario
+async def test_a_question_with_a_silence_limit_waits_while_its_worker_heartbeats(tmp_path: Path) -> None:
+    """Catches: an embedding or rerank request's limit was absolute (600 s), so a rerank within the documented
+    limits (1,000 documents of 512 tokens) never finished on a slow host: a 504 while the worker worked. With
+    `silence`, the limit counts from the worker's last heartbeat (its loop heartbeats between batches), so it ends
+    only a question whose worker went quiet; without it, the limit stays absolute (a cache clear)."""
+    from protocol.messages import Rerank, Reranked
+
+    w = World(tmp_path)
+    (await w.load("m")).release()
+    worker = w.worker("m")
+
+    def beat() -> None:
+        w.transport.deliver(worker.identity, Heartbeat(1, 0, 0, 0, 0, 1))
+
+    asking = asyncio.ensure_future(w.router.ask("m", lambda rid: Rerank(rid, "q", ["a"]), 10.0, silence=True))
+    await settle()
+    (request,) = w.transport.to(worker, Rerank)
+    for _ in range(12):  # a minute of batches, a heartbeat every 6 s: six times the limit, never 10 s silent
+        w.clock.advance(6.0)
+        beat()
+        await settle()
+        assert pending(asking), "timed out while its worker heartbeated"
+    w.transport.deliver(worker.identity, Reranked(request.rid, [0.5], 3))
+    assert (await now(asking)).scores == [0.5]
+
+    asking = asyncio.ensure_future(w.router.ask("m", lambda rid: Rerank(rid, "q", ["a"]), 10.0, silence=True))
+    await settle()
+    w.clock.advance(4.0)
+    beat()
+    w.clock.advance(9.5)  # 13.5 s since it was asked, 9.5 s since the last heartbeat
+    await settle()
+    assert pending(asking)
+    w.clock.advance(0.6)  # 10.1 s of silence
+    await settle()
+    with pytest.raises(TimeoutError):
+        await now(asking)
+    assert len(w.transport.to(worker, Abort)) == 1 and worker.replies == {}  # withdrawn from the worker
+
+    absolute = asyncio.ensure_future(w.router.ask("m", lambda rid: Rerank(rid, "q", ["a"]), 10.0))
+    await settle()
+    for _ in range(2):
+        w.clock.advance(6.0)
+        beat()
+        await settle()
+    with pytest.raises(TimeoutError):
+        await now(absolute)
