@@ -31,6 +31,14 @@ def wait_for(predicate: Callable[[], object], timeout: float = 30.0, interval: f
         time.sleep(interval)
 
 
+def text_line(line: str) -> bool:
+    """An SSE line of a completions stream that carries text (not a keep-alive chunk's empty text, not a comment)."""
+    if not line.startswith("data:") or line.strip() == "data: [DONE]":
+        return False
+    data = json.loads(line[5:])
+    return "error" in data or any(c.get("text") for c in data.get("choices") or [])
+
+
 def assert_gone(pids: list[int], timeout: float = 15.0) -> None:
     def all_gone() -> bool:
         for pid in pids:

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import Daemon, wait_for
+from tests.conftest import Daemon, text_line, wait_for
 
 CHAT = [{"role": "user", "content": "Tell me a story about a lighthouse."}]
 
@@ -134,7 +134,7 @@ def test_client_disconnect_aborts_in_the_worker(daemon: Daemon) -> None:
     body = {"model": "tiny", "prompt": "go on", "max_tokens": 8000, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", daemon.v1 + "/completions", json=body, timeout=30) as resp:
         lines = resp.iter_lines()
-        assert next(line for line in lines if line.startswith("data:"))
+        assert next(line for line in lines if text_line(line))
         assert daemon.model("tiny")["in_flight"] == 1
     # the connection is closed: the gateway must abort it in the worker and release the lease
     wait_for(lambda: daemon.model("tiny")["in_flight"] == 0 and daemon.model("tiny")["leases"] == 0, 10,

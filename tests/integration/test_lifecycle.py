@@ -14,7 +14,7 @@ import openai
 import psutil
 import pytest
 
-from tests.conftest import MLXSUP, Daemon, assert_gone, wait_for
+from tests.conftest import MLXSUP, Daemon, assert_gone, text_line, wait_for
 
 LONG = {"max_tokens": 8000, "extra_body": {"ignore_eos": True}}
 
@@ -152,7 +152,7 @@ worker_overhead = {one}
     with httpx.stream("POST", d.v1 + "/completions", timeout=60, json={
             "model": "tiny", "prompt": "busy", "max_tokens": 8000, "ignore_eos": True, "stream": True}) as busy:
         lines = busy.iter_lines()  # kept referenced: a collected iterator closes the connection
-        assert "error" not in next(line for line in lines if line.startswith("data:"))
+        assert "error" not in next(line for line in lines if text_line(line))
         assert d.model("tiny")["leases"] == 1
         with pytest.raises(openai.APIStatusError) as err:
             client.completions.create(model="tiny2", prompt="no room", max_tokens=2)
@@ -171,7 +171,7 @@ housekeeping_s = 0.1
     with httpx.stream("POST", d.v1 + "/completions", timeout=60, json={
             "model": "tiny", "prompt": "long", "max_tokens": 8000, "ignore_eos": True, "stream": True}) as resp:
         lines = resp.iter_lines()
-        next(line for line in lines if line.startswith("data:"))
+        next(line for line in lines if text_line(line))  # its first token: the worker is ready
         t0 = time.monotonic()
         while time.monotonic() - t0 < 4 * 0.5:  # the request outlives the TTL several times over
             m = d.model("tiny")
