@@ -36,6 +36,16 @@ FREE = Costs(1.0, 1.0, 1.0, k=8)  # a verification as cheap as a plain step: whe
 JSON = {"type": "json", "schema": None}
 FAMILIES = ["llama", "gemma3", "qwen3_5"]  # KV (trimmed), a full sliding window, recurrent layers (marked, re-fed)
 Records = dict[str, list[int]]
+# A step target no step misses: each prefill chunk is the whole prompt left (the cap) whatever this machine's speed and
+# whatever the module's engines learnt in the tests before, so `together`'s schedule (which step each request joins
+# at, where each is in its prompt then) is the same on a loaded machine and in any order: what is drafted and kept
+# depends on it. Where in the batch a step falls is these tests' point, not the chunk sizing (tests/unit/test_step_cost.py).
+ANY_STEP_S = 1e9
+
+
+def steady(path: Path, **options: Any) -> Engine:
+    """The tests' Engine: its prefill chunks pinned at the cap (ANY_STEP_S)."""
+    return Engine(path, step_target_s=ANY_STEP_S, **options)
 
 
 def greedy(rid: str, **kw: Any) -> Submit:
@@ -52,8 +62,9 @@ class Run:
         self.finished: dict[str, Finished] = {}
         self.stored: list[tuple[list[int], list, list[int]]] = []  # tokens, cache, the blocks of its snapshots
 
-        def store(tokens: list[int] | None, cache: list | None, snapshots: dict) -> None:
-            self.stored.append((list(tokens or []), cache or [], sorted(snapshots)))
+        def store(tokens: list[int] | None, cache: list | None, snapshots: dict, tail: bool = True) -> None:
+            if tail:  # a finishing row's (tail=False: a prefill checkpoint's blocks, none here without caches)
+                self.stored.append((list(tokens or []), cache or [], sorted(snapshots)))
         engine._store = store  # type: ignore[method-assign]
 
     def steps(self, n: int | None = None) -> None:
@@ -96,7 +107,7 @@ def oracle(engine: Engine, records: Records) -> None:
 
 @pytest.fixture(scope="module")
 def plain(family_models: Path) -> dict[str, Engine]:
-    return {name: Engine(family_models / name) for name in FAMILIES}
+    return {name: steady(family_models / name) for name in FAMILIES}
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +119,7 @@ def expected(plain: dict[str, Engine]) -> dict[str, dict[str, list[int]]]:
 @pytest.fixture(scope="module")
 def drafting(family_models: Path) -> dict[str, Engine]:
     """Each family's engine with prompt lookup on, its costs pinned (the solo's and every batch size's)."""
-    engines = {name: Engine(family_models / name, speculative="prompt-lookup") for name in FAMILIES}
+    engines = {name: steady(family_models / name, speculative="prompt-lookup") for name in FAMILIES}
     for engine in engines.values():
         engine.speculation.pricing.costs = engine.batch_drafts.costs = FREE
     return engines
@@ -177,7 +188,7 @@ def test_unseeded_sampled_rows_verify_by_the_standard_rule_in_the_batch(family_m
     """Sampled rows without a seed, drafting with a draft model that is the target itself: the drafts are drawn from
     the target's own distribution, so the standard rule (keep d with probability min(1, p(d) / q(d))) keeps nearly
     all of them, row by row in the batch; each row ends at its max_tokens, its cache holding exactly its tokens."""
-    engine = Engine(family_models / "llama", speculative="draft", draft=family_models / "llama", num_draft_tokens=3)
+    engine = steady(family_models / "llama", speculative="draft", draft=family_models / "llama", num_draft_tokens=3)
     engine.speculation.pricing.costs = engine.batch_drafts.costs = FREE
     run = together(engine, temperature=0.7)
     assert {rid: len(ids) for rid, ids in run.ids.items()} == {rid: LENGTHS[rid] for rid in "abc"}
@@ -364,8 +375,8 @@ def test_reply_snapshots_are_taken_where_plain_decoding_takes_them(family_models
     """With prompt caches, a hybrid's recurrent state is copied where a reply's cache fills a block: a drafting step
     keeps no more than reaches the next block's end, so every row ends with the snapshots plain decoding leaves."""
     options = CacheOptions(hot_bytes=1 << 26, block_tokens=16)
-    want = together(Engine(family_models / "qwen3_5", cache=options))
-    engine = Engine(family_models / "qwen3_5", cache=options, speculative="prompt-lookup")
+    want = together(steady(family_models / "qwen3_5", cache=options))
+    engine = steady(family_models / "qwen3_5", cache=options, speculative="prompt-lookup")
     engine.speculation.pricing.costs = engine.batch_drafts.costs = FREE
     run = together(engine)
     assert run.ids == want.ids and sum(f.accepted_tokens for f in run.finished.values()) > 0
@@ -374,7 +385,7 @@ def test_reply_snapshots_are_taken_where_plain_decoding_takes_them(family_models
 
 def test_a_draft_model_drafts_for_every_row(family_models: Path, expected: dict) -> None:
     """Each row drafts with the draft model on its own cache (here the target itself: every draft kept)."""
-    engine = Engine(family_models / "llama", speculative="draft", draft=family_models / "llama", num_draft_tokens=3)
+    engine = steady(family_models / "llama", speculative="draft", draft=family_models / "llama", num_draft_tokens=3)
     engine.speculation.pricing.costs = engine.batch_drafts.costs = FREE
     run = together(engine)
     assert run.ids == expected["llama"]
@@ -423,12 +434,12 @@ def test_a_lone_request_on_a_snapshot_model_runs_alone_and_leaves_the_batch_s_sn
         run.steps()
         return run, solo
 
-    want, solo = alone(Engine(family_models / name, cache=options, solo="off"))
+    want, solo = alone(steady(family_models / name, cache=options, solo="off"))
     assert not solo and want.stored[0][2]  # the batch's: prefill snapshots, a reply's
-    drafts = Engine(family_models / name, cache=options)
+    drafts = steady(family_models / name, cache=options)
     drafts.speculation = Speculation("oracle", 4, oracle=PROMPTS["a"] + want.ids["a"])  # every draft kept: 5-token steps
     drafts.speculation.pricing.costs = FREE
-    for engine in (Engine(family_models / name, cache=options), drafts):
+    for engine in (steady(family_models / name, cache=options), drafts):
         run, solo = alone(engine)
         assert solo and run.ids == want.ids
         assert [s for *_, s in run.stored] == [s for *_, s in want.stored]  # the same snapshots, block for block
@@ -443,7 +454,7 @@ def test_a_lone_request_joining_the_batch_mid_prefill_keeps_its_snapshot_points(
     options = CacheOptions(hot_bytes=1 << 26, block_tokens=16, snapshot_every=32)
     runs = []
     for solo in ("off", "auto"):
-        run = Run(Engine(family_models / "qwen3_5", cache=options, solo=solo))
+        run = Run(steady(family_models / "qwen3_5", cache=options, solo=solo))
         run.engine.submit(greedy("a"))
         run.steps(1)  # the solo: its prefill up to its first snapshot point (32)
         run.engine.submit(greedy("g"))
