@@ -8,6 +8,7 @@ prompt, docs/agent-sessions.md), and a changed head is rendered anew.
 from __future__ import annotations
 
 import pytest
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_tokenizer
 
 from protocol.messages import Submit
@@ -19,10 +20,16 @@ TOOLS = [{"name": "Read", "description": "Read a file",  # Submit's neutral shap
 
 
 @pytest.fixture(scope="module")
-def prompts(tmp_path_factory: pytest.TempPathFactory) -> Prompts:
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> TokenizerWrapper:
     path = tmp_path_factory.mktemp("models") / "qwen3"
     make_model(path, "tiny", seed=0, arch="qwen3")
-    return Prompts(load_tokenizer(path), 0, 4096, False)
+    return load_tokenizer(path)
+
+
+@pytest.fixture
+def prompts(tokenizer: TokenizerWrapper) -> Prompts:
+    """Each test's own: a Prompts remembers the heads it rendered, and the tests count renders (in any order)."""
+    return Prompts(tokenizer, 0, 4096, False)
 
 
 def turn(system: str, n: int) -> Submit:
