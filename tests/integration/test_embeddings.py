@@ -139,6 +139,30 @@ def test_dimensions_keep_the_leading_components_normalised_again(client: openai.
     assert "384" in err.value.body["message"]
 
 
+RECORDED = Path(__file__).resolve().parent.parent / "fixtures" / "minilm" / "vectors.json"
+
+
+def test_the_served_vectors_are_sentence_transformers_own(client: openai.OpenAI) -> None:
+    """What the server says all-MiniLM-L6-v2 makes of the fixture's sentences, against the vectors sentence-transformers
+    made of them (tests/tools/record_reference.py: torch on the CPU, float32), an implementation nobody here wrote:
+    the other tests compare the server with mlxsup's own Embedder, which agrees with it however both compute. The
+    recording is rounded to 6 decimals (5e-7 a component) and two float32 implementations differ by about 1e-6 (as
+    measured: 1 - cosine ~2e-11, 7e-7 a component at most)."""
+    recorded = json.loads(RECORDED.read_text())
+    assert "all-MiniLM-L6-v2" in recorded["model"] and len(recorded["sentences"]) == len(recorded["vectors"]) == 10
+    want = np.array(recorded["vectors"], dtype=np.float64)
+    want /= np.linalg.norm(want, axis=1, keepdims=True)  # the model's own Normalize: unit already, to the rounding
+    got = _vectors(client.embeddings.create(model="minilm", input=recorded["sentences"], encoding_format="float"))
+    assert got.shape == want.shape == (10, 384)
+    cosine = (got * want).sum(axis=1) / np.linalg.norm(got, axis=1)
+    assert (1 - cosine).max() < 1e-6, 1 - cosine
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    # what they are for: the two capitals are nearer each other than either is to the rest, in both
+    for vectors in (got, want):
+        near = vectors @ vectors.T - 2 * np.eye(10)
+        assert list(near[2:4].argmax(axis=1)) == [3, 2]
+
+
 DOCS = ["The Eiffel Tower is a wrought-iron lattice tower in Paris, France.",
         "Photosynthesis converts light energy into chemical energy in plants.",
         "The stock market fell sharply after the interest rate announcement.",
