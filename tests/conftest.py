@@ -8,9 +8,11 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -50,6 +52,64 @@ def assert_gone(pids: list[int], timeout: float = 15.0) -> None:
         return True
 
     wait_for(all_gone, timeout, what=f"processes {pids} to exit")
+
+
+RUN_MARK = "MLXSUP_TEST_RUN"
+
+
+class Started:
+    """A command a test runs, and every process it starts, known by a mark in their environment (RUN_MARK) or, for a
+    daemon's workers, by `titled` in their command line (their daemon's state dir: a worker retitles itself, which
+    overwrites its environment as /proc shows it). A worker runs in a session of its own and is reparented when its
+    daemon exits, so by then it is no child to be found. `gone()` ends the command and proves each of them gone."""
+
+    def __init__(self, argv: list[str], env: dict[str, str] | None = None, titled: str | None = None,
+                 **popen: Any) -> None:
+        self.mark, self.titled = uuid.uuid4().hex, titled
+        self.proc = subprocess.Popen(argv, env={**(os.environ if env is None else env), RUN_MARK: self.mark},
+                                     **popen)
+
+    def pids(self) -> list[int]:
+        """The live processes of this run (a zombie's environment and command line read empty)."""
+        found = []
+        for p in psutil.process_iter():
+            try:
+                if (p.pid != os.getpid() and (p.environ().get(RUN_MARK) == self.mark
+                                              or (self.titled is not None and self.titled in " ".join(p.cmdline())))):
+                    found.append(p.pid)
+            except (psutil.Error, OSError):
+                continue
+        return found
+
+    def gone(self, timeout: float = 15.0) -> None:
+        """The command ended (SIGTERM, then SIGKILL, if it still runs) and every process it started gone within
+        `timeout`; any left after that is killed, and the test fails naming it."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        try:
+            assert_gone(self.pids(), timeout)  # the command itself is reaped: gone
+        finally:
+            for pid in self.pids():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+
+
+def run_to_the_end(argv: list[str], timeout: float, env: dict[str, str] | None = None,
+                   titled: str | None = None) -> subprocess.CompletedProcess:
+    """subprocess.run(argv, capture_output=True, text=True), and every process it started proven gone after it."""
+    started = Started(argv, env, titled, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = started.proc.communicate(timeout=timeout)
+    finally:
+        started.gone()
+    return subprocess.CompletedProcess(argv, started.proc.returncode, out, err)
 
 
 def make_model(path: Path, preset: str = "tiny", seed: int = 0) -> Path:

@@ -12,12 +12,12 @@ from pathlib import Path
 import httpx
 import openai
 
-from tests.conftest import MLXSUP, Daemon, wait_for
+from tests.conftest import MLXSUP, Daemon, Started, run_to_the_end, wait_for
 
 
 def mlxsup(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([*MLXSUP, *args], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **(env or {})})
+    """The CLI run to its end, it and whatever it started proven gone after it (run_to_the_end)."""
+    return run_to_the_end([*MLXSUP, *args], 120, {**os.environ, **(env or {})})
 
 
 def test_config_show_applies_file_then_environment_then_flags(tmp_path: Path) -> None:
@@ -50,8 +50,10 @@ def test_logs_of_the_daemon_and_of_a_worker(daemon: Daemon) -> None:
     assert worker.returncode == 0 and "[load] model=tiny" in worker.stdout
     assert mlxsup("logs", "never-ran", *state).returncode == 2
 
-    follower = subprocess.Popen([*MLXSUP, "logs", "-f", "-n", "0", *state], stdout=subprocess.PIPE)
+    started = Started([*MLXSUP, "logs", "-f", "-n", "0", *state], stdout=subprocess.PIPE)
+    follower = started.proc
     try:
+        assert follower.stdout is not None
         fd = follower.stdout.fileno()
         os.set_blocking(fd, False)
         seen = bytearray()
@@ -66,8 +68,7 @@ def test_logs_of_the_daemon_and_of_a_worker(daemon: Daemon) -> None:
         httpx.post(daemon.url + "/api/models/tiny/evict", timeout=60)
         wait_for(evict_line, 15, what="`mlxsup logs -f` to print the eviction")
     finally:
-        follower.terminate()
-        follower.wait(10)
+        started.gone()  # SIGTERM ends it
 
 
 def test_metrics_count_requests_tokens_latency_and_memory(daemon: Daemon) -> None:

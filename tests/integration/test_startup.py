@@ -15,7 +15,7 @@ import openai
 import psutil
 import pytest
 
-from tests.conftest import MLXSUP, assert_gone, wait_for
+from tests.conftest import MLXSUP, assert_gone, run_to_the_end, wait_for
 
 
 def isolated(state_dir: Path, **extra: str) -> dict[str, str]:
@@ -25,10 +25,11 @@ def isolated(state_dir: Path, **extra: str) -> dict[str, str]:
 
 
 def serve_once(state_dir: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """`mlxsup serve` that is expected to give up at start; the timeout only bounds a daemon that would not."""
+    """`mlxsup serve` that is expected to give up at start; the timeout only bounds a daemon that would not. The
+    daemon and whatever it started (a spare, a worker) are proven gone after it (run_to_the_end)."""
     state_dir.mkdir(parents=True, exist_ok=True)
-    return subprocess.run([*MLXSUP, "serve", "--state-dir", str(state_dir), *args], capture_output=True,
-                          text=True, timeout=60, env=env or isolated(state_dir))
+    return run_to_the_end([*MLXSUP, "serve", "--state-dir", str(state_dir), *args], 60, env or isolated(state_dir),
+                          titled=str(state_dir))
 
 
 def processes_of(state_dir: Path) -> list[int]:
