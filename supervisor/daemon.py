@@ -42,6 +42,8 @@ from pathlib import Path
 import psutil
 import uvicorn
 
+from protocol.sampling import FILE as SAMPLING_FILE
+from protocol.sampling import generation_config, published
 from supervisor import memory
 from supervisor.config import DEMO_MODEL_ID, DEMO_MODEL_NAME, Settings, runtime_dir
 from supervisor.effects import SystemClock, WorkerHandle
@@ -86,7 +88,19 @@ def ensure_demo_model(settings: Settings) -> ModelSpec:
         if subprocess.run([sys.executable, "-m", "worker.mlx_engine.gguf_import", "--demo", str(path)]).returncode:
             raise StartupError("the demo model could not be imported (its error is above)")
         log.info("[demo] imported in %.0f s", time.monotonic() - t0)
+    demo_sampling(path)
     return ModelSpec(DEMO_MODEL_ID, path, weights_bytes=weights_bytes(path))
+
+
+def demo_sampling(path: Path) -> None:
+    """A demo imported before imports wrote generation_config.json gets the one an import writes now (SmolLM2-135M's:
+    greedy, protocol/sampling.py), so it answers as a new import does, not at temperature 1."""
+    if (path / SAMPLING_FILE).exists():
+        return
+    try:
+        (path / SAMPLING_FILE).write_text(json.dumps(generation_config(published("SmolLM2 135M")[0]), indent=2))
+    except OSError as exc:
+        log.warning("[demo] cannot write its sampling defaults to %s: %s", path / SAMPLING_FILE, exc)
 
 
 class StartupError(RuntimeError):

@@ -19,12 +19,18 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 
 from protocol.modelconfig import MemoryEstimate, model_estimate
 from protocol.modelkind import CHAT, VISION, model_kind
+from protocol.sampling import FIELDS as SAMPLING_FIELDS
+from protocol.sampling import Sampling
+from protocol.sampling import check as check_sampling
+from protocol.sampling import read as read_sampling
 from supervisor.cache_config import CacheConfig, parse_cache
 from supervisor.draft_config import KEYS as DRAFT_KEYS
 from supervisor.draft_config import speculative_args
@@ -34,6 +40,7 @@ from supervisor.hub import store
 from supervisor.units import is_number
 
 RESCAN_S = 2.0
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,16 @@ class ModelSpec:
     # counts runtime_bytes (a first request's KV and logits); the KV a token costs caps its published context
     runtime_bytes: int = 0
     kv_bytes_per_token: int = 0
+    sampling: Sampling = Sampling()  # `[models.ID]` sampling defaults (supervisor/sampling.py)
+
+    @cached_property
+    def model_sampling(self) -> Sampling:
+        """The folder's own sampling defaults (generation_config.json), read once, on first use; a value it
+        holds out of range is logged and ignored."""
+        sampling, problems = read_sampling(self.path)
+        for problem in problems:
+            log.warning("[model] %s: %s", self.id, problem)
+        return sampling
 
 
 def is_model_dir(path: Path) -> bool:
@@ -134,7 +151,8 @@ def from_config(models: dict, base: Path) -> list[ModelSpec]:
         path = (base / path).resolve() if not path.is_absolute() else path
         if not is_model_dir(path):
             raise ValueError(f"models.{model_id}.path: {path} holds no config.json and *.safetensors")
-        unknown = set(entry) - {"path", "aliases", "worker_args", "ttl_s", "pinned", "cache", "group", *DRAFT_KEYS}
+        unknown = set(entry) - {"path", "aliases", "worker_args", "ttl_s", "pinned", "cache", "group", *DRAFT_KEYS,
+                             *SAMPLING_FIELDS}
         if unknown:
             raise ValueError(f"models.{model_id}.{sorted(unknown)[0]}: unknown key")
         aliases = entry.get("aliases", [])
@@ -155,7 +173,7 @@ def from_config(models: dict, base: Path) -> list[ModelSpec]:
         specs.append(ModelSpec(model_id, path, tuple(aliases), (*drafting, *args), weights_bytes(path) + draft_bytes,
                                None if ttl is None else float(ttl), pinned, cache, group, kind,
                                runtime_bytes=facts.runtime_bytes, kv_bytes_per_token=facts.kv_bytes_per_token))
-    return specs
+    return [replace(spec, sampling=check_sampling(models[spec.id], f"models.{spec.id}")) for spec in specs]
 
 
 @dataclass

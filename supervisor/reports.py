@@ -102,6 +102,8 @@ class ModelStatus:
     accepted_tokens: int = 0  # and kept; in JSON with `acceptance_rate`, their ratio (null: nothing drafted)
     progress: LoadProgress | None = None  # only while loading
     ranks: tuple[dict[str, Any], ...] = ()  # a worker group's ranks (rank, host, pid, memory_bytes); only then
+    # a generating model's sampling for a request that sets none: {field: {"value", "source"}} (supervisor/sampling.py)
+    sampling: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)[:_ALWAYS]}
@@ -117,6 +119,8 @@ class ModelStatus:
             out["progress"] = {"stage": self.progress.stage, "fraction": self.progress.fraction}
         if self.ranks:
             out["ranks"] = [dict(r) for r in self.ranks]
+        if self.sampling is not None:
+            out["sampling"] = self.sampling
         return out
 
     @property

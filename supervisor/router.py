@@ -49,6 +49,7 @@ from protocol.messages import (
     Tokenized,
     Tokens,
 )
+from protocol.modelkind import CHAT, VISION
 from supervisor import cache_admin, errors
 from supervisor.admission import Admission
 from supervisor.config import Settings
@@ -58,6 +59,7 @@ from supervisor.lifecycle import Lifecycle
 from supervisor.registry import ModelSpec, Registry
 from supervisor.reports import EvictReport, LoadProgress, ModelStatus, RecentEviction, SpareStatus, Status
 from supervisor.resume import Resumption, Suspension
+from supervisor.sampling import applied
 from supervisor.workers import ModelRecord, Spare, State, Stream, Worker
 
 log = logging.getLogger(__name__)
@@ -389,7 +391,8 @@ class Router(Generic[MetricsT]):
                              restarts=max(0, record.starts - 1), crashes=record.crashes, last_error=record.last_error,
                              stderr_tail=tuple(record.last_stderr), last_eviction=record.last_eviction,
             suspended=sum(1 for s in self.resumption.suspended.values() if s.model_id == model_id),
-            resumed=record.resumed, resume_failed=record.resume_failed)
+            resumed=record.resumed, resume_failed=record.resume_failed,
+            sampling=applied(spec) if spec.kind in (CHAT, VISION) else None)
         if worker is None:
             if record.failed_until > now:
                 return replace(status, state=State.FAILED.value, retry_in_s=round(record.failed_until - now, 1))

@@ -39,6 +39,7 @@ from supervisor.gateway.openai_api import Parsed
 from supervisor.gateway.response_store import ResponseStore
 from supervisor.gateway.responses_api import parse_responses
 from supervisor.gateway.responses_shape import ResponseShaper
+from supervisor.gateway.sampling import fill
 from supervisor.gateway.sse import streamed, whole
 from supervisor.gateway.transcript import Delta
 from supervisor.gateway.waits import Waits
@@ -169,6 +170,8 @@ class AgentRoutes:
         parsed = wanted.parsed
         requested, parsed.model = parsed.model, self.local_model(parsed.model)
         await attach(parsed, self.router.registry, ImageLimits.of(self.settings))
+        fill(parsed, self.router.registry)  # the echo says what applies: the request's, else the model's defaults
+        wanted.echo.update(temperature=parsed.submit.temperature, top_p=parsed.submit.top_p)
         shaper = ResponseShaper(parsed.submit.rid, requested, wanted.echo)
         writer = AgentWriter(shaper, shaper.in_progress, shaper.failed)
 
@@ -195,6 +198,7 @@ class AgentRoutes:
 
     async def serve(self, request: Request, parsed: Parsed, writer: AgentWriter) -> Response:
         """Run a request and answer in `writer`'s shapes (its `on_done` gets the whole response once complete)."""
+        fill(parsed, self.router.registry)  # unset sampling fields: the model's defaults
         calls = Calls(self.router, parsed, request.url.path)
         if parsed.stream:
             writer.waits = Waits(self.router, calls)

@@ -51,6 +51,7 @@ _TOKEN_ID = re.compile(r"[0-9]{1,10}")  # ASCII digits only: str.isdigit() also 
 # defaults, LangChain, litellm, openai-agents) send anyway. Refusing them breaks those clients.
 IGNORED = {"user", "store", "metadata", "service_tier", "safety_identifier", "verbosity", "modalities", "prediction",
            "web_search_options", "audio"}
+SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")  # unset: the model's defaults
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stream", "stream_options",
            "n", "seed", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty",
            "logit_bias", "logprobs"} | IGNORED
@@ -75,10 +76,19 @@ class Parsed:
     choices: list[Submit] = field(default_factory=list)
     logprobs: bool = False
     n: int = 1  # choices per prompt
+    # the sampling fields (SAMPLING) the body set; the rest take the model's defaults once it is known
+    # (gateway/sampling.py fills them into every choice and keeps what applies, with its sources, in `sampling`)
+    sampling_given: frozenset[str] = frozenset()
+    sampling: dict[str, dict] | None = None
 
     def __post_init__(self) -> None:
         if not self.choices:
             self.choices = [self.submit]
+
+
+def given(body: dict, keys: tuple[str, ...]) -> frozenset[str]:
+    """The keys of `body` that it sets (null is unset, as the parsers read it)."""
+    return frozenset(k for k in keys if body.get(k) is not None)
 
 
 def new_id(prefix: str) -> str:
@@ -389,7 +399,8 @@ def parse_chat(body: Any, strict: bool = False) -> Parsed:
                     template_kwargs=_template_kwargs(body), constraint=constraint, logprobs=_chat_logprobs(body),
                     cache_mark=prompt_cache_marks(body, len(clean)), **_sampling(body))
     n = _n(body)
-    return Parsed(model, submit, stream, include_usage, fan_out(submit, n), submit.logprobs >= 0, n)
+    return Parsed(model, submit, stream, include_usage, fan_out(submit, n), submit.logprobs >= 0, n,
+                  given(body, SAMPLING))
 
 
 # --- completions ---------------------------------------------------------------------------
@@ -432,4 +443,4 @@ def parse_completion(body: Any, strict: bool = False) -> Parsed:
         p = prompts[i // n]
         choices.append(dataclasses.replace(sub, prompt=p if isinstance(p, str) else None,
                                            prompt_ids=None if isinstance(p, str) else list(p)))
-    return Parsed(model, choices[0], stream, include_usage, choices, logprobs is not None, n)
+    return Parsed(model, choices[0], stream, include_usage, choices, logprobs is not None, n, given(body, SAMPLING))

@@ -22,6 +22,7 @@ from starlette.routing import Route
 
 from protocol.messages import Finished
 from protocol.modelconfig import MAX_CONTEXT, ConfigError, check_config, context_length, read_config, text_config
+from protocol.modelkind import CHAT, VISION
 from supervisor import errors
 from supervisor.config import Settings
 from supervisor.gateway.call import Calls
@@ -29,10 +30,12 @@ from supervisor.gateway.http import SSE_DONE, read_json, sse
 from supervisor.gateway.images import ImageLimits, attach
 from supervisor.gateway.openai_api import Parsed, parse_chat, parse_completion
 from supervisor.gateway.openai_shape import Shaper
+from supervisor.gateway.sampling import fill
 from supervisor.gateway.sse import streamed, whole
 from supervisor.gateway.transcript import Delta, Transcript
 from supervisor.gateway.waits import Waits
 from supervisor.router import Router
+from supervisor.sampling import applied
 
 
 class ChatWriter:
@@ -109,6 +112,7 @@ class OpenAIRoutes:
     async def _generate(self, request: Request, parse: Callable[[Any, bool], Parsed]) -> Response:
         parsed = parse(await read_json(request, self.settings.max_body_bytes), self.settings.strict_fields)
         await attach(parsed, self.router.registry, ImageLimits.of(self.settings))
+        fill(parsed, self.router.registry)  # unset sampling fields: the model's defaults
         calls = Calls(self.router, parsed, request.url.path)
         shaper = Shaper(parsed, self.router.registry.resolve(parsed.model).id)
         if parsed.stream:
@@ -130,13 +134,15 @@ class OpenAIRoutes:
         return JSONResponse({"object": "list", "data": data})
 
     async def model(self, request: Request) -> Response:
-        """One model (the openai client's models.retrieve): its context length and whether it is loaded."""
+        """One model (the openai client's models.retrieve): its context length, whether it is loaded, and (a
+        generating model) the sampling a request that sets none gets, each value with its source."""
         self.router.registry.refresh()
         spec = self.router.registry.resolve(request.path_params["model"])
         status: dict = next((m for m in self.router.status().to_dict()["models"] if m["id"] == spec.id), {})
         state = status.get("state")
+        sampling = {"sampling": applied(spec)} if spec.kind in (CHAT, VISION) else {}
         return JSONResponse({"id": spec.id, "object": "model", "created": int(self.started), "owned_by": owner(spec.id),
-                             "loaded": state == "ready", "state": state or "unloaded",
+                             "loaded": state == "ready", "state": state or "unloaded", **sampling,
                              "context_length": status.get("context_length")
                              or _config_context(spec.path, self.router.lifecycle.context_cap(spec))})
 

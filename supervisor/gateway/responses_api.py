@@ -34,7 +34,7 @@ from supervisor.errors import InvalidRequest
 from supervisor.gateway import unknown_fields
 from supervisor.gateway.images import content as content_of
 from supervisor.gateway.images import image_part, url_source
-from supervisor.gateway.openai_api import MAX_TOKENS_LIMIT, Parsed, new_id, prompt_cache_marks, valid_name
+from supervisor.gateway.openai_api import MAX_TOKENS_LIMIT, Parsed, given, new_id, prompt_cache_marks, valid_name
 from supervisor.gateway.tools import ToolDialect, parse_tool_choice, parse_tools
 from supervisor.units import is_number
 
@@ -263,6 +263,7 @@ def parse_responses(body: Any, history: Callable[[str], list[dict]], strict: boo
             "tools": body.get("tools") or [], "temperature": submit.temperature, "top_p": submit.top_p,
             "text": text_echo, "reasoning": reasoning_echo or {"effort": None, "summary": None},
             "metadata": metadata(body.get("metadata")), "store": body.get("store", True), "truncation": "disabled"}
-    return ResponsesRequest(Parsed(model, submit, bool(body.get("stream")), False), turn,
+    sampled = given(body, ("temperature", "top_p"))  # unset: the model's defaults (the echo says them once known)
+    return ResponsesRequest(Parsed(model, submit, bool(body.get("stream")), False, sampling_given=sampled), turn,
                             body.get("store", True) is not False, previous, echo)
 

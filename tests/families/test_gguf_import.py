@@ -38,8 +38,9 @@ def permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(model: Path, out: Path, qtype: dict[str, int]) -> dict[str, np.ndarray]:
-    """The made model as a GGUF file; `qtype` maps a GGUF tensor-name fragment to its type (default F32).
+def write_gguf(model: Path, out: Path, qtype: dict[str, int], meta: dict | None = None) -> dict[str, np.ndarray]:
+    """The made model as a GGUF file; `qtype` maps a GGUF tensor-name fragment to its type (default F32), `meta`
+    adds keys (a float is written as float32, an int as uint32, a str as a string).
     Returns what `gguf`'s dequantizer reads back for each tensor, under its Hugging Face name, rows unpermuted."""
     config = json.loads((model / "config.json").read_text())
     arch = config["model_type"]
@@ -69,6 +70,8 @@ def write_gguf(model: Path, out: Path, qtype: dict[str, int]) -> dict[str, np.nd
     w.add_eos_token_id(config["eos_token_id"])
     w.add_chat_template((model / "chat_template.jinja").read_text() if (model / "chat_template.jinja").exists()
                         else json.loads((model / "tokenizer_config.json").read_text())["chat_template"])
+    for key, value in (meta or {}).items():
+        {float: w.add_float32, int: w.add_uint32, str: w.add_string}[type(value)](key, value)
     expected = {}
     for hf, arr in weights.items():
         name = gguf_name(hf)
@@ -283,3 +286,19 @@ def test_a_file_without_a_tokenizer_is_refused_in_one_line(tmp_path: Path) -> No
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
     assert "tokenizer" in run.stderr.strip().splitlines()[-1], run.stderr
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+
+
+def test_the_file_s_sampling_metadata_becomes_the_folder_s_generation_config(tmp_path: Path) -> None:
+    """What llama.cpp's converter writes from a model's generation_config (general.sampling.*) is its default
+    sampling again (issue 49); a file with none, of a model mlxsup knows nothing of, gets no generation_config."""
+    made = made_model(tmp_path, "llama")
+    write_gguf(made, tmp_path / "sampled.gguf", {}, {"general.sampling.temp": 0.4, "general.sampling.top_k": 30,
+                                                     "general.sampling.top_p": 0.95})
+    run = imported(tmp_path / "sampled.gguf", tmp_path / "sampled")
+    assert run.returncode == 0, run.stderr
+    written = json.loads((tmp_path / "sampled" / "generation_config.json").read_text())
+    assert written == {"do_sample": True, "temperature": 0.4, "top_p": 0.95, "top_k": 30}
+    assert "default sampling temperature 0.4, top_p 0.95, top_k 30 (the GGUF's general.sampling metadata)" in run.stderr
+    write_gguf(made, tmp_path / "plain.gguf", {}, {"general.basename": "Tiny"})
+    run = imported(tmp_path / "plain.gguf", tmp_path / "plain")
+    assert run.returncode == 0 and not (tmp_path / "plain" / "generation_config.json").exists(), run.stderr

@@ -17,6 +17,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp
 
 from protocol.messages import Finished, Submit
+from protocol.sampling import Sampling
 from supervisor.config import Settings
 from supervisor.gateway.app import build_app
 from supervisor.gateway.arrivals import Arrivals, expect, still_coming
@@ -86,7 +87,8 @@ class Router:
     """What the generation routes use of the router, for models `a` (ready) and `b` (loading until `loaded`)."""
 
     def __init__(self) -> None:
-        self.registry = SimpleNamespace(resolve=lambda name: SimpleNamespace(id=name), specs={"a": None, "b": None})
+        self.registry = SimpleNamespace(resolve=lambda name: SimpleNamespace(id=name, sampling=Sampling(),
+                                        model_sampling=Sampling()), specs={"a": None, "b": None})
         self.metrics = Metrics()
         self.loaded = asyncio.Event()
         self.submitted: list[tuple[str, int]] = []

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from protocol.messages import Finished
+from protocol.sampling import Sampling
 from supervisor.config import Settings
 from supervisor.gateway.anthropic_shape import MessageShaper
 from supervisor.gateway.app import build_app
@@ -60,7 +61,8 @@ class StubRouter:
 
     def __init__(self, queued: list) -> None:
         self.lease = StubLease(queued)
-        self.registry = SimpleNamespace(resolve=lambda name: SimpleNamespace(id="m"), specs={"m": None})
+        spec = SimpleNamespace(id="m", sampling=Sampling(), model_sampling=Sampling())  # no defaults: the server's
+        self.registry = SimpleNamespace(resolve=lambda name: spec, specs={"m": None})
         self.metrics = Metrics()
 
     async def acquire(self, name: str, explicit: bool = False) -> StubLease:

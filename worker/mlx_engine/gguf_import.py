@@ -41,6 +41,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from protocol.sampling import FILE as SAMPLING_FILE
+from protocol.sampling import from_gguf, generation_config
+
 ARCHES = ("llama", "qwen2", "qwen3")  # GGUF `general.architecture` -> the mlx-lm model_type of the same name
 PERMUTED = ("llama",)  # families whose Q/K rows llama.cpp's converter permutes
 GROUP_SIZE = 32  # ggml's block size: every lossless type is affine with this group size
@@ -316,6 +319,19 @@ def save_weights(weights: dict, out: Path) -> None:
         {"metadata": {"total_size": total}, "weight_map": dict(sorted(index.items()))}, indent=2))
 
 
+def write_sampling(meta: dict, out: Path, progress: Progress) -> None:
+    """generation_config.json with the model's default sampling: the file's `general.sampling.*` keys, else its
+    base model's published defaults where protocol/sampling.py knows them (SmolLM2's, the demo's), else none (a
+    request that sets no temperature then gets the server's default)."""
+    sampling, source = from_gguf(meta)
+    if not sampling:
+        progress.stage("no default sampling in the file's metadata, none known for its model: none written")
+        return
+    (out / SAMPLING_FILE).write_text(json.dumps(generation_config(sampling), indent=2))
+    said = ", ".join(f"{k} {v}" for k, v in sampling.items().items())
+    progress.stage(f"default sampling {said} ({source}) to {SAMPLING_FILE}")
+
+
 def check_loads(out: Path) -> str:
     """Load the folder as the worker will, and run one greedy token: the import is reported only after this."""
     import mlx.core as mx
@@ -399,6 +415,7 @@ def import_gguf(gguf: Path, out: Path, force: bool = False, quantize: int | None
         progress.stage(f"writing {sum(w.nbytes for w in weights.values()) / 2**20:.0f} MiB of weights")
         save_weights(weights, work)
         save_config(config, work / "config.json")
+        write_sampling(meta, work, progress)
         progress.stage("loading it once with mlx-lm")
         try:
             token = check_loads(work)
