@@ -17,7 +17,7 @@ REPORT = EvictReport("m", True, "ttl", pid=7, mode="drain", memory_before_bytes=
 def test_an_evict_report_is_the_api_json_and_reads_back() -> None:
     out = REPORT.to_dict()
     assert list(out) == ["model", "evicted", "reason", "pid", "mode", "memory_before_bytes", "duration_s", "exit",
-                         "signals", "aborted", "drained", "phases_s", "memory_after_settle_bytes"]
+                         "signals", "aborted", "drained", "phases_s", "memory_after_settle_bytes", "stranded_bytes"]
     assert out["signals"] == ["SIGTERM"] and out["phases_s"] == {"drain": 0.1}
     assert EvictReport.from_dict(json.loads(json.dumps(out))) == REPORT
     assert EvictReport.not_loaded("m").to_dict() == {"model": "m", "evicted": False, "reason": "not loaded"}
@@ -48,7 +48,7 @@ def test_the_daemon_status_nests_its_models() -> None:
                     [RecentEviction(2.5, REPORT)])
     out = status.to_dict()
     assert list(out) == ["ceiling_bytes", "used_bytes", "system_available_bytes", "system_total_bytes",
-                         "max_loaded_models", "spare", "models", "recent_evictions"]
+                         "max_loaded_models", "spare", "models", "recent_evictions", "stranded_bytes"]
     assert out["spare"] == {"pid": 9, "standing_by": True} and out["models"][0]["id"] == "m"
     assert out["recent_evictions"] == [{"ago_s": 2.5, **REPORT.to_dict()}]
     json.dumps(out)
