@@ -252,7 +252,10 @@ class Registry:
                 raise ModelNotFound(f"The model name '{name}' is ambiguous: say which of {', '.join(same)}.",
                                     param="model")
             available = ", ".join(sorted(self.specs)) or "none"
-            raise ModelNotFound(f"The model '{name}' does not exist. Available models: {available}.", param="model")
+            raise ModelNotFound(f"The model '{name}' does not exist. Available models: {available}. (Only the "
+                                "Anthropic and Responses APIs, which coding agents speak, map a vendor's model name "
+                                "to a local one: `model_aliases`, `default_model`, else the one chat model there is; "
+                                "the OpenAI chat API serves models by their own names.)", param="model")
         return spec
 
     def ids(self) -> list[str]:

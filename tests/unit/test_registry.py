@@ -38,6 +38,7 @@ def test_config_models_aliases_and_unknown_names(tmp_path: Path) -> None:
     with pytest.raises(ModelNotFound) as err:
         reg.resolve("c")
     assert "a, big" in err.value.message and err.value.status == 404
+    assert "Anthropic and Responses APIs" in err.value.message  # why Claude's names are served and gpt-4o is not
 
 
 @pytest.mark.parametrize("text, match", [
