@@ -109,6 +109,13 @@ def facts(path: Path) -> ModelFacts:
     bits = quant.get("bits") if isinstance(quant, dict) else None
     dtype = merged.get("torch_dtype") or merged.get("dtype")
     context = merged.get("max_position_embeddings")
+    try:  # an embedding model's window, as its worker serves it (worker/mlx_engine/pooling.py window_of)
+        st = json.loads((path / "sentence_bert_config.json").read_text())
+        seq = st.get("max_seq_length") if isinstance(st, dict) else None
+        if isinstance(seq, int) and seq > 0 and isinstance(context, int):
+            context = min(context, seq)
+    except (OSError, ValueError):
+        pass
     return ModelFacts(merged.get("model_type") if isinstance(merged.get("model_type"), str) else None,
                       f"{bits}-bit" if isinstance(bits, int) else (dtype if isinstance(dtype, str) else None),
                       context if isinstance(context, int) else None)

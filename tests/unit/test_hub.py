@@ -116,3 +116,13 @@ def test_a_marked_repo_is_not_served_downloading_while_its_puller_lives(tmp_path
         reg.resolve("org/Pulling")
     store.clear_mark(folder)
     assert reg.resolve("org/Pulling").id == "org/Pulling"  # complete: served from the next request
+
+
+def test_an_embedding_models_context_is_its_served_window(tmp_path: Path) -> None:
+    """`mlxsup ls` said 512 for MiniLM where `status` (the worker's window) said 256: sentence-transformers' max."""
+    from supervisor.hub.store import facts
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "max_position_embeddings": 512}))
+    assert facts(tmp_path).context_length == 512
+    (tmp_path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 256}))
+    assert facts(tmp_path).context_length == 256
