@@ -6,7 +6,9 @@ through a recording proxy: the model calls the program's shell tool to create ma
 the program runs it and sends the result back, the model's final answer is printed. aider has no tools: it edits
 the files it was given through its edit format, so its model answers with a SEARCH/REPLACE block that aider applies
 to greeting.txt. Every program's HTTP(S)_PROXY refuses the outside world and records what was tried. Each run is
-bounded in time; the program's whole process session is proven gone afterwards.
+bounded by its progress, not by a wall clock a loaded machine misses: it goes on while its requests do (a request
+served, a response's bytes arriving: a stream's tokens or keep-alives), and is killed after QUIET_S with none, or
+at CAP_S in all; the program's whole process session is proven gone afterwards.
 
 Each program runs as a new user would, with its default settings (issue 26): Claude Code's max_tokens and
 opencode's pass the context and are clamped to it, Codex's client_metadata is ignored. Claude Code gets nothing but
@@ -24,6 +26,7 @@ import os
 import re
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,13 +42,21 @@ from tests.conftest import Daemon, assert_gone, wait_for
 REQUEST_LINE = re.compile(r"\[request\] model=(\S+) endpoint=(\S+) status=(\d+)")
 CLAUDE_ARGS = ["--output-format", "json", "--allowedTools", "Bash"]
 LOADED = re.compile(r"\[load\] model=(\S+) pid=\d+ ready")  # once per worker started, spare or not
+QUIET_S = 240.0  # a run with no progress for this long is stuck (its start before the first request included)
+CAP_S = 1800.0  # and no run, progressing or not, goes on past this
+POLL_S = 2.0
 
 
 @dataclass
 class Ran:
-    rc: int | None  # None: killed at its time limit
+    rc: int | None  # None: killed (`why`)
     out: str
     err: str
+    why: str = ""  # why it was killed: no progress for so long, or the cap
+
+    def said(self) -> str:
+        """What to show when it failed: why it was killed, if it was, and the end of what it wrote."""
+        return f"{self.why}\n{self.out[-3000:]}\n{self.err[-3000:]}".strip()
 
 
 @dataclass
@@ -112,27 +123,54 @@ def served_all(s: Setup) -> None:
     wait_for(idle, 30, what="the model to have nothing in flight")
 
 
-def run(argv: list[str], s: Setup, env: dict[str, str], outside: OutsideRefused, timeout: float) -> Ran:
-    """The program in a session of its own, with nothing but loopback reachable; killed at `timeout`; every
-    process of its session gone before this returns."""
+def progress(s: Setup, proxy: RecordingProxy | None) -> tuple[int, ...]:
+    """How far the run's requests have got: those the daemon served 200 (its log), and those the proxy saw answered
+    200 with their response bytes so far (a stream's tokens, its keep-alives while it waits). A refused request is
+    no progress: a program that retries one forever (opencode compacts its history and sends it again) stops."""
+    served = [status for _, _, status in REQUEST_LINE.findall(daemon_log(s))].count("200")
+    if proxy is None:
+        return (served,)
+    answered = [seen for seen in list(proxy.seen) if seen.status == 200]
+    return served, len(answered), sum(len(seen.response) for seen in answered)
+
+
+def run(argv: list[str], s: Setup, env: dict[str, str], outside: OutsideRefused, proxy: RecordingProxy | None = None,
+        timeout: float = CAP_S, quiet_s: float = QUIET_S) -> Ran:
+    """The program in a session of its own, with nothing but loopback reachable; killed after `quiet_s` without
+    progress (`progress`: with `proxy`, the one it talks to the daemon through, its responses' bytes count too;
+    without one, only `timeout` bounds it, as before) or at `timeout` in all; every process of its session gone
+    before this returns."""
     base = {"PATH": f"{s.bin_dir}:/usr/local/bin:/usr/bin:/bin", "HOME": str(s.home), "LANG": "C.UTF-8",
             "TERM": "dumb", "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost",
             **{name: outside.url for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy")}}
     proc = subprocess.Popen(argv, cwd=s.work, env={**base, **env}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
-    rc: int | None
-    try:
-        out, err = proc.communicate(timeout=timeout)
-        rc = proc.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        rc = None
+    rc: int | None = None
+    why = ""
+    began = moved = time.monotonic()
+    last = progress(s, proxy)
+    while True:
+        try:
+            out, err = proc.communicate(timeout=POLL_S)  # a retry after a timeout loses none of the output
+            rc = proc.returncode
+            break
+        except subprocess.TimeoutExpired:
+            now, got = time.monotonic(), progress(s, proxy)
+            if got != last:
+                last, moved = got, now
+            if proxy is not None and now - moved > quiet_s:
+                why = f"killed: no progress for {now - moved:.0f}s ({now - began:.0f}s in; {last})"
+            elif now - began > timeout:
+                why = f"killed: still running after {now - began:.0f}s, the cap ({last})"
+            if why:
+                os.killpg(proc.pid, signal.SIGKILL)
+                out, err = proc.communicate()
+                break
     left = [p.pid for p in psutil.process_iter() if _session(p.pid) == proc.pid]
     for pid in left:  # whatever it left running in its session (a shell, a server)
         os.kill(pid, signal.SIGKILL)
     assert_gone([proc.pid, *left])
-    return Ran(rc, out, err)
+    return Ran(rc, out, err, why)
 
 
 def _session(pid: int) -> int | None:
@@ -155,12 +193,12 @@ def test_claude_code_with_its_defaults_runs_two_turns_on_one_worker(setup: Setup
     with RecordingProxy(setup.daemon.url) as proxy, OutsideRefused() as outside:
         env = {"ANTHROPIC_BASE_URL": proxy.url, "ANTHROPIC_API_KEY": KEY}
         first = run(["claude", "-p", "Create the file made.txt. CLAUDE-STEP-1", *CLAUDE_ARGS], setup, env, outside,
-                    timeout=300)
+                    proxy)
         turn_one = len(proxy.seen)
         second = run(["claude", "-p", "--continue", "Have a helper check made.txt. CLAUDE-HELPER-1", *CLAUDE_ARGS],
-                     setup, env, outside, timeout=300)
+                     setup, env, outside, proxy)
     for ran in (first, second):
-        assert ran.rc is not None, f"claude did not finish: {ran.err[-2000:]}"
+        assert ran.rc is not None, f"claude did not finish: {ran.said()}"
         result = json.loads(ran.out)
         assert result["is_error"] is False and DONE in result["result"], result
     assert made(setup)
@@ -193,8 +231,8 @@ def test_codex_runs_its_exec_command_tool(setup: Setup) -> None:
             '[features]\nplugins = false\n[analytics]\nenabled = false\n[model_providers.mlxsup]\nname = "mlxsup"\n'
             f'base_url = "{proxy.url}/v1"\nenv_key = "MLXSUP_KEY"\nwire_api = "responses"\n')
         ran = run(["codex", "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox",
-                   "Create the file made.txt. CODEX-STEP-1"], setup, {"MLXSUP_KEY": KEY}, outside, timeout=300)
-    assert ran.rc == 0, ran.err[-3000:]
+                   "Create the file made.txt. CODEX-STEP-1"], setup, {"MLXSUP_KEY": KEY}, outside, proxy)
+    assert ran.rc == 0, ran.said()
     assert DONE in ran.out and made(setup)
     assert {s.path for s in proxy.seen} == {"/v1/responses"} and len(proxy.seen) >= 2
     assert "client_metadata" in proxy.seen[0].body and all(s.status == 200 for s in proxy.seen)
@@ -213,10 +251,11 @@ def test_opencode_runs_its_bash_tool(setup: Setup) -> None:
                                     "models": {"qwen3": model}}}}))
         env = {"MLXSUP_KEY": KEY, "OPENCODE_CONFIG": str(config), "OPENCODE_DISABLE_MODELS_FETCH": "1",
                "OPENCODE_DISABLE_AUTOUPDATE": "1"}
-        # a refused request makes it compact its history and retry, forever: the time limit ends that
+        # a refused request makes it compact its history and retry, forever: a refusal is no progress, so the
+        # quiet period ends that
         ran = run(["opencode", "run", "--model", "mlxsup/qwen3", "Create the file made.txt. OPENCODE-STEP-1"], setup,
-                  env, outside, timeout=300)
-    assert ran.rc == 0, ran.err[-3000:]
+                  env, outside, proxy)
+    assert ran.rc == 0, ran.said()
     assert DONE in ran.out and made(setup)
     assert {s.path for s in proxy.seen} == {"/v1/chat/completions"}
     # its default max_tokens (32000) passes the context with its ~21k prompt: clamped, not refused
@@ -233,8 +272,8 @@ def test_continue_runs_its_bash_tool(setup: Setup) -> None:
         (setup.home / ".continue" / "config.yaml").write_text(
             "name: mlxsup\nversion: 0.0.1\nschema: v1\nmodels:\n  - name: qwen3\n    provider: openai\n"
             f"    model: qwen3\n    apiBase: {proxy.url}/v1\n    apiKey: {KEY}\n")
-        ran = run(["cn", "-p", "Create the file made.txt. CONTINUE-STEP-1"], setup, {}, outside, timeout=180)
-    assert ran.rc == 0, ran.err[-3000:]
+        ran = run(["cn", "-p", "Create the file made.txt. CONTINUE-STEP-1"], setup, {}, outside, proxy)
+    assert ran.rc == 0, ran.said()
     assert DONE in ran.out and made(setup)
     assert {s.path for s in proxy.seen} == {"/v1/chat/completions"} and len(proxy.seen) == 2
     opening = proxy.seen[0].body or {}
@@ -260,8 +299,8 @@ def test_aider_applies_its_search_replace_edit(aider_setup: Setup) -> None:
             "output_cost_per_token": 0, "litellm_provider": "openai", "mode": "chat"}}))
         # LITELLM_LOCAL_MODEL_COST_MAP: else litellm fetches that list too, at import
         ran = run(["aider", "--no-git", "--yes-always", "--message", "Change the greeting. AIDER-EDIT-1",
-                   "greeting.txt"], s, {"LITELLM_LOCAL_MODEL_COST_MAP": "True"}, outside, timeout=180)
-    assert ran.rc == 0, ran.out[-3000:] + ran.err[-3000:]
+                   "greeting.txt"], s, {"LITELLM_LOCAL_MODEL_COST_MAP": "True"}, outside, proxy)
+    assert ran.rc == 0, ran.said()
     assert (s.work / "greeting.txt").read_text() == GREETING.replace("hello", AIDER_EDIT)
     assert DONE in ran.out and "Applied edit to greeting.txt" in ran.out, ran.out[-3000:]
     # one request (an edit that failed to apply would be sent back to the model), streamed, no tools
