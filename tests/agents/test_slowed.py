@@ -1,5 +1,5 @@
-"""Issue 47: the real Codex completes its first request against a worker whose prefill takes longer than Codex's idle
-timeout, with no retry: the stream carries Responses' own `response.in_progress` events while the prompt is
+"""Issue 47: the real Codex and Claude Code complete their first request against a prefill longer than their own
+timeouts, with no retry or a retry that picks up where the attempt stopped. Codex, with no retry: the stream carries Responses' own `response.in_progress` events while the prompt is
 prefilled (supervisor/gateway/waits.py), which reset Codex's stream idle timer; the worker, slowed by the `slowed`
 fault (worker/faults.py: 1/20 of the time from its 4th step), is not killed as hung (its watchdog's Pulses).
 
@@ -7,6 +7,9 @@ Codex's idle timeout is its own setting, `stream_idle_timeout_ms` of its model p
 short here (3 s), and the worker slowed 2x ($MLXSUP_TEST_SLOW_FACTOR), so that its first prefill outlasts it many
 times over in a test of minutes. The daemon's log shows it: every
 request served 200, none left by its client (499), the first one's time to first token past the idle timeout.
+Claude Code, with API_TIMEOUT_MS made 20 s against its ~33k-token first prompt (~80 s to prefill here): each attempt
+it gives up on is picked up by the next from its last block (the prefill's checkpoints), or it waits it out (its
+`ping` events): the daemon's log shows which.
 """
 
 from __future__ import annotations
@@ -72,3 +75,39 @@ def test_codex_waits_out_a_prefill_longer_than_its_idle_timeout(slowed: Setup) -
     events = [json.loads(line[5:])["type"] for line in proxy.seen[0].response.decode().splitlines()
               if line.startswith("data:")]
     assert events.count("response.in_progress") >= first_ttft // 1000 // 2, events[:10]
+
+
+USAGE = re.compile(r"\[usage\] rid=(\S+) prompt=(\d+) cached=(\d+) prefilled=(\d+)( aborted)?")
+BLOCK = 64  # the prompt caches' block (the default)
+
+
+@pytest.fixture
+def plain(tmp_path: Path, agent_bin: Path, scripted_daemon: Daemon) -> Iterator[Setup]:
+    """The suite's scripted daemon, not slowed: Claude Code's first prompt takes long enough on this CPU as it is."""
+    yield from _setup(tmp_path, agent_bin, scripted_daemon)
+
+
+def test_claude_code_with_a_short_request_timeout_retries_from_where_it_stopped(plain: Setup) -> None:
+    """Claude Code gives up on a request at its own limit (API_TIMEOUT_MS here made shorter than its ~34k-token first
+    prompt's prefill on this CPU) and sends it again: each retry must pick up what the attempt before it prefilled
+    (its blocks went to the hot cache as they were computed, and its abort kept the rest), re-prefilling at most one
+    block of it; or, where the program waits after all, no retry happens. The daemon's log shows which."""
+    s = plain
+    with RecordingProxy(s.daemon.url) as proxy, OutsideRefused() as outside:
+        env = {"ANTHROPIC_BASE_URL": proxy.url, "ANTHROPIC_API_KEY": KEY, "API_TIMEOUT_MS": "20000"}
+        ran = run(["claude", "-p", "Create the file made.txt. CLAUDE-STEP-1", "--output-format", "json",
+                   "--allowedTools", "Bash"], s, env, outside, proxy)
+    assert ran.rc is not None, ran.said()
+    assert json.loads(ran.out)["is_error"] is False and made(s)
+    attempts = USAGE.findall(daemon_log(s))
+    assert attempts, "no request of Claude Code's reached the worker"
+    by_prompt: dict[int, list[tuple[int, int, bool]]] = {}
+    for _, prompt, cached, prefilled, aborted in attempts:
+        by_prompt.setdefault(int(prompt), []).append((int(cached), int(prefilled), bool(aborted)))
+    for prompt, tries in by_prompt.items():
+        for (c0, p0, aborted), (c1, _, _) in zip(tries, tries[1:]):
+            if aborted:  # given up and sent again: the retry starts from what the attempt had
+                assert c1 >= c0 + p0 - BLOCK, (prompt, tries)
+    if not any(aborted for *_, aborted in attempts):  # no retry: then it waited past its own limit, kept by pings
+        first_ttft = int(SERVED.findall(daemon_log(s))[0][3])
+        assert first_ttft > 20000, f"the first prompt took {first_ttft} ms: shorter than the limit, this shows nothing"
