@@ -394,13 +394,9 @@ def test_a_loop_spinning_in_python_or_deadlocked_is_still_killed(daemon_factory,
     d = daemon_factory("--config", config(tmp_path, fault, SLOWED.format(path=model_dir / "tiny", fault=fault)
                                           .replace("[models", "max_resumes = 0\n\n[models")))
     pid = load(d, "slowed")
-    chunks, error, _ = stream_error_of(d, "slowed")
+    chunks, error, _ = stream_error(d, "slowed", lambda: None)
     assert error is not None and error["code"] == "worker_crashed", error
     assert_gone([pid])
     assert "hung: no message from its generation loop" in d.model("slowed")["last_error"]
     worker_log = (d.state_dir / "logs" / "worker-slowed.log").read_text()
     assert "not computing" in worker_log  # the watchdog looked, and saw no computing
-
-
-def stream_error_of(d: Daemon, model: str) -> tuple[int, dict | None, float]:
-    return stream_error(d, model, lambda: None)

@@ -307,7 +307,7 @@ class Engine:
         assert self.caches is not None
         block, solo = self.caches.block, self.lane.solo
         if solo is not None:
-            reqs = [self._by_uid[solo.uid]] if not solo.decoding and solo.uid in self._by_uid else []
+            reqs = [self._by_uid[solo.uid]] if solo.uid in self._by_uid else []
         else:
             reqs = [req for p in progress if (req := self._by_uid.get(p.uid)) is not None]
         for req in reqs:
@@ -421,8 +421,8 @@ class Engine:
         if self.snapshots is not None:
             self.snapshots.at_prefill_stops(progress)
             self.snapshots.of_replies()
-        if self.caches is not None and self.caches.enabled and (progress or lane.solo is not None):
-            self._checkpoint(progress)
+        if self.caches is not None and self.caches.enabled and (progress or (lane.solo and not lane.solo.decoding)):
+            self._checkpoint(progress)  # prefill steps only: a decode step (the hot path) never enters it
         self.peak_batch_size = max(self.peak_batch_size, len({r.uid for r in responses}))  # a solo's drafts: one
         chunks: list[list] = []
         finished: list[Finished | Failed] = []
