@@ -150,18 +150,25 @@ def aider_bin() -> Path:
     return link / "bin"
 
 
-@pytest.fixture(scope="session")
-def scripted_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    root = tmp_path_factory.mktemp("scripted")
+def start_scripted(root: Path, server: str = "", worker_args: tuple[str, ...] = (),
+                   env: dict | None = None) -> Daemon:
+    """A daemon in `root` whose tiny qwen3 answers from SCRIPT; `server`: more [server] lines, `worker_args` more
+    arguments for its worker (a fault), `env` the daemon's environment."""
     model = root / "qwen3"
     subprocess.run([*MLXSUP, "make-model", str(model), "--arch", "qwen3", "--preset", "tiny"], check=True,
                    capture_output=True)
     script = root / "script.json"
     script.write_text(json.dumps(SCRIPT))
     config = root / "mlxsup.toml"
-    config.write_text(f'[server]\napi_key = "{KEY}"\n'
-                      f'[models.qwen3]\npath = "{model}"\nworker_args = ["--script", "{script}"]\n')
-    d = start_daemon(root / "state", "--config", str(config))
+    args = ", ".join(json.dumps(a) for a in ("--script", str(script), *worker_args))
+    config.write_text(f'[server]\napi_key = "{KEY}"\n{server}'
+                      f'[models.qwen3]\npath = "{model}"\nworker_args = [{args}]\n')
+    return start_daemon(root / "state", "--config", str(config), env=env)
+
+
+@pytest.fixture(scope="session")
+def scripted_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    d = start_scripted(tmp_path_factory.mktemp("scripted"))
     yield d
     assert d.stop() == 0
 

@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.agents.conftest import KEY, SCRIPT
+from tests.agents.conftest import KEY, start_scripted
 from tests.agents.proxy import OutsideRefused, RecordingProxy
 from tests.agents.test_programs import DONE, Setup, _setup, daemon_log, made, run
-from tests.conftest import MLXSUP, Daemon, start_daemon
+from tests.conftest import Daemon
 
 IDLE_MS = 3000
 SLOW_FACTOR = 2  # the worker runs half the time: its first prefill (~19k tokens) still takes many idle timeouts
@@ -34,17 +33,8 @@ SERVED = re.compile(r"\[request\] model=\S+ endpoint=(\S+) status=(\d+) outcome=
 
 @pytest.fixture(scope="module")
 def slowed_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    root = tmp_path_factory.mktemp("slowed")
-    model = root / "qwen3"
-    subprocess.run([*MLXSUP, "make-model", str(model), "--arch", "qwen3", "--preset", "tiny"], check=True,
-                   capture_output=True)
-    script = root / "script.json"
-    script.write_text(json.dumps(SCRIPT))
-    config = root / "mlxsup.toml"
-    config.write_text(f'[server]\napi_key = "{KEY}"\nsse_keepalive_s = 1.0\n'
-                      f'[models.qwen3]\npath = "{model}"\n'
-                      f'worker_args = ["--script", "{script}", "--fault", "slowed"]\n')
-    d = start_daemon(root / "state", "--config", str(config), env={"MLXSUP_TEST_SLOW_FACTOR": str(SLOW_FACTOR)})
+    d = start_scripted(tmp_path_factory.mktemp("slowed"), server="sse_keepalive_s = 1.0\n",
+                       worker_args=("--fault", "slowed"), env={"MLXSUP_TEST_SLOW_FACTOR": str(SLOW_FACTOR)})
     yield d
     assert d.stop() == 0
 
