@@ -102,6 +102,13 @@ class Settings:
     crash_cooldown_s: float = 60.0  # a failed model is tried again after this, or on an explicit load
     restart_backoff_s: float = 0.5  # doubled per recent crash, capped at restart_backoff_max_s
     restart_backoff_max_s: float = 10.0
+    # a model's requests wait in the supervisor (for a load, room for it, a swap, a place on its worker) in arrival
+    # order: at most max_queued_requests at once (one more: 429), each at most queue_timeout_s (then 503), both with
+    # Retry-After; max_running_requests bounds those on its worker at once (its batch and its own queue; 0: twice
+    # max_batch_size)
+    max_queued_requests: int = 64
+    queue_timeout_s: float = 600.0
+    max_running_requests: int = 0
     max_resumes: int = 2  # a request whose worker crashed or was evicted under pressure resumes at most so often
     resume_timeout_s: float = 120.0  # ... and within this long of each suspension, else it fails
     api_key: str | None = None  # when set, every route but /health and the bare /ui page needs "Authorization: Bearer <key>"
@@ -145,6 +152,11 @@ class Settings:
     def model_ttl(self, spec: ModelSpec) -> float | None:
         """A model's idle TTL: its own, else the server's default; None: never."""
         return spec.ttl_s if spec.ttl_s is not None else self.default_ttl_s
+
+    @property
+    def running_limit(self) -> int:
+        """The most requests of one model on its worker at once."""
+        return self.max_running_requests or 2 * self.max_batch_size
 
     def worker_log(self, model_id: str) -> Path:
         """The log file of a model's worker (`spare` for the spare's)."""
@@ -194,6 +206,7 @@ _SERVER_KEYS: dict[str, type | tuple[type, ...]] = {
     "allowed_hosts": list, "allowed_origins": list, "step_target_s": (int, float),
     "warm_batch_shapes": str,
     "max_resumes": int, "resume_timeout_s": (int, float),
+    "max_queued_requests": int, "queue_timeout_s": (int, float), "max_running_requests": int,
     "model_aliases": dict, "default_model": str, "response_store_count": int, "response_store_bytes": int,
     "insecure_no_key": bool, "strict_context": bool, "strict_fields": bool,
     "image_max_bytes": int, "image_max_pixels": int, "image_max_count": int, "image_fetch": bool,
@@ -247,6 +260,8 @@ def load_file(path: Path, settings: Settings) -> Settings:
             value = [Path(v).expanduser() for v in cast(list, value)]
         elif key in ("allowed_hosts", "allowed_origins"):
             value = _web_names(key, cast(list, value), path)
+        elif key in ("max_queued_requests", "queue_timeout_s", "max_running_requests") and cast(float, value) < 0:
+            raise ConfigError(f"{path}: server.{key}: expected a non-negative number, got {value!r}")
         elif key == "warm_batch_shapes" and value not in ("auto", "on", "off"):
             raise ConfigError(f"{path}: server.warm_batch_shapes: expected 'auto', 'on' or 'off', got {value!r}")
         elif key == "model_aliases" and not all(isinstance(v, str) and v for v in cast(dict, value).values()):
