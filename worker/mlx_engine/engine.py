@@ -113,9 +113,9 @@ class Engine:
         self.max_batch_size = max_batch_size
         self.prefill_batch_size = prefill_batch_size
         self.cost = StepCostModel(step_target_s, prefill_step_size, time_one_token(self.model))
-        self.solo_on, compiled, ahead = solo_modes(solo)  # a request alone runs the generate_step way (solo.py)
+        self.solo_on, compiled = solo_modes(solo)  # a request alone runs the generate_step way (solo.py)
         self.graph = DecodeGraph(self.model) if compiled else None  # a solo's decode steps compiled
-        self.lane = SoloLane(self.model, self.gen, self._stop_eos, self._stop_none, ahead)
+        self.lane = SoloLane(self.model, self.gen, self._stop_eos, self._stop_none)
         draft_model, draft_bytes = load_draft(draft, self.tokenizer) if draft is not None else (None, 0)
         self.weights_bytes += draft_bytes  # admission counts the draft model's weights as the model's
         self.speculation = Speculation(speculative, num_draft_tokens, draft_model, self.vocab_size)
@@ -206,8 +206,7 @@ class Engine:
         if self.solo_on and not self._by_rid and not d.processors and msg.logprobs < 0:
             drafting = self.speculation.drafting(msg)
             uid = self.lane.start(tokens, cached, prefix, max_tokens, d.sampler, None if msg.ignore_eos else self._eos,
-                                  self.graph, drafting, frozenset(points), self.batch_drafts.boundary,
-                                  seeded=msg.seed is not None)
+                                  self.graph, drafting, frozenset(points), self.batch_drafts.boundary)
         else:
             self._solo_to_batch()
             drafting = self.speculation.drafting(msg) if not d.processors or d.processors == [d.grammar] else None
