@@ -110,7 +110,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    + "; ".join(f"{name}: {what}" for name, what in sorted(FAULTS.items())))
     p.add_argument("--script", type=Path, default=None,
                    help="testing only: answer matching chat requests with the replies of this JSON script"
-                        " (worker/scripted.py)")
+                        " (worker/mlx_engine/scripted.py)")
     p.add_argument("--group-rank", type=int, default=None,
                    help="a worker group's rank (0 leads and talks to the supervisor; see worker/group_main.py)")
     p.add_argument("--group-size", type=int, default=1)
@@ -170,10 +170,6 @@ def main(argv: list[str] | None = None) -> int:
             name_process(args.model_id, argv)
         faults = Faults(args.fault)
         faults.apply_to_signals()
-        if args.script is not None:
-            from worker.mlx_engine import scripted  # imports MLX: only where a script is given
-
-            scripted.install(args.script)
         code = serve_model(args, sock, shutdown, faults, log)
     except Exception:
         log.exception("[crash] model=%s: unexpected error; exiting with code %d", args.model_id, EXIT_CRASHED)
@@ -292,6 +288,10 @@ def serve_model(args: argparse.Namespace, sock: zmq.Socket, shutdown: Shutdown, 
     gc.collect()
     gc.freeze()
     log.info("[load] model=%s ready in %.2fs frozen_objects=%d", args.model_id, engine.load_s, gc.get_freeze_count())
+    if args.script is not None:  # a test's scripted replies, wired into this engine's decoding (scripted.py)
+        from worker.mlx_engine import scripted
+
+        scripted.install(engine, args.script)
     loop = WorkerLoop(ZmqChannel(sock), engine, args.model_id, shutdown, heartbeat_s=args.heartbeat_s, faults=faults,
                       admit_window_ms=args.admit_window_ms, admit_max=engine.prefill_batch_size,
                       burst_wait_ms=args.burst_wait_ms)

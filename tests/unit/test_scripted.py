@@ -1,15 +1,17 @@
-"""worker/scripted.py: which request a script answers, and that its processor forces exactly the scripted ids
+"""worker/mlx_engine/scripted.py: which request a script answers, and that its processor forces exactly the scripted ids
 through a real sampler (greedy, and sampling at a temperature), whatever the model's logits say."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
 from mlx_lm.sample_utils import make_sampler
 
+from protocol.messages import Submit
 from worker.mlx_engine import scripted
 from worker.mlx_engine.scripted import Script, ScriptedReply, latest_turn_text
 
@@ -65,16 +67,15 @@ def test_nothing_is_scripted_without_a_script(tmp_path: Path) -> None:
             return [ord(c) for c in text]
 
     ask = [{"role": "user", "content": "STEP-1"}]
-    scripted.install(None)
-    assert scripted.processors(ask, Tok()) == []
-    scripted.install(write(tmp_path, SCRIPT))
-    try:
-        (processor,) = scripted.processors(ask, Tok(), done=1)
-        assert processor.ids == [ord(c) for c in "call"] + [2] and processor.at == 1
-        assert scripted.processors(None, Tok()) == []  # a completion, not a chat
-        assert scripted.processors([{"role": "user", "content": "free"}], Tok()) == []
-    finally:
-        scripted.install(None)
+    engine = SimpleNamespace(decoding=SimpleNamespace(tokenizer=Tok(), hooks=[]))  # a chat engine's decoding
+    assert engine.decoding.hooks == []  # an engine nothing was wired into scripts nothing
+    assert not scripted.install(SimpleNamespace(), write(tmp_path, SCRIPT))  # an engine that decodes nothing
+    assert scripted.install(engine, write(tmp_path, SCRIPT))
+    (hook,) = engine.decoding.hooks
+    (processor,) = hook(Submit("r", 0, messages=ask, resume_tokens=[5]))
+    assert processor.ids == [ord(c) for c in "call"] + [2] and processor.at == 1
+    assert hook(Submit("r", 0, prompt="STEP-1")) == []  # a completion, not a chat
+    assert hook(Submit("r", 0, messages=[{"role": "user", "content": "free"}])) == []
 
 
 def write(folder: Path, entries: list) -> Path:

@@ -1,5 +1,6 @@
 """How one request is decoded, set up from its options once, at submit: its sampler, its logits processors
-(penalties and logit_bias, a grammar, a reasoning budget, scripted replies in tests) and its output (the text
+(penalties and logit_bias, a grammar, a reasoning budget, then those of any `hooks` a test wired in: scripted.py's
+replies) and its output (the text
 stream, the reply's parser, logprobs).
 
 Samplers are shared: requests with the same (temperature, top_p, top_k, min_p) get the same one, the most
@@ -24,7 +25,6 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from protocol.messages import INVALID_REQUEST, Submit
 from worker.chat_format import ConstraintError, Family, grammar_for, parser_for, starts_in_think
 from worker.engine_api import RequestRejected
-from worker.mlx_engine import scripted
 from worker.mlx_engine.budget import budget_of, reasoning_budget
 from worker.mlx_engine.guided import GrammarProcessor, Grammars, logprob_entries, penalty_processors, seeded_sampler
 from worker.request_output import RequestOutput
@@ -50,6 +50,8 @@ class Decoding:
         self.grammars = grammars
         self._special = special_token_ids(tokenizer) - family.visible_specials
         self.samplers: OrderedDict[tuple, Callable] = OrderedDict()
+        # processors a test wires in at startup (scripted.py's `install`), applied after every other one; none in service
+        self.hooks: list[Callable[[Submit], list]] = []
 
     def _top_k(self, msg: Submit) -> int:
         return msg.top_k if self.vocab_size <= 0 or msg.top_k < self.vocab_size else 0
@@ -90,7 +92,8 @@ class Decoding:
         if chat and (budget := reasoning_budget(self.family, self.tokenizer, budget_of(
                 msg.reasoning_budget, msg.template_kwargs), in_think, msg.resume_tokens)) is not None:
             processors.append(budget)
-        processors += scripted.processors(msg.messages, self.tokenizer, len(msg.resume_tokens))  # tests only
+        for hook in self.hooks:
+            processors += hook(msg)
         sampler = self.sampler(msg) if msg.seed is None else seeded_sampler(
             msg.temperature, msg.top_p, msg.min_p, self._top_k(msg), msg.seed, skip=len(msg.resume_tokens))
         logprobs = logprob_entries(self.tokenizer.decode, msg.logprobs) if msg.logprobs >= 0 else None

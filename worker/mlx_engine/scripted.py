@@ -12,9 +12,12 @@ the last assistant message). The reply is raw model output, in the family's own 
 `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`), tokenized by the model's tokenizer
 and followed by EOS unless it already ends in one.
 
-Invariants: nothing is scripted unless `install` was given a script (then `processors` costs one
-None check); a request that matches no entry, or is no chat, is generated freely; a scripted
-processor is the last one applied, so its token wins over penalties and grammars.
+The test wires it in: `install` (called at startup by worker/__main__.py when `--script` is given) adds the
+script as a hook of the chat engine's decoding (decoding.py's `hooks`); no other code calls this module, and an
+engine without the hook scripts nothing.
+
+Invariants: a request that matches no entry, or is no chat, is generated freely; a scripted processor is the
+last one applied (the hooks come after every other processor), so its token wins over penalties and grammars.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 
@@ -46,6 +50,15 @@ class Script:
         """The reply of the first entry matched by the latest turn's text; None when none matches."""
         turn = latest_turn_text(messages)
         return next((reply for match, reply in self.entries if match in turn), None)
+
+    def processors(self, messages: list | None, tokenizer: Any, done: int = 0) -> list[ScriptedReply]:
+        """The processor forcing this chat request's scripted reply, if an entry matches (`done`: tokens already
+        generated, a resumed request's)."""
+        reply = self.reply_for(messages) if messages is not None else None
+        if reply is None:
+            return []
+        log.info("[script] reply=%r", reply[:80])
+        return [ScriptedReply(reply_ids(tokenizer, reply), done)]
 
 
 def latest_turn_text(messages: list[dict]) -> str:
@@ -91,23 +104,14 @@ def reply_ids(tokenizer, reply: str) -> list[int]:
     return ids
 
 
-_script: Script | None = None
-
-
-def install(path: Path | None) -> None:
-    """Load the worker's script (from `--script`); None: nothing is scripted."""
-    global _script
-    _script = Script.load(path) if path is not None else None
-    if _script is not None:
-        log.warning("[script] replies scripted from %s (%d entries): for tests only", path, len(_script.entries))
-
-
-def processors(messages: list | None, tokenizer, done: int = 0) -> list[ScriptedReply]:
-    """The processor forcing this chat request's scripted reply, if a script is installed and an entry matches."""
-    if _script is None or messages is None:
-        return []
-    reply = _script.reply_for(messages)
-    if reply is None:
-        return []
-    log.info("[script] reply=%r", reply[:80])
-    return [ScriptedReply(reply_ids(tokenizer, reply), done)]
+def install(engine: Any, path: Path) -> bool:
+    """Wire the script (from `--script`, a test's flag) into a chat engine: a hook of its decoding, so its matching
+    requests get the forcing processor. False for an engine that decodes nothing (an embedding model's)."""
+    decoding = getattr(engine, "decoding", None)
+    if decoding is None:
+        log.warning("[script] %s not installed: this engine generates no replies", path)
+        return False
+    script, tokenizer = Script.load(path), decoding.tokenizer
+    decoding.hooks.append(lambda msg: script.processors(msg.messages, tokenizer, len(msg.resume_tokens)))
+    log.warning("[script] replies scripted from %s (%d entries): for tests only", path, len(script.entries))
+    return True
