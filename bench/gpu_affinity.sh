@@ -1,6 +1,5 @@
 #!/usr/bin/env bash
-# Is a process's single-stream speed on the GPU host a matter of where it runs? (issue 15: stream_generate in a
-# subprocess measured 3.1 ms a token against 2.0 in the diagnosing process.) After bench/gpu_run.sh's set-up:
+# Is a process's single-stream speed on the GPU host a matter of the CPUs it runs on? After bench/gpu_run.sh's set-up:
 #     bash bench/gpu_run.sh -- bash bench/gpu_affinity.sh
 set -u
 W=/tmp/bw
