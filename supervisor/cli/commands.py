@@ -34,10 +34,6 @@ from supervisor.config import DEFAULT_PORT, ConfigError, Settings, parse_size, r
 from supervisor.config_view import effective, to_toml
 from supervisor.reports import EvictReport, ModelStatus
 
-# `mlxsup make-model --arch`: the families worker/mlx_engine/make_model writes (the supervisor never imports the worker)
-MODEL_ARCHES = ["llama", "qwen3", "qwen3_moe", "gemma3", "gpt_oss", "qwen3_5",
-                "qwen3-embedding", "qwen3-reranker", "bert",
-                "xlm-roberta", "modernbert"]
 EVICT_PROGRESS_S = 0.5  # an evict that takes longer than this says what it is waiting for
 
 
@@ -219,11 +215,9 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
-    argv = [sys.executable, "-m", "worker.mlx_engine.make_model", args.dir, "--arch", args.arch,
-            "--preset", args.preset, "--seed", str(args.seed)]
-    if args.quantize:
-        argv += ["--quantize", str(args.quantize)]
-    return subprocess.run(argv).returncode
+    """Every argument goes to the worker's make_model, whose parser is the one list of architectures, presets and
+    options (`mlxsup make-model --help` is its help); the supervisor never imports the worker, so it runs it."""
+    return subprocess.run([sys.executable, "-m", "worker.mlx_engine.make_model", *args.make_model_args]).returncode
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -346,15 +340,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true", help="print JSON instead of TOML")
     c.set_defaults(func=cmd_config_show)
 
-    m = sub.add_parser("make-model", help="write a random-weight model (for tests and benchmarks)")
-    m.add_argument("dir", help="the folder to write the model to")
-    m.add_argument("--arch", default="llama", choices=MODEL_ARCHES,
-                   help="architecture family (mlx-lm's model classes, real config fields, tokens and chat template)")
-    m.add_argument("--preset", default="tiny", choices=["tiny", "small", "1b"],
-                   help="tiny: a few MB, for tests; small: ~100M parameters; 1b: ~1B parameters in bf16")
-    m.add_argument("--quantize", type=int, default=None, choices=[4, 8],
-                   help="bits per weight, affine, group size 64, as mlx-lm converts")
-    m.add_argument("--seed", type=int, default=0, help="random seed of the weights (default 0)")
+    m = sub.add_parser("make-model", add_help=False,  # its arguments, --help too, are the worker's make_model's
+                       help="write a random-weight model (for tests and benchmarks); --help lists its architectures")
     m.set_defaults(func=cmd_make_model)
 
     add_model_parsers(sub, client)
@@ -364,7 +351,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if getattr(args, "func", None) is cmd_make_model:
+        args.make_model_args = rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         code = args.func(args)
         sys.stdout.flush()  # here, where a reader gone is handled below, not at exit
