@@ -1,1 +1,1 @@
-"""mlxsup benchmark suite (issue 7) and eviction benchmark (issue 3). Run: python -m bench --help."""
+"""mlxsup benchmark suite: which question each command answers is bench/QUESTIONS.md. Run: python -m bench --help."""

@@ -1,4 +1,4 @@
-"""Replay recorded coding-agent sessions against the daemon and measure what the prompt caches save (issue 34).
+"""Replay recorded coding-agent sessions against the daemon and measure what the prompt caches save.
 
     .venv/bin/python -m bench.agent_replay [--families llama,qwen3,qwen3_5,gemma3,gpt_oss] [--preset tiny]
         [--programs claude,codex,opencode] [--modes plain,ssd,interleaved] [--cold first,2,last|all|none]

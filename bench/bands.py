@@ -1,5 +1,5 @@
 """The host's speeds, told apart: a round's ITL p50 on the GPU host falls into one of two bands, not a spread
-(bench/results/gpu/itl-s14/, `siblings/`: other busy CPUs put the decoding CPU at the slow speed). A side's tok/s
+(other busy CPUs put the decoding CPU at the slow speed: bench.cpu_siblings). A side's tok/s
 ratio then mostly counts how many fast rounds each side got. So the report also compares sides within a band.
 
 `speed_bands(runs, c)` pools the per-round ITL p50s at `c` clients of the sides that decode the same way (in-process

@@ -1,4 +1,4 @@
-"""How close each side's decode is to the memory-bandwidth limit (issue 15).
+"""How close each side's decode is to the memory-bandwidth limit.
 
 A decode step reads every weight once, whatever the batch, so no step can be shorter than
 weight bytes / memory bandwidth. Per side and concurrency, the bench sets its per-token decode

@@ -1,4 +1,4 @@
-"""Constrained decoding's cost per token (issue 13), in process, on the worker's own engine.
+"""Constrained decoding's cost per token, in process, on the worker's own engine.
 
     python -m bench.constrained --out bench/results/cpu/constrained          # ~3 min on the 2-core CPU box
     python -m bench.constrained --preset tiny --steps 20 --out /tmp/c        # smoke

@@ -1,15 +1,11 @@
-"""Where a fresh worker's first Claude Code turn (a 30k-token prompt, scripted reply) spends its time, in one process
-(issue 34, session 9). The Engine as the worker builds it (hot and SSD caches), the first recorded request with
-max_tokens 1; every slow step printed, and every thread's Python stack dumped every DUMP_S seconds (faulthandler).
+"""Where a fresh worker's first Claude Code turn (a 30k-token prompt, scripted reply) spends its time, in one process.
+The Engine as the worker builds it (hot and SSD caches), the first recorded request with max_tokens 1; every slow
+step printed, and every thread's Python stack dumped every DUMP_S seconds (faulthandler).
 
     python -m bench.diag_first_turn [preset] [ssd]
 
-On a fresh H100 (session 9): the prefill took ~5 s, then the first two decode steps 27 s and 8.7 s, the main thread
-waiting in mlx-lm's GenerationBatch._step for the GPU; 43 ms on this CPU. Run again in a second process on the same
-host, the same turn took 18 s with the worker's start (and routing that decode's attention away from cuDNN changed
-nothing: 21 s and 8 s on a fresh host): MLX CUDA compiles the kernels a batch's first decode needs (NVRTC) and keeps
-them on disk for the host's later processes. mlx_lm.server's 3.8 s first turn in the replay ran after mlxsup's on the
-same host, with those kernels compiled.
+On a fresh GPU host the first decode steps wait for MLX CUDA to compile the kernels a batch's first decode needs
+(NVRTC), which it keeps on disk for the host's later processes: compare a fresh host's run with a second process's.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ engine   one process, batch 1, ITL of: S mlx_lm.stream_generate; A mlx_lm.load +
          `--solo auto` picks on this machine;
          C B's model under a plain BatchGenerator loop; D = B plus, per step, what WorkerLoop adds
          (msgpack-encode the Tokens message, zmq send, zmq poll(0)): which of these makes the worker slow
-store    the prompt caches' share of the generation loop (issue 15): Engine with a hot and an SSD cache, waves of
+store    the prompt caches' share of the generation loop: Engine with a hot and an SSD cache, waves of
          `n` requests with distinct ~4-block prompts finishing together; the seconds inside PromptCaches.store and
          .hand_off (where it exists) against the seconds inside Engine.step
 chains   the same, without a model: 32 finished sequences of 1b-preset K/V (16 layers, 8 KV heads, head dim 64,

@@ -1,4 +1,4 @@
-"""Embeddings throughput (issue 28): the daemon's /v1/embeddings against in-process batched calls of the same library.
+"""Embeddings throughput: the daemon's /v1/embeddings against in-process batched calls of the same library.
 
     python -m bench.embeddings --out bench/results/cpu/embeddings               # the CPU box: ~4 min
     python -m bench.embeddings --profile gpu --out "$OUT/gpu/embeddings"        # the GPU host (bench/gpu_run.sh --)

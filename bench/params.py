@@ -27,7 +27,7 @@ class Params:
     profile_rounds: int = 2
     run_cache_bench: bool = True  # run bench/cache_bench.py (else include its committed results)
     cache_tokens: int = 2048
-    # prefill_itl (issue 10): itl_streams decode; one long prompt arrives; their ITL during its prefill
+    # prefill_itl: itl_streams decode; one long prompt arrives; their ITL during its prefill
     itl_streams: int = 8
     itl_baseline_tokens: int = 128  # per stream, in the run without the long prompt
     itl_long_prompt_words: int = 6000  # ~6k tokens on the 1b preset's tokenizer (a word a token)
@@ -36,7 +36,7 @@ class Params:
     itl_stream_max_tokens: int = 2048  # a ceiling only: the streams are cut after the tail
     itl_rounds: int = 3
     itl_step_targets: list = field(default_factory=lambda: [None, 0.05])  # mlxsup daemons (None: its default)
-    # resume (issue 18): a greedy stream whose worker is SIGKILLed after resume_lead_tokens, resumed
+    # resume: a greedy stream whose worker is SIGKILLed after resume_lead_tokens, resumed
     resume_prompt_words: int = 2000  # "w123"-style words: ~2.6 tokens each on the small preset
     resume_tokens: int = 256
     resume_lead_tokens: int = 64

@@ -1,4 +1,4 @@
-"""Section prefill_itl (issue 10): inter-token latency of decoding streams while a long prompt is prefilled.
+"""Section prefill_itl: inter-token latency of decoding streams while a long prompt is prefilled.
 
 For each HTTP side (mlxsup, one daemon per step target asked for; mlx_lm.server), same model:
   baseline  N streaming chat requests generating `itl_baseline_tokens` each: every gap between two

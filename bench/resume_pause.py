@@ -1,4 +1,4 @@
-"""Section resume (issue 18): the pause a stream sees when its worker is SIGKILLed and the request resumes.
+"""Section resume: the pause a stream sees when its worker is SIGKILLed and the request resumes.
 
 For each side (mlxsup with its prompt caches on, the default; mlxsup with `[cache] enabled = false`),
 one daemon on a fresh state directory, the same model:

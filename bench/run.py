@@ -1,13 +1,13 @@
 """The benchmark harness: every section, one command. See bench/README.md.
 
-Sections (issue 7; the eviction one also answers issue 3):
+Sections (bench/QUESTIONS.md says which question each answers):
   throughput  1/8/32 concurrent streaming clients: in-process mlx-lm (the ceiling) vs mlxsup vs mlx_lm.server
   cold_start  first request to first token for a model not loaded vs mlx_lm.load + first token in-process
   eviction    evict an idle worker and one with 8 streams in flight; is the process gone, is memory back
   overhead    per-chunk time mlxsup adds between the worker producing a token and the client receiving it
-  cache       slot for bench/cache_bench.py (another branch)
-  prefill_itl issue 10: ITL of 8 decoding streams while a long prompt is prefilled, and without (bench/prefill_itl.py)
-  resume      issue 18: the pause of a stream whose worker is SIGKILLed, with and without prompt caches (bench/resume_pause.py)
+  cache       bench/cache_bench.py's results, run here or the committed ones (section_cache)
+  prefill_itl ITL of 8 decoding streams while a long prompt is prefilled, and without (bench/prefill_itl.py)
+  resume      the pause of a stream whose worker is SIGKILLed, with and without prompt caches (bench/resume_pause.py)
 
 The harness itself never imports MLX: the sides run in their own processes, and every process it
 starts is stopped and proven gone in a finally.
@@ -398,7 +398,7 @@ class Bench:
         }
         return res
 
-    # --- 3. eviction (issue 3) ------------------------------------------------------------
+    # --- 3. eviction ---------------------------------------------------------------------
 
     async def section_eviction(self) -> dict:
         p = self.p
@@ -591,7 +591,7 @@ class Bench:
                 shutil.copy(src, self.out / f"profile-{name}.collapsed.txt")
         return res
 
-    # --- 6. inter-token latency during a long prefill (issue 10) -------------------------------
+    # --- 6. inter-token latency during a long prefill ----------------------------------------
 
     async def section_prefill_itl(self) -> dict:
         return await prefill_itl.run(self)
@@ -603,10 +603,10 @@ class Bench:
 
     async def section_cache(self) -> dict:
         # ---------------------------------------------------------------------------------------
-        # CACHE SLOT (issue 7, section 4). The prompt-cache benchmark is bench/cache_bench.py (written in
-        # another branch; TTFT of one long prompt: cold, hot-cache hit, SSD hit after evict + reload). This
-        # section includes its results: it runs it (profile param run_cache_bench, a subprocess bounded by
-        # the deadline, on this run's preset) or else takes the committed bench/results/cache_bench.json.
+        # CACHE (section 4). The prompt-cache benchmark is bench/cache_bench.py (TTFT of one long prompt:
+        # cold, hot-cache hit, SSD hit after evict + reload). This section includes its results: it runs it
+        # (profile param run_cache_bench, a subprocess bounded by the deadline, on this run's preset) or else
+        # takes the committed CPU result (bench/results/cpu/cache/cache_bench.json).
         # Its JSON goes under "cache" and its markdown into results.md as section 4.
         # ---------------------------------------------------------------------------------------
         script = REPO / "bench" / "cache_bench.py"

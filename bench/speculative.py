@@ -1,4 +1,4 @@
-"""Single-stream decoding with speculative decoding on and off (issue 30), in one process on the worker's Engine.
+"""Single-stream decoding with speculative decoding on and off, in one process on the worker's Engine.
 
     python -m bench.speculative --demo --out F.json                # SmolLM2-135M-Instruct (serve --demo's import)
     python -m bench.speculative --model DIR --modes off,prompt-lookup,draft [--draft DIR] --out F.json
@@ -17,7 +17,7 @@ drafting mode also the acceptance rate (kept / drafted over every round) and wha
 Without `--draft`, the draft mode's model is made here: `make-model --draft-for MODEL --preset DRAFT_PRESET`
 (a smaller model with the target's tokenizer; random weights, so it accepts almost nothing).
 
-`--oracle K1-K2` measures the mechanism's ceiling instead (issue 30): a plain run records the target's greedy
+`--oracle K1-K2` measures the mechanism's ceiling instead: a plain run records the target's greedy
 output, and the oracle (speculative.py's `Oracle`) proposes it back at each draft length, so every draft is kept
 and drafting costs nothing. Each round runs plain and every length once (the order reversed every other round),
 EOS ignored (random weights end early); per length: tokens/s and decode ms/token (median over rounds, with the

@@ -1,6 +1,6 @@
 """python -m bench.stream_cost [--tokens 65536] [--rounds 3] [--out FILE.json]
 
-The gateway's own cost per token (issue 25: shaping, SSE, the call plumbing), without MLX or a
+The gateway's own cost per token (shaping, SSE, the call plumbing), without MLX or a
 worker: the real Starlette app (build_app) driven through ASGI in process, with a stub router whose
 lease hands out a real `Stream` fed by a fake token source. `paced`: the source puts the next delta
 only once the gateway waits for it, as when a worker's step takes longer than the gateway's work (a
@@ -10,8 +10,7 @@ streamed and whole; a long answer: 1/8 reasoning, 3/4 text, 1/8 one tool call's 
 token a delta. Reported per token: CPU time (us, the process's: the gateway runs in one thread, and
 its CPU time is what other processes on a shared machine change least), tasks created, response
 writes (ASGI body messages). `floor` is the source alone, read by a bare `queue.get()` loop. Runs on any revision
-whose gateway has build_app and supervisor.workers.Stream (the numbers before and after issue 25
-come from the same file).
+whose gateway has build_app and supervisor.workers.Stream, so two trees compare with the same file.
 """
 
 from __future__ import annotations

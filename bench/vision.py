@@ -1,4 +1,4 @@
-"""Vision (issue 29): one image + a short prompt through the daemon against mlx-vlm in process, at 1 and 8 clients.
+"""Vision: one image + a short prompt through the daemon against mlx-vlm in process, at 1 and 8 clients.
 
     python -m bench.vision --out bench/results/cpu/vision                        # the CPU box: a few minutes
     python -m bench.vision --profile gpu --out "$OUT/gpu/vision"                 # the GPU host (bench/gpu_run.sh --)

@@ -1,4 +1,4 @@
-"""A model folder's config.json and weights' headers as numbers both sides can trust (issue 48).
+"""A model folder's config.json and weights' headers as numbers both sides can trust.
 
 A config.json is input like any other: `num_hidden_layers: 1000000000` made mlx-lm build a billion layers before
 it read a weight (the worker grew past 6 GB, unbounded, while its client waited), `hidden_size: -64` failed as

@@ -1,4 +1,4 @@
-"""A model's speculative decoding options in the config: `speculative`, `draft`, `num_draft_tokens` (issue 30).
+"""A model's speculative decoding options in the config: `speculative`, `draft`, `num_draft_tokens`.
 
     [models.coder]
     path = "..."

@@ -1,4 +1,4 @@
-"""Memory an exit did not give back (issue 48, item 9), measured, reported, and counted in admission.
+"""Memory an exit did not give back, measured, reported, and counted in admission.
 
 On macOS a killed or crashed MLX process can leave its wired memory stranded until reboot (reports against peers on
 macOS 26.x); mlxsup's design rests on a worker's exit returning every byte, so it checks. The measure is the host's

@@ -1,5 +1,5 @@
 """Which MLX stream a worker's evals run on: an eval from another stream than the one that computed its inputs
-synchronises across the two (what cost the solo ~0.5 ms a token on MLX CUDA; bench/results/gpu/itl-s11)."""
+synchronises across the two (on MLX CUDA, ~0.5 ms a token for a lone stream)."""
 
 from __future__ import annotations
 
