@@ -104,6 +104,14 @@ def test_each_current_result_is_there_and_the_newest_in_its_folder(row: dict[str
     assert not newer, f"{row['id']}: {rel} is not the newest result in its folder; newer: {newer} (update QUESTIONS.md)"
 
 
+def test_every_result_outside_history_answers_a_question() -> None:
+    folders = {(ROOT / _code(r["current result"])).parent for r in ROWS}
+    results = BENCH / "results"
+    orphans = sorted(str(p.parent.relative_to(ROOT)) for p in results.rglob("*.json")
+                     if "history" not in p.relative_to(results).parts and p.parent not in folders)
+    assert not orphans, f"results no question in QUESTIONS.md names (name them, or move them to history/): {orphans}"
+
+
 def test_no_bench_script_is_named_after_when_it_was_written() -> None:
     dated = sorted(p.name for p in BENCH.iterdir()
                    if p.suffix in (".sh", ".py") and re.search(r"(_s\d+|session\d*|_final|_diag_s\d)", p.stem))
