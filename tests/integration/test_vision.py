@@ -88,7 +88,7 @@ def reference(engine, img: Image.Image) -> tuple[list[int], list[float]]:
     # mlx-vlm 0.7.10 tokenizes Gemma 3 prompts with special tokens (its Gemma3Processor never holds the chat
     # template), adding a second <bos>: hand it the prompt without the template's, so both see the same tokens
     text = text.removeprefix("<bos>")
-    vlm, processor = engine.model.vlm, engine.prompts.processor
+    vlm, processor = engine.model.vlm, engine.vision.processor
     tokens, logprobs = [], []
     for out in stream_generate(vlm, processor, text, image=[img], max_tokens=MAX_TOKENS, temperature=0.0):
         tokens.append(out.token)
@@ -327,12 +327,12 @@ def scored(engine, msg: Submit) -> tuple[list[int], list[float], int]:
 def image_end(engine, msg: Submit) -> int:
     """How many of the prompt's tokens run through its last image token."""
     ids = engine.tokenize(msg)
-    image_token = engine.prompts.images.image_token
+    image_token = engine.vision.image_token
     return max(i for i, t in enumerate(ids) if t == image_token) + 1
 
 
 def image_start(engine, msg: Submit) -> int:
-    return engine.tokenize(msg).index(engine.prompts.images.image_token)
+    return engine.tokenize(msg).index(engine.vision.image_token)
 
 
 def turn(rid: str, img: Image.Image, messages: list = TURN_TWO) -> Submit:
@@ -342,7 +342,7 @@ def turn(rid: str, img: Image.Image, messages: list = TURN_TWO) -> Submit:
 def test_a_second_turn_with_the_same_image_is_a_cache_hit_with_the_same_output(cached, engine) -> None:
     """The hit covers the image (the tower does not run again: its K/V came from the cache) and the answer, tokens
     and each logprob, is the uncached engine's: Qwen's rope delta after the image is right on a hit."""
-    if engine.prompts.images.decoder.mrope != cached.prompts.images.decoder.mrope:
+    if engine.vision.decoder.mrope != cached.vision.decoder.mrope:
         pytest.skip("one family at a time")  # the two module fixtures are parametrized independently
     img = picture(11)
     expected_ids, expected_lp, none = scored(engine, turn("plain", img))  # no prompt cache at all
@@ -383,7 +383,7 @@ def test_the_towers_output_for_an_image_seen_before_is_reused(engine) -> None:
 
 
 def test_the_worker_limits_images_per_request_and_pixels_per_batch(engine) -> None:
-    prompts = engine.prompts
+    prompts = engine.vision
     limits = prompts.max_images, prompts.max_batch_pixels
     two = [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Compare."}]}]
     big = Image.fromarray(np.zeros((512, 512, 3), dtype="uint8"))

@@ -4,10 +4,12 @@ The only code that touches MLX at generation time. It runs on the worker's main 
 (MLX aborts at exit when generation ran on other threads) and knows nothing of sockets: the
 loop in worker/loop.py feeds it Submit/Abort messages and ships what step() returns. It
 implements worker/engine_api.py's EngineApi, all the loop knows of it. What is not the batch is
-composed in: a prompt's encoding and checks (prompt.py: `submit`, `tokenize`), a request's sampler,
-logits processors and output (decoding.py), a request alone (solo.py's SoloLane), a few greedy requests
-drafting together (batch_drafting.py: a step of theirs may replace `gen.next()`), the model's loading (loading.py)
-and the idle warm-up after Ready (warmup.py's WarmUp: `warm_step`).
+composed in: a Submit made once into an EngineRequest (request.py: its prompt's encoding and checks through
+prompt.py, its sampler, logits processors and output through decoding.py, its drafting, its cache keys), which
+`_start` then starts; a vision-language model's images (vision.py's VisionInput, given to the constructor); a
+request alone (solo.py's SoloLane); a few greedy requests drafting together (batch_drafting.py: a step of theirs
+may replace `gen.next()`); the model's loading (loading.py) and the idle warm-up after Ready (warmup.py's WarmUp:
+`warm_step`).
 
 Invariants: every admitted request ends in exactly one Finished or Failed (a grammar failing
 mid-request: a Failed for it alone); a request that is aborted or finished is removed from the
@@ -37,7 +39,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlx_lm.generate import BatchGenerator, StopSequences
 
@@ -56,6 +58,7 @@ from worker.mlx_engine.loading import load_with_progress, time_one_token
 from worker.mlx_engine.prompt import Prompts
 from worker.mlx_engine.prompt_cache import CacheOptions, PromptCaches
 from worker.mlx_engine.release import release
+from worker.mlx_engine.request import EngineRequest, Requests
 from worker.mlx_engine.request_state import Request
 from worker.mlx_engine.snapshots import Snapshots
 from worker.mlx_engine.solo import Solo, SoloLane
@@ -63,6 +66,12 @@ from worker.mlx_engine.speculative import DEFAULT_DRAFT_TOKENS, DraftCounts, Spe
 from worker.mlx_engine.warmup import Warmed, WarmUp, wants_warm_up
 from worker.step_cost import PrefillSeq, StepCostModel, StepPlan, StepWork
 from worker.text_thread import TextThread
+
+if TYPE_CHECKING:
+    from worker.mlx_engine.vision import VisionInput
+
+    # (the loaded model, its prompts, its caches) -> the engine's vision part, made once at its construction
+    VisionPart = Callable[[Any, Prompts, PromptCaches | None], VisionInput]
 
 # finished sequences whose prompt-cache stores wait, while other requests decode, for an idle engine or the next lookup
 # (a store stalls every stream: ~70 ms a step when 8 of 32 ended together on the GPU host); past this, stored at once
@@ -82,7 +91,8 @@ class Engine:
                  strict_context: bool = False, max_context: int | None = None, speculative: str = "off",
                  draft: Path | None = None,
                  num_draft_tokens: int = DEFAULT_DRAFT_TOKENS, defer_stores: bool = False, text_thread: bool = False,
-                 loader: Callable[[Path, Callable[[str, float], None]], tuple] = load_with_progress) -> None:
+                 loader: Callable[[Path, Callable[[str, float], None]], tuple] = load_with_progress,
+                 vision: VisionPart | None = None) -> None:
         t0 = time.perf_counter()
         self.attention_routed = attention_route(attention)  # short prefills unfused on CUDA (mlx_engine/attention.py)
         self.model, self.tokenizer = loader(model_path, report)  # a group's rank: its shard (mlx_engine/group.py)
@@ -118,7 +128,7 @@ class Engine:
         self.lane = SoloLane(self.model, self.gen, self._stop_eos, self._stop_none)
         draft_model, draft_bytes = load_draft(draft, self.tokenizer) if draft is not None else (None, 0)
         self.weights_bytes += draft_bytes  # admission counts the draft model's weights as the model's
-        self.speculation = Speculation(speculative, num_draft_tokens, draft_model, self.vocab_size)
+        speculation = Speculation(speculative, num_draft_tokens, draft_model, self.vocab_size)
         # the decode graph's first trace and the batch shapes are warmed after Ready, a step at a time while idle
         self.warmer = WarmUp(self.model, self.graph, max_batch_size, prefill_batch_size, prefill_step_size,
                              warm_budget_s, model_id) if wants_warm_up(warm) else None
@@ -147,12 +157,12 @@ class Engine:
         # greedy batches of a few rows draft in lockstep (batch_drafting.py), meeting each reply-snapshot boundary
         self.batch_drafts = BatchDrafting(self.model, self.gen, self.caches.block if self.caches is not None
                                           and self.caches.layout.snapshots else 0)
-        # (rid, tokens, cached, the prompt caches' prefix) -> (tokens in the starting cache, it, how many of them came
-        # from the prompt caches): a prefix computed outside the batch; None: the caches' own (vision.py)
-        self.prefill: Callable[[str, list[int], int, list | None], tuple[int, list, int] | None] | None = None
-        self.cache_keys: Callable[[list[int]], list[int]] | None = None  # tokens -> the caches' key ids (vision.py)
         self.released: list[str] = []  # settle's release steps, in their order (release.py)
         self.load_s = time.perf_counter() - t0
+        # a vision-language model's images (vision.py's VisionInput: their prompts, cache keys and prefill), made from
+        # the loaded model once the caches are (its probe of an image's working memory is not the load's time)
+        self.vision = vision(self.model, self.prompts, self.caches) if vision is not None else None
+        self.requests = Requests(self.prompts, self.decoding, speculation, self.caches, self.vision)  # request.py
 
     # --- admission ---------------------------------------------------------------------
 
@@ -174,76 +184,86 @@ class Engine:
     def _solo(self) -> Solo | None:  # the request alone, if any (tests read it by this name)
         return self.lane.solo
 
+    @property
+    def speculation(self) -> Speculation:  # the requests' drafting, as configured (tests swap it)
+        return self.requests.speculation
+
+    @speculation.setter
+    def speculation(self, speculation: Speculation) -> None:
+        self.requests.speculation = speculation
+
     def tokenize(self, msg: Submit) -> list[int]:
         """The prompt's token ids as `submit` would encode and check them; nothing generated, the batch untouched."""
-        return self.prompts.tokenize(msg)
+        return self.requests.tokenize(msg)
 
     def submit(self, msg: Submit) -> None:
-        """Admit a request (prompt.py: its max_tokens capped to the context's room; stopped there, it finishes as
-        "context_window"), as the solo if it is alone and needs nothing only the batch has (logits processors...)."""
+        """Admit a request: made once into an EngineRequest (request.py: its tokens, max_tokens capped to the context's
+        room, decoding, drafting, cache keys), then started (`_start`)."""
+        self._admit(msg)
+
+    def _admit(self, msg: Submit, pictures: list | None = None) -> None:
         if msg.rid in self._by_rid:
             raise RequestRejected(INVALID_REQUEST, f"request id {msg.rid} is already in flight")
-        tokens, prompt_tokens, max_tokens = self.prompts.admit(msg)
-        d = self.decoding.setup(msg, tokens[:prompt_tokens])
-        keys = self.cache_keys(tokens) if self.cache_keys is not None else tokens
+        self._start(self.requests.build(msg, pictures))
+
+    def _start(self, r: EngineRequest) -> None:
+        """Start a request: its prefix from the prompt caches (or the vision part's image prefill), its marks kept, and
+        its lane: the solo if it is alone and needs nothing only the batch has (`alone_ok`), else the batch (stopped
+        at max_tokens by the context's room, it finishes as "context_window")."""
+        tokens, keys, d = r.tokens, r.keys, r.decoding
         if self._stores:  # a conversation's next turn finds its last one's cache
             self._flush_stores()
-        cached, prefix, hit = self._lookup(msg.rid, tokens, keys)
+        cached, prefix, hit = self._lookup(r)
         marked = 0  # the end of the last breakpoint's prefix: Anthropic's usage counts a cache write up to there only
         if self.caches is not None:
-            for n, ttl_s in msg.cache_mark:  # cache_control breakpoints, a prompt_cache_key: prefixes kept a while
-                end = self.prompts.marked(msg, tokens[:prompt_tokens], int(n))
-                self.caches.keep(keys[:end], float(ttl_s))
+            for end, ttl_s in r.marks:  # cache_control breakpoints, a prompt_cache_key: prefixes kept a while
+                self.caches.keep(keys[:end], ttl_s)
                 marked = max(marked, end)
         # a hybrid's prefill also stops where the prompt leaves a cached one (caches.matched) and where sibling
         # sessions branch off (its head of system prompt and tools, its first user turn's parts): they pick up there
         points = [] if self.caches is None else self.caches.snapshot_points(
-            len(tokens), cached, self.caches.matched,
-            self.prompts.branch_ends(msg, tokens[:prompt_tokens]) if self.caches.layout.snapshots and self.caches.enabled
-            else [])
+            len(tokens), cached, self.caches.matched, list(r.branches))
         cuts = [0] + [p - cached for p in points] + [len(tokens) - cached]
-        drafting = None
-        if self.solo_on and not self._by_rid and not d.processors and msg.logprobs < 0:
-            drafting = self.speculation.drafting(msg)
-            uid = self.lane.start(tokens, cached, prefix, max_tokens, d.sampler, None if msg.ignore_eos else self._eos,
+        drafting = r.drafting
+        if self.solo_on and not self._by_rid and r.alone_ok:
+            uid = self.lane.start(tokens, cached, prefix, r.max_tokens, d.sampler, None if r.ignore_eos else self._eos,
                                   self.graph, drafting, frozenset(points), self.batch_drafts.boundary)
         else:
             self._solo_to_batch()
-            drafting = self.speculation.drafting(msg) if not d.processors or d.processors == [d.grammar] else None
             (uid,) = self.gen.insert_segments(
                 [[tokens[cached + a:cached + b] for a, b in zip(cuts, cuts[1:]) if b > a]],  # prefill stops at each point
-                max_tokens=[max_tokens],
+                max_tokens=[r.max_tokens],
                 caches=[prefix] if prefix is not None else None,
                 all_tokens=[tokens[:cached]],
                 samplers=[drafting.draws if drafting is not None and drafting.draws is not None  # type: ignore[list-item]
                           else d.sampler],  # a seeded request's draws, which drafting steps draw on too; None: greedy
                 logits_processors=[d.processors],
-                stop_sequences=[self._stop_none if msg.ignore_eos else self._stop_eos],
+                stop_sequences=[self._stop_none if r.ignore_eos else self._stop_eos],
             )
             self.batch_drafts.add(uid, drafting)
-        req = Request(msg.rid, uid, prompt_tokens, d.out, completion_tokens=len(msg.resume_tokens),
-                      cached_tokens=min(hit, prompt_tokens), prefill_left=len(tokens) - cached - 1, position=cached,
-                      start=cached, snapshot_at=frozenset(points), grammar=d.grammar,
-                      clamped=max_tokens < msg.max_tokens or not msg.max_tokens,
+        req = Request(r.rid, uid, r.prompt_tokens, d.out, completion_tokens=r.resumed,
+                      cached_tokens=min(hit, r.prompt_tokens), prefill_left=len(tokens) - cached - 1, position=cached,
+                      start=cached, snapshot_at=frozenset(points), grammar=d.grammar, clamped=r.clamped,
                       drafts=drafting.counts if drafting is not None else DraftCounts(),
-                      cache_written=max(0, min(self.caches.kept_end(prompt_tokens), marked) - hit)
+                      cache_written=max(0, min(self.caches.kept_end(r.prompt_tokens), marked) - hit)
                       if self.caches is not None else 0,
                       keys=keys if keys is not tokens else None, checkpointed=cached)
         self._by_uid[uid] = req
-        self._by_rid[msg.rid] = req
+        self._by_rid[r.rid] = req
         if req.prefill_left > 0:
-            self._prefilling[msg.rid] = req
+            self._prefilling[r.rid] = req
 
-    def _lookup(self, rid: str, tokens: list[int], keys: list[int]) -> tuple[int, list | None, int]:
+    def _lookup(self, r: EngineRequest) -> tuple[int, list | None, int]:
         """(tokens in the request's starting cache, that cache, how many of them the prompt caches gave: its
         usage's cached tokens; a prefix computed here for an image was prefilled, not cached)."""
         cached, prefix = 0, None
         if self.caches is not None:
             try:
-                cached, prefix = self.caches.lookup(keys)
+                cached, prefix = self.caches.lookup(r.keys)
             except Exception:
-                log.exception("[cache] rid=%s lookup failed; computing the whole prompt", rid)
-        if self.prefill is not None and (computed := self.prefill(rid, tokens, cached, prefix)) is not None:
+                log.exception("[cache] rid=%s lookup failed; computing the whole prompt", r.rid)
+        if self.vision is not None and (computed := self.vision.prefill(r.rid, r.tokens, cached, prefix,
+                                                                        r.images)) is not None:
             return computed  # a prefix computed outside the batch (an image's, mlx_engine/vision.py)
         return cached, prefix, cached
 
@@ -573,6 +593,6 @@ class Engine:
         """Every reference this engine holds to MLX arrays: the model, its generator, lanes, caches, drafts."""
         self._stores, self._lagged, self._making = [], [], []
         self._by_uid, self._by_rid, self._prefilling = {}, {}, {}
-        for name in ("model", "gen", "lane", "graph", "speculation", "caches", "snapshots", "batch_drafts", "prefill",
-                     "prompts", "cache_keys", "_plan", "_decode_plan"):
+        for name in ("model", "gen", "lane", "graph", "requests", "caches", "snapshots", "batch_drafts", "vision",
+                     "prompts", "_plan", "_decode_plan"):
             vars(self)[name] = None

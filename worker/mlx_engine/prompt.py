@@ -1,13 +1,10 @@
-"""A request's prompt as token ids, checked before it reaches MLX: the engine's admission of what a client sent.
+"""A request's prompt as token ids, through the model's chat template: what request.py's `Requests.build` asks of
+a prompt (`encode`), and what the prompt caches need of it (`marked`, `branch_ends`: ends of its prefixes).
 
-`admit` encodes a Submit (chat messages through the model's template, token ids as given, or text), appends a
-resumed request's earlier tokens, and sizes its max_tokens to the room the context leaves; `tokenize` encodes
-and checks as `admit` does, for the Tokenize message.
-
-Invariants: whatever would index past the vocabulary (prompt ids, logit_bias ids, resume tokens) is refused
-here, as a RequestRejected, because MLX's scatter does not check and would write out of bounds; a tool name
-holding a special token's text is refused, so no client puts control tokens into a template; nothing here
-touches the model or the batch.
+`encode` renders chat messages through the template (messages and tools shaped as it takes them, template_input.py),
+takes token ids as given (ids past the vocabulary refused, a RequestRejected: MLX's scatter does not check and would
+write out of bounds), or encodes text. The model's prompt facts (vocabulary size, context length, strict_context)
+live here for request.py's checks. Nothing here touches the model or the batch.
 """
 
 from __future__ import annotations
@@ -17,16 +14,14 @@ import json
 
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from protocol.messages import CONTEXT_LENGTH_EXCEEDED, INVALID_REQUEST, Submit
+from protocol.messages import INVALID_REQUEST, Submit
 from worker.engine_api import RequestRejected
 from worker.template_input import (
     chat_template_args,
     renders_mid_system,
     renders_tools,
     renders_user_runs,
-    special_token_texts,
     template_input,
-    tool_names,
 )
 
 HEADS_KEPT = 24  # rendered heads remembered: a few sessions' system prompts and tools, and their first turns' branches
@@ -47,8 +42,7 @@ class Prompts:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.context_length = context_length
-        self.strict_context = strict_context  # max_tokens past the context is refused, not clamped
-        self._special_texts = special_token_texts(tokenizer)
+        self.strict_context = strict_context  # max_tokens past the context is refused, not clamped (request.py)
         self._renders_tools = renders_tools(tokenizer)
         self._mid_system = renders_mid_system(tokenizer)
         self._user_runs = renders_user_runs(tokenizer)
@@ -137,49 +131,3 @@ class Prompts:
         if len(self._heads) > HEADS_KEPT:
             del self._heads[next(iter(self._heads))]
         return head
-
-    def tokenize(self, msg: Submit) -> list[int]:
-        """The prompt's token ids as `admit` would encode and check them."""
-        self._check_ids(msg)
-        return self.encode(msg)
-
-    def admit(self, msg: Submit) -> tuple[list[int], int, int]:
-        """(the tokens to run: the prompt, then a resumed request's earlier tokens; how many are the prompt's;
-        the max_tokens that fits the context)."""
-        tokens = self.tokenize(msg)
-        if not tokens:
-            raise RequestRejected(INVALID_REQUEST, "the prompt is empty")
-        prompt_tokens = len(tokens)
-        tokens += self._resume_tokens(msg)
-        # max_tokens is a ceiling: what the context leaves after the prompt (and a resumed request's earlier
-        # tokens) caps it, and a request stopped there finishes as "context_window"; refused only when the prompt
-        # leaves no room, or, with strict_context, when max_tokens does not fit (0: up to the context)
-        room = self.context_length - len(tokens)
-        max_tokens = min(msg.max_tokens or room, room)
-        if max_tokens <= 0 or (self.strict_context and msg.max_tokens > room):
-            raise RequestRejected(
-                CONTEXT_LENGTH_EXCEEDED,
-                f"this model's maximum context length is {self.context_length} tokens; the prompt has "
-                f"{len(tokens)} tokens and max_tokens asks for {msg.max_tokens or 'the rest'}",
-            )
-        return tokens, prompt_tokens, max_tokens
-
-    def _check_ids(self, msg: Submit) -> None:
-        """Refuse what would index past the vocabulary (mlx's scatter does not check: it would write out of
-        bounds) or put special-token text into the prompt through a tool's name."""
-        vocab = self.vocab_size or len(self.tokenizer.get_vocab())
-        for pair in msg.logit_bias or []:
-            t = pair[0] if isinstance(pair, list | tuple) and len(pair) == 2 else None
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise RequestRejected(INVALID_REQUEST, f"logit_bias holds a token id outside the vocabulary "
-                                                       f"(0-{vocab - 1})")
-        for name in tool_names(msg.tools, msg.messages):
-            if any(text in name for text in self._special_texts):
-                raise RequestRejected(INVALID_REQUEST, f"the tool name {name[:80]!r} holds a special token's text")
-
-    def _resume_tokens(self, msg: Submit) -> list[int]:
-        """A resumed request's earlier tokens, checked: ids this vocabulary has."""
-        ids = msg.resume_tokens
-        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 or 0 < self.vocab_size <= t for t in ids):
-            raise RequestRejected(INVALID_REQUEST, "resume_tokens must be token ids of this model's vocabulary")
-        return list(ids)

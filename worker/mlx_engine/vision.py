@@ -1,15 +1,16 @@
 """A vision-language model served by the batch engine: mlx-vlm's model classes and processor, mlx-lm's batch.
 
-`vision_engine` builds the ordinary Engine (engine.py) on an mlx-vlm model and composes two collaborators into it:
-- `VisionPrompts` (the engine's `prompts`): a chat request with images is rendered by the chat template (an image
-  part as the family's placeholder; messages and tools shaped as a text request's, `template_input`), then the
-  model's processor expands each placeholder to the image's tokens and turns the image into pixels; requests
-  without images encode exactly as a text model's do.
-- `ImagePrefill.prefill` (the engine's `prefill`): the prompt's head, through its last image token, is prefilled
-  here, outside the batch, from the merged embeddings (`get_input_embeddings`: text embeddings with the vision
-  tower's features scattered over the image tokens; Qwen3-VL's deepstack features and M-RoPE positions with it);
-  the request then joins the batch (or the solo lane) with that cache as its prefix, like a prompt-cache hit,
-  and the rest of its prompt and all of its decoding are plain tokens.
+`vision_engine` builds the ordinary Engine (engine.py) on an mlx-vlm model and gives its constructor one composed part,
+`VisionInput` (the engine's `vision`), which the engine's request path (request.py) and start (`_start`) call:
+- `encode`: a chat request with images is rendered by the chat template (an image part as the family's placeholder;
+  messages and tools shaped as a text request's, `template_input`), then the model's processor expands each
+  placeholder to the image's tokens and turns the image into pixels (a `Processed`, which the EngineRequest
+  carries); requests without images encode exactly as a text model's do, without it.
+- `prefill`: the prompt's head, through its last image token, is prefilled here, outside the batch, from the merged
+  embeddings (`get_input_embeddings`: text embeddings with the vision tower's features scattered over the image
+  tokens; Qwen3-VL's deepstack features and M-RoPE positions with it); the request then joins the batch (or the solo
+  lane) with that cache as its prefix, like a prompt-cache hit, and the rest of its prompt and all of its decoding
+  are plain tokens.
 
 `VisionDecoder` is what the batch calls: mlx-vlm's language model behind mlx-lm's model interface (tokens and a
 cache in, logits out; `make_cache` with mlx-lm's cache classes, which batch). Qwen3-VL places tokens by M-RoPE:
@@ -19,7 +20,7 @@ the batch the row's `offset` (mlx-lm's BatchKVCache reads `offset` for positions
 padding), so it survives the generator's merge, filter and extend without the generator knowing.
 
 Caches keyed by image: every image's placeholder ids are the same, so the prompt caches know a prompt by its `keys`
-(the engine's `cache_keys`): its ids with each image's run of placeholders replaced by ids drawn from a hash of the
+(`VisionInput.keys`, the EngineRequest's `keys`): its ids with each image's run of placeholders replaced by ids drawn from a hash of the
 pixels the processor fed the model (vision_cache.py's `image_keys`; ids past any vocabulary: no text collides). The
 same image in a later turn is a hit, a different one at the same place a miss. A hit that covers the images needs no
 vision work at all; Qwen's rope delta, a function of the images before it, is recomputed from the prompt
@@ -166,28 +167,72 @@ class Processed:
     heads: list[int] = field(default_factory=list)  # where sibling sessions branch (Prompts.branch_ends): snapshot points
 
 
-class ImagePrefill:
-    """The prompt's head through its last image token, prefilled from the merged embeddings into a fresh cache."""
+class VisionInput:
+    """The engine's vision part (given to its constructor): a chat request's images turned into its prompt (`encode`:
+    rendered, then expanded and read by the processor), the ids the prompt caches know it by (`keys`), and its head
+    through the last image token prefilled from the merged embeddings into a fresh cache (`prefill`)."""
 
-    def __init__(self, vlm: nn.Module, decoder: VisionDecoder, image_token: int) -> None:
+    def __init__(self, vlm: nn.Module, decoder: VisionDecoder, processor: Any, image_token: int, prompts: Prompts,
+                 max_images: int = MAX_IMAGES, max_batch_pixels: int = MAX_BATCH_PIXELS,
+                 jpeg_max_scans: int = MAX_JPEG_SCANS) -> None:
         self.vlm = vlm
         self.decoder = decoder
+        self.processor = processor
         self.image_token = image_token
-        self.pending: Processed | None = None  # the last prompt encoded with images, until its prefill takes it
+        self.prompts = prompts  # the engine's: the template's rendering, a prompt's branch ends
+        self.max_images = max_images
+        self.max_batch_pixels = max_batch_pixels
+        self.jpeg_max_scans = jpeg_max_scans  # 0: a JPEG's scans are not counted
         self.caches: PromptCaches | None = None  # the engine's, where it has them: snapshots inside the image prefix
 
-    def keys(self, tokens: list[int]) -> list[int]:
-        """The engine's `cache_keys`: the tokens of the request just encoded, its images keyed by their pixels."""
-        processed = self.pending
-        if processed is None or processed.ids != tokens[:len(processed.ids)]:
-            return tokens
+    def check(self, msg: Submit) -> None:
+        """What is refused before any image is decoded (cheap and bounded: on the loop's thread)."""
+        if msg.messages is None:
+            raise RequestRejected(INVALID_REQUEST, "images go with chat messages, not with a completion prompt")
+        if len(msg.images) > self.max_images:
+            raise RequestRejected(INVALID_REQUEST, f"{len(msg.images)} images sent; this worker takes at most "
+                                                   f"{self.max_images} per request")
+        check_images(msg.images, self.jpeg_max_scans)
+
+    def encode(self, msg: Submit, pictures: list | None = None) -> Processed:
+        """A chat request with images as the model takes it (`pictures`: decoded off the loop's thread, VisionEngine;
+        None: a direct caller's, the load's probe or a test's, checked and decoded here, on this thread)."""
+        if pictures is None:
+            self.check(msg)
+            pictures = decode_images(msg.images, self.max_batch_pixels)
+        messages = msg.messages
+        assert messages is not None  # check() refused the request otherwise
+        try:
+            shown, tools = self.prompts.shaped(messages, msg.tools)
+            text = self.prompts.tokenizer.apply_chat_template(
+                shown, tools=tools, tokenize=False, **chat_template_args(messages, msg.template_kwargs))
+        except Exception as exc:  # a template can reject roles or shapes it does not know
+            raise RequestRejected(INVALID_REQUEST, f"chat template rejected the messages: {exc}") from None
+        try:
+            inputs = self.processor(text=[text], images=pictures, add_special_tokens=False)
+        except ValueError as exc:  # the processor's own check: placeholders and images disagree
+            raise RequestRejected(INVALID_REQUEST, f"the images do not fit the prompt: {exc}") from None
+        ids = [int(t) for t in inputs["input_ids"].reshape(-1).tolist()]
+        if self.image_token not in ids:
+            raise RequestRejected(INVALID_REQUEST, f"{len(pictures)} image(s) sent, but no message part places one")
+        extra = {k: inputs[k] for k in ("image_grid_thw", "attention_mask") if k in inputs}
+        if "attention_mask" in extra:
+            extra["mask"] = extra.pop("attention_mask")
+        hashes = image_hashes(inputs["pixel_values"], extra.get("image_grid_thw"), len(pictures))
+        heads = self.prompts.branch_ends(msg, ids) if self.caches is not None and self.caches.layout.snapshots else []
+        return Processed(ids, inputs["pixel_values"], extra, image_keys(ids, self.image_token, hashes), heads)
+
+    @staticmethod
+    def keys(processed: Processed, tokens: list[int]) -> list[int]:
+        """The ids the prompt caches know a request by: its images keyed by their pixels, then the rest of `tokens`."""
         return [*processed.keys, *tokens[len(processed.ids):]]
 
-    def prefill(self, rid: str, tokens: list[int], cached: int, prefix: list | None) -> tuple[int, list, int] | None:
-        """The engine's `prefill`: (tokens in the starting cache, it, how many came from the prompt caches) for the
-        request just encoded; `cached` tokens of it were found in the prompt caches (`prefix`, plain layers)."""
-        processed, self.pending = self.pending, None
-        if processed is None or processed.ids != tokens[:len(processed.ids)]:
+    def prefill(self, rid: str, tokens: list[int], cached: int, prefix: list | None,
+                processed: Processed | None) -> tuple[int, list, int] | None:
+        """(tokens in the starting cache, it, how many came from the prompt caches) for a request (`processed`: its
+        prompt with images; None: a text request's); `cached` tokens of it were found in the prompt caches (`prefix`,
+        plain layers). None: the caches' own, as they are."""
+        if processed is None:
             return None if prefix is None else (cached, self.decoder.adopt(prefix), cached)  # text: no delta
         ids = mx.array(processed.ids)[None]
         last = max(i for i, t in enumerate(processed.ids) if t == self.image_token)
@@ -231,7 +276,6 @@ class ImagePrefill:
                   (time.perf_counter() - t0) * 1e3)
         return n, cache, cached
 
-
     def _store(self, keys: list[int], cache: list) -> None:
         """Keep the image prefix's blocks through a snapshot point (the cache holds exactly `keys`), as the engine
         keeps a prompt's at the end of its request; a cache failure costs only the hit."""
@@ -242,68 +286,13 @@ class ImagePrefill:
             log.exception("[cache] storing an image prefix failed; going on without it")
 
 
-class VisionPrompts(Prompts):
-    """The engine's prompts, with a chat request's images: rendered, then expanded and read by the processor."""
-
-    def __init__(self, base: Prompts, processor: Any, prefill: ImagePrefill, max_images: int = MAX_IMAGES,
-                 max_batch_pixels: int = MAX_BATCH_PIXELS, jpeg_max_scans: int = MAX_JPEG_SCANS) -> None:
-        super().__init__(base.tokenizer, base.vocab_size, base.context_length, base.strict_context)
-        self.processor = processor
-        self.images = prefill
-        self.max_images = max_images
-        self.max_batch_pixels = max_batch_pixels
-        self.jpeg_max_scans = jpeg_max_scans  # 0: a JPEG's scans are not counted
-        self.ready: dict[str, list] = {}  # rid -> its pictures, decoded off the loop's thread (VisionEngine)
-
-    def check(self, msg: Submit) -> None:
-        """What is refused before any image is decoded (cheap and bounded: on the loop's thread)."""
-        if msg.messages is None:
-            raise RequestRejected(INVALID_REQUEST, "images go with chat messages, not with a completion prompt")
-        if len(msg.images) > self.max_images:
-            raise RequestRejected(INVALID_REQUEST, f"{len(msg.images)} images sent; this worker takes at most "
-                                                   f"{self.max_images} per request")
-        check_images(msg.images, self.jpeg_max_scans)
-
-    def encode(self, msg: Submit) -> list[int]:
-        if not msg.images:
-            return super().encode(msg)
-        pictures = self.ready.pop(msg.rid, None)
-        if pictures is None:  # a direct caller (the load's probe, a test): checked and decoded here, on this thread
-            self.check(msg)
-            pictures = decode_images(msg.images, self.max_batch_pixels)
-        messages = msg.messages
-        assert messages is not None  # check() refused the request otherwise
-        try:
-            shown, tools = self.shaped(messages, msg.tools)
-            text = self.tokenizer.apply_chat_template(
-                shown, tools=tools, tokenize=False, **chat_template_args(messages, msg.template_kwargs))
-        except Exception as exc:  # a template can reject roles or shapes it does not know
-            raise RequestRejected(INVALID_REQUEST, f"chat template rejected the messages: {exc}") from None
-        try:
-            inputs = self.processor(text=[text], images=pictures, add_special_tokens=False)
-        except ValueError as exc:  # the processor's own check: placeholders and images disagree
-            raise RequestRejected(INVALID_REQUEST, f"the images do not fit the prompt: {exc}") from None
-        ids = [int(t) for t in inputs["input_ids"].reshape(-1).tolist()]
-        if self.images.image_token not in ids:
-            raise RequestRejected(INVALID_REQUEST, f"{len(pictures)} image(s) sent, but no message part places one")
-        extra = {k: inputs[k] for k in ("image_grid_thw", "attention_mask") if k in inputs}
-        if "attention_mask" in extra:
-            extra["mask"] = extra.pop("attention_mask")
-        hashes = image_hashes(inputs["pixel_values"], extra.get("image_grid_thw"), len(pictures))
-        caches = self.images.caches
-        heads = self.branch_ends(msg, ids) if caches is not None and caches.layout.snapshots else []
-        self.images.pending = Processed(ids, inputs["pixel_values"], extra,
-                                        image_keys(ids, self.images.image_token, hashes), heads)
-        return ids
-
-
 class VisionEngine(Engine):
     """The batch engine whose requests with images are decoded off the loop's thread first (the module's docstring):
     `submit` checks their images and starts the decode; each turn's `plan_step` admits the requests whose decode
     ended, and keeps the refusals for `step` to answer. While requests only decode, a step waits up to DECODE_POLL_S
     for one to end (the loop reads its inbox and heartbeats between), rather than spin."""
 
-    vision: VisionPrompts  # vision_engine sets it: the engine's prompts
+    vision: VisionInput  # the part vision_engine gives the constructor
 
     def __init__(self, model_path: Path, *, decodes: Decodes, **kwargs: Any) -> None:
         self.decodes = decodes
@@ -372,13 +361,10 @@ class VisionEngine(Engine):
             if isinstance(outcome, BaseException):
                 self._owed.append(self._refusal(msg, outcome))
                 continue
-            self.vision.ready[msg.rid] = outcome
             try:
-                super().submit(msg)
+                self._admit(msg, outcome)
             except Exception as exc:
                 self._owed.append(self._refusal(msg, exc))
-            finally:
-                self.vision.ready.pop(msg.rid, None)
 
     @staticmethod
     def _refusal(msg: Submit, exc: BaseException) -> Failed:
@@ -414,47 +400,47 @@ def vision_engine(model_path: Path, report: Callable[[str, float], None] = lambd
 
     def loader(path: Path, report: Callable[[str, float], None]) -> tuple:
         vlm, loaded["processor"], tokenizer = load_vision(path, report)
-        loaded["decoder"] = decoder = VisionDecoder(vlm)
-        return decoder, tokenizer
+        return VisionDecoder(vlm), tokenizer
 
     kwargs.setdefault("solo", "plain")  # the compiled decode graph is built for mlx-lm's models
-    engine = VisionEngine(model_path, decodes=Decodes(decode_deadline_s), report=report, loader=loader, **kwargs)
-    decoder: VisionDecoder = loaded["decoder"]
-    config = decoder.vlm.config
-    image_token = getattr(config, "image_token_index", None) or config.image_token_id
-    decoder.vlm.vision_tower = CachedTower(decoder.vlm.vision_tower, tower_cache_bytes)
-    images = ImagePrefill(decoder.vlm, decoder, int(image_token))
-    engine.prompts = engine.vision = VisionPrompts(engine.prompts, loaded["processor"], images, max_images,
-                                                   max_batch_pixels, jpeg_max_scans)
-    engine.prefill = images.prefill
-    engine.cache_keys = images.keys
-    if probe:
-        probe_working_memory(engine.prompts, images, model_path.name)
-    images.caches = engine.caches  # after the probe: its image is no client's, its prefix not worth keeping
-    return engine
+
+    def vision(decoder: VisionDecoder, prompts: Prompts, caches: PromptCaches | None) -> VisionInput:
+        config = decoder.vlm.config
+        image_token = getattr(config, "image_token_index", None) or config.image_token_id
+        decoder.vlm.vision_tower = CachedTower(decoder.vlm.vision_tower, tower_cache_bytes)
+        part = VisionInput(decoder.vlm, decoder, loaded["processor"], int(image_token), prompts, max_images,
+                           max_batch_pixels, jpeg_max_scans)
+        if probe:
+            probe_working_memory(part, model_path.name)
+        part.caches = caches  # after the probe: its image is no client's, its prefix not worth keeping
+        return part
+
+    return VisionEngine(model_path, decodes=Decodes(decode_deadline_s), report=report, loader=loader, vision=vision,
+                        **kwargs)
 
 
-def probe_working_memory(prompts: VisionPrompts, images: ImagePrefill, model_id: str) -> int:
+def probe_working_memory(part: VisionInput, model_id: str) -> int:
     """One image of the processor's largest size through the whole path (decode, processor, tower, prefill), before
     Ready: its peak stays in MLX's buffer cache, so the footprint the worker reports, which admission counts, holds
     an image's working memory, and a later image reuses those buffers. Returns the peak it added (bytes)."""
     from PIL import Image
 
-    ip = prompts.processor.image_processor
+    ip = part.processor.image_processor
     size = getattr(ip, "size", None)
     side = int(math.isqrt(int(ip.max_pixels))) if getattr(ip, "max_pixels", None) else int(
         max(getattr(size, "height", 0) or 0, getattr(size, "width", 0) or 0) or 896)
-    side = min(side, math.isqrt(prompts.max_batch_pixels))
+    side = min(side, math.isqrt(part.max_batch_pixels))
     buf = io.BytesIO()
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (side, side, 3), dtype=np.uint8)).save(buf, "PNG")
     msg = Submit("probe", 1, messages=[{"role": "user", "content": [{"type": "image"}]}],
                  images=[["image/png", buf.getvalue()]])
-    tower = cast(CachedTower, images.vlm.vision_tower)
+    tower = cast(CachedTower, part.vlm.vision_tower)
     before = mx.get_active_memory()
     mx.reset_peak_memory()
     t0 = time.perf_counter()
-    tokens = prompts.encode(msg)  # decoded on this thread: nothing is served yet
-    images.prefill(msg.rid, tokens, 0, None)
+    processed = part.encode(msg)  # decoded on this thread: nothing is served yet
+    tokens = processed.ids
+    part.prefill(msg.rid, tokens, 0, None, processed)
     tower.kept.clear()  # the probe's features are no image a client sent
     peak = max(0, mx.get_peak_memory() - before)
     log.info("[vision] model=%s probe side=%d tokens=%d working_bytes=%d ms=%d", model_id, side, len(tokens), peak,
