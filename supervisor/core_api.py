@@ -5,7 +5,7 @@ Protocols, never by inheritance and never by importing one another (tests/unit/t
 checks that lifecycle.py, resume.py and admission.py import none of the others):
 
     Lifecycle (lifecycle.py)  --LifecycleEvents-->  Resumption (resume.py)
-    Resumption                --ResumeHost------->  Lifecycle (records, pressure, shutting down)
+    Resumption                --ResumeHost------->  Lifecycle (slots, pressure, shutting down)
     Admission (admission.py)  --AdmissionHost---->  Lifecycle (memory views, start, evict)
     Lease (lease.py)          --LeaseHost-------->  Router (submit, abort, the lease's end)
 
@@ -21,7 +21,8 @@ from typing import Protocol
 from supervisor import errors, policy
 from supervisor.config import Settings
 from supervisor.registry import ModelSpec
-from supervisor.workers import ModelRecord, Worker
+from supervisor.slot import ModelSlot
+from supervisor.workers import Worker
 
 
 class LifecycleEvents(Protocol):
@@ -53,10 +54,10 @@ class NoEvents:
 
 
 class ResumeHost(Protocol):
-    """What the Resumption may read of the lifecycle; of a model's record it writes only its own counters
+    """What the Resumption may read of the lifecycle; of a model's slot it writes only its own counters
     (suspended, resumed, resume_failed)."""
 
-    records: dict[str, ModelRecord]
+    slots: dict[str, ModelSlot]
 
     @property
     def shutting_down(self) -> bool: ...
@@ -71,7 +72,9 @@ class AdmissionHost(Protocol):
     """What admission may read and do of the lifecycle: the memory picture, a start, an eviction."""
 
     settings: Settings
-    workers: dict[str, Worker]
+
+    @property
+    def workers(self) -> dict[str, Worker]: ...
 
     @property
     def ceiling(self) -> int: ...

@@ -145,3 +145,9 @@ class LifecycleMetrics(Protocol):
 
     @property
     def resume_pause(self) -> _Histogram: ...  # labels: model
+
+    @property
+    def queue_wait(self) -> _Histogram: ...  # labels: model
+
+    @property
+    def queue_refused(self) -> _Counter: ...  # labels: model, why (full | timeout)

@@ -30,6 +30,12 @@ class MlxsupError(Exception):
         if code is not None:
             self.code = code
 
+    retry_after_s: int | None = None  # a Retry-After header's seconds (the queue's refusals)
+
+    def headers(self) -> dict[str, str]:
+        """The response headers this error adds."""
+        return {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else {}
+
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code,
                           **self.extra}}
@@ -132,6 +138,22 @@ class ShuttingDown(MlxsupError):
     status = 503
     type = "server_error"
     code = "shutting_down"
+
+
+class QueueFull(MlxsupError):
+    """As many requests as the model's queue holds wait already (max_queued_requests): try again later."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "queue_full"
+
+
+class QueueTimeout(MlxsupError):
+    """The request waited for its model as long as it may (queue_timeout_s)."""
+
+    status = 503
+    type = "server_error"
+    code = "queue_timeout"
 
 
 class InsufficientMemory(MlxsupError):

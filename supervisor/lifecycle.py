@@ -1,7 +1,7 @@
 """Worker lifecycle: start (fresh, or on the spare), watch, crash, evict, shut down; and the
 memory accounting those decisions read. A collaborator the Router (router.py) owns and calls.
 
-It owns the workers (by model and by identity), the models' records, the spare, the pressure
+It owns the models' slots (slot.py: each model's worker and record), the workers by identity, the spare, the pressure
 level and the shutdown flag; a worker's state moves only here. It tells its listener
 (core_api.LifecycleEvents: the Router's Resumption) what happens to a worker's requests, and
 calls nothing else of the core. All of it runs on the one asyncio loop, and acts on the world
@@ -33,9 +33,10 @@ from supervisor.effects import Clock, LifecycleMetrics, MemoryProbe, Messenger, 
 from supervisor.process import exit_meaning, model_args, worker_argv
 from supervisor.registry import ModelSpec, Registry
 from supervisor.reports import EvictReport
+from supervisor.slot import Changes, ModelSlot
 from supervisor.stranded import Stranded, tolerance_of
 from supervisor.tasks import background
-from supervisor.workers import ModelRecord, Spare, State, Worker
+from supervisor.workers import Spare, State, Worker
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +55,8 @@ class Lifecycle:
         self.memory = memory
         self.clock = clock
         self.metrics = metrics
-        self.workers: dict[str, Worker] = {}
-        self.records: dict[str, ModelRecord] = {}
+        self.slots: dict[str, ModelSlot] = {}  # by model id, each made once (slot) and never replaced
+        self.changes = Changes()  # fired when a worker is ready, evicting or gone: queued requests decide again
         self.by_identity: dict[bytes, Worker] = {}  # never replaced: the router's message table holds it
         self.recent_evictions: collections.deque[tuple[float, EvictReport]] = collections.deque(
             maxlen=RECENT_EVICTIONS)  # (monotonic time it ended, report), oldest first
@@ -68,6 +69,18 @@ class Lifecycle:
         # wired memory no live worker holds, above its lowest: what exits did not give back (stranded.py; macOS)
         self.stranded = Stranded(tolerance_of(memory.system_total()))
         self.stranded.measure(memory.system_wired(), 0)
+
+    def slot(self, model_id: str) -> ModelSlot:
+        """The model's slot, made on first use."""
+        slot = self.slots.get(model_id)
+        if slot is None:
+            slot = self.slots[model_id] = ModelSlot()
+        return slot
+
+    @property
+    def workers(self) -> dict[str, Worker]:
+        """The models' current workers, by model id (a new dict: the slots own them)."""
+        return {model_id: slot.worker for model_id, slot in self.slots.items() if slot.worker is not None}
 
     def boot(self) -> None:
         """Start the pinned models' workers, the spare and the housekeeping."""
@@ -226,9 +239,10 @@ class Lifecycle:
             process = self.spawn(spec.id, argv, log_path)
         worker = Worker(spec, identity, process, asyncio.get_running_loop().create_future(), self.clock.monotonic())
         worker.ready.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved by design
-        self.workers[spec.id] = worker
+        slot = self.slot(spec.id)
+        slot.worker = worker
+        slot.starts += 1
         self.by_identity[identity] = worker
-        self.records.setdefault(spec.id, ModelRecord()).starts += 1
         if spare is not None:
             log.info("[load] model=%s on the spare pid=%s", spec.id, process.pid)
             self.transport.send(identity, Load(args=args))
@@ -291,7 +305,7 @@ class Lifecycle:
 
     def _on_exited(self, worker: Worker, reason: str | None = None) -> None:
         spec = worker.spec
-        record = self.records[spec.id]
+        record = self.slots[spec.id]
         rc = worker.process.returncode
         record.stranded_bytes = self.measure_stranded(gone=worker)
         if record.stranded_bytes:
@@ -337,10 +351,11 @@ class Lifecycle:
         worker.replies.clear()
         if not refused:
             worker.move(State.STOPPED if evicted else State.FAILED)
-        if self.workers.get(spec.id) is worker:
-            del self.workers[spec.id]
+        if record.worker is worker:
+            record.worker = None
         self.by_identity.pop(worker.identity, None)
         worker.gone.set()
+        self.changes.fire()
 
     def refused(self, identity: bytes, reason: str) -> None:
         """A worker of another protocol version: it fails in this very turn (every wait on it ends and none
@@ -350,7 +365,7 @@ class Lifecycle:
         if worker is None or worker.state is State.FAILED:  # one of its later frames: refused already
             return
         why = f"protocol mismatch: {reason}"
-        self.records[worker.spec.id].last_error = why
+        self.slots[worker.spec.id].last_error = why
         if worker.state is not State.EVICTING:  # an evicting one ends as evicted
             worker.move(State.FAILED)
         if not worker.ready.done():
@@ -373,6 +388,7 @@ class Lifecycle:
             worker.progressed.set()
         if not worker.ready.done():
             worker.ready.set_result(msg)
+        self.changes.fire()
 
     # --- eviction and shutdown ---------------------------------------------------------
 
@@ -396,6 +412,7 @@ class Lifecycle:
             log.info("[evict] model=%s pid=%s reason=%s mode=%s", worker.spec.id, worker.pid, reason, mode)
             self.metrics.evictions.labels(worker.spec.id, reason).inc()
             worker.evicting = background(self._evict(worker, mode, timeout), name=f"evict[{worker.spec.id}]")
+            self.changes.fire()
         elif mode == "now" and worker.info is not None:
             self.transport.send(worker.identity, Evict(mode="now", deadline_s=0))  # tighten a drain
         return worker.evicting
@@ -420,11 +437,11 @@ class Lifecycle:
             aborted=bye.aborted if bye else None, drained=bye.drained if bye else None,
             phases_s={k: round(v, 4) for k, v in bye.phases.items()} if bye else {},
             memory_after_settle_bytes=bye.memory_bytes if bye else None,
-            stranded_bytes=self.records[worker.spec.id].stranded_bytes,
+            stranded_bytes=self.slots[worker.spec.id].stranded_bytes,
         )
         log.info("[evict] model=%s pid=%s exit=%s signals=%s ms=%d", worker.spec.id, pid, report.exit,
                  list(report.signals), (report.duration_s or 0.0) * 1000)
-        self.records[worker.spec.id].last_eviction = report
+        self.slots[worker.spec.id].last_eviction = report
         self.recent_evictions.append((self.clock.monotonic(), report))
         return report
 

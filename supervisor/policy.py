@@ -4,7 +4,8 @@ Functions of plain values, no I/O, no logging, no clock: the router hands them a
 (`WorkerView`s) and acts on the answer in the same loop turn. Invariants:
 - a busy worker (leased: a request routed to it or waiting on its load) is never chosen by
   admission, TTL or soft pressure; only hard pressure may take one, and then the least
-  recently used unpinned one;
+  recently used unpinned one; admission may name busy unpinned ones to wait for (`wait_for`:
+  once their requests are done they are idle, and chosen then);
 - a pinned worker is never chosen here at all (only an explicit evict removes it);
 - memory of a worker already being evicted (or refused, and being killed) counts as used until it
   is gone, and as on its way back: decisions wait for it rather than evicting more;
@@ -36,6 +37,8 @@ class Admission:
     wait: bool = False  # room is on its way (workers being evicted): wait for them, then decide again
     missing_bytes: int = 0  # > 0: cannot fit even after evicting every idle worker
     too_many: bool = False  # the max_loaded_models limit cannot be met
+    # not now, but once these busy workers' requests are done (least recently used first): wait for them to idle
+    wait_for: tuple[str, ...] = ()
 
     @property
     def refused(self) -> bool:
@@ -49,7 +52,8 @@ def idle_lru(views: list[WorkerView]) -> list[WorkerView]:
 
 
 def admit(need: int, views: list[WorkerView], ceiling: int, max_loaded: int | None) -> Admission:
-    """Can a new worker needing `need` bytes start, and which idle workers must go first?"""
+    """Can a new worker needing `need` bytes start, which idle workers must go first, or which busy ones must it
+    wait for (refused only when even with every unpinned worker gone it could not start)?"""
     used = sum(v.bytes for v in views)
     leaving = [v for v in views if v.state in LEAVING]
     staying = len(views) - len(leaving)
@@ -66,11 +70,20 @@ def admit(need: int, views: list[WorkerView], ceiling: int, max_loaded: int | No
             break
         chosen.append(v.id)
         freed += v.bytes
+    if freed >= over_bytes and len(chosen) >= over_count:
+        return Admission(evict=tuple(chosen), wait=not chosen)
+    waited: list[str] = []  # the busy ones it may wait for: unpinned, loaded or loading, least recently used first
+    for v in sorted((v for v in views if not v.pinned and (v.state == "loading" or v.busy and v.state == "ready")),
+                    key=lambda v: v.last_used):
+        if freed >= over_bytes and len(chosen) + len(waited) >= over_count:
+            break
+        waited.append(v.id)
+        freed += v.bytes
     if freed < over_bytes:
         return Admission(missing_bytes=over_bytes - freed)
-    if len(chosen) < over_count:
+    if len(chosen) + len(waited) < over_count:
         return Admission(too_many=True)
-    return Admission(evict=tuple(chosen), wait=not chosen)
+    return Admission(wait_for=tuple(waited))
 
 
 # a loading worker may pass its estimate by this much (or by the estimate, if more): imports, a CUDA context, a load's

@@ -76,7 +76,10 @@ class ModelStatus:
     pid: int | None = None
     memory_bytes: int | None = None  # measured footprint of its worker
     in_flight: int = 0
-    queued: int = 0
+    queued: int = 0  # in its worker's queue (its heartbeat's `waiting`)
+    waiting: int = 0  # in the supervisor's queue for the model (slot.py): a load, room, a swap, a place on its worker
+    oldest_wait_s: float = 0.0  # how long the first of them has waited
+    queue_refused: int = 0  # requests the queue refused (full, or waited too long), in all
     leases: int = 0
     idle_s: float | None = None
     ttl_s: float | None = None

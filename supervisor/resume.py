@@ -138,7 +138,7 @@ class Resumption:
             return "the server is shutting down"
         if stream.resumes >= limit:
             return f"it was resumed {stream.resumes} time(s) already (max_resumes {limit})"
-        record = self.host.records.get(model_id)
+        record = self.host.slots.get(model_id)
         if record is not None and record.failed_until > self.clock.monotonic():
             return "the model is marked failed"
         if submit.max_tokens and len(stream.token_ids) >= submit.max_tokens:
@@ -166,7 +166,7 @@ class Resumption:
         stream.paused_at = now
         suspension = Suspension(stream, worker, model_id, cause, error, now)
         self.suspended[stream.rid] = suspension
-        self.host.records[model_id].suspended += 1
+        self.host.slots[model_id].suspended += 1
         self.metrics.suspensions.labels(model_id, cause).inc()
         log.warning("[resume] model=%s rid=%s suspended why=%s pid=%s tokens=%d resumes=%d/%d",
                     model_id, stream.rid, cause, worker.pid, len(stream.token_ids), stream.resumes,
@@ -187,7 +187,7 @@ class Resumption:
                 lease = await self.acquire(suspension.model_id)
                 break
             except errors.ModelLoadFailed as exc:
-                record = self.host.records.get(suspension.model_id)
+                record = self.host.slots.get(suspension.model_id)
                 if record is not None and record.failed_until <= self.clock.monotonic():  # one crash while loading
                     log.warning("[resume] model=%s rid=%s its next worker failed to load (%s); trying again",
                                 suspension.model_id, suspension.stream.rid, exc.message)
@@ -213,7 +213,7 @@ class Resumption:
         msg = replace(submit, max_tokens=submit.max_tokens - done if submit.max_tokens else 0,
                       resume_tokens=list(stream.token_ids))
         model_id = suspension.model_id
-        self.host.records[model_id].resumed += 1
+        self.host.slots[model_id].resumed += 1
         self.metrics.resumes.labels(model_id, "resumed").inc()
         log.info("[resume] model=%s rid=%s resubmitted to pid=%s after %.2fs suspended (%s) tokens=%d resume=%d/%d",
                  model_id, stream.rid, lease.worker.pid, self.clock.monotonic() - suspension.since,
@@ -254,7 +254,7 @@ class Resumption:
                 task.cancel()
 
     def _count_failure(self, model_id: str) -> None:
-        self.host.records[model_id].resume_failed += 1
+        self.host.slots[model_id].resume_failed += 1
         self.metrics.resumes.labels(model_id, "failed").inc()
 
     def suspension(self, rid: str) -> Suspension | None:

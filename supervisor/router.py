@@ -2,7 +2,8 @@
 
 The Router owns three collaborators, each in its own file and each calling the others only through
 the interfaces in core_api.py (docs/architecture.md draws it):
-- the Lifecycle (lifecycle.py): the workers, the models' records, the spare, memory; start, watch,
+- the Lifecycle (lifecycle.py): the models' slots (slot.py: each one's worker, record and wait queue), the spare,
+  memory; start, watch,
   crash, evict, shut down. It tells its listener, the Resumption, what happens to a worker's requests;
 - the Resumption (resume.py): sending requests, and those suspended when their worker ends under
   them and resumed on the next one, through the `acquire` it is given (the Router's);
@@ -51,7 +52,7 @@ from protocol.messages import (
 )
 from protocol.modelkind import CHAT, VISION
 from supervisor import cache_admin, errors
-from supervisor.admission import Admission
+from supervisor.admission import Admission, Busy
 from supervisor.config import Settings
 from supervisor.effects import Clock, LifecycleMetrics, MemoryProbe, Messenger, Spawn
 from supervisor.lease import Lease
@@ -60,7 +61,8 @@ from supervisor.registry import ModelSpec, Registry
 from supervisor.reports import EvictReport, LoadProgress, ModelStatus, RecentEviction, SpareStatus, Status
 from supervisor.resume import Resumption, Suspension
 from supervisor.sampling import applied
-from supervisor.workers import ModelRecord, Spare, State, Stream, Worker
+from supervisor.slot import ModelSlot, Waiter
+from supervisor.workers import Spare, State, Stream, Worker
 
 log = logging.getLogger(__name__)
 
@@ -80,11 +82,13 @@ class Router(Generic[MetricsT]):
         self.metrics = metrics
         self.lifecycle = Lifecycle(registry, settings, transport=transport, spawn=spawn, memory=memory,
                                    clock=clock, metrics=metrics)
-        self.resumption = Resumption(settings, host=self.lifecycle, acquire=self.acquire, transport=transport,
-                                     clock=clock, metrics=metrics)
+        self.resumption = Resumption(settings, host=self.lifecycle, acquire=self._acquire_unbounded,
+                                     transport=transport, clock=clock, metrics=metrics)
         self.lifecycle.events = self.resumption
         self.admission = Admission(self.lifecycle, clock)
         self._by_identity = self.lifecycle.by_identity  # the same dict, looked up once per message
+        self._arrivals = 0  # requests routed, in all: each one's arrival order (slot.Waiter.seq)
+        self._to_load: list[Waiter] = []  # queued requests whose model has no worker: the first decides its load
 
     def start(self) -> None:
         self.transport.start(self._on_message, self.lifecycle.refused)
@@ -97,8 +101,8 @@ class Router(Generic[MetricsT]):
         return self.lifecycle.workers
 
     @property
-    def records(self) -> dict[str, ModelRecord]:
-        return self.lifecycle.records
+    def slots(self) -> dict[str, ModelSlot]:
+        return self.lifecycle.slots
 
     @property
     def spare(self) -> Spare | None:
@@ -146,36 +150,152 @@ class Router(Generic[MetricsT]):
 
     # --- routing -----------------------------------------------------------------------
 
-    async def acquire(self, name: str, explicit: bool = False) -> Lease:
+    async def acquire(self, name: str, explicit: bool = False, queued: bool = True) -> Lease:
         """Route to the model's worker, loading it if needed; the lease is taken in the deciding turn.
 
-        A request waiting on a load holds a lease on the loading worker too, so nothing
-        evicts it between its Ready and the request's submit.
+        A request that cannot take a lease at once waits in the model's queue (slot.py) in arrival order, for a load,
+        for room (busy models to idle, then their eviction), for a place on its worker (`running_limit`); `queued`
+        bounds it (`max_queued_requests`: QueueFull at once, `queue_timeout_s`: QueueTimeout), else (a resume, an
+        explicit load) it waits unbounded. A request waiting on a load holds a lease on the loading worker too, so
+        nothing evicts it between its Ready and the request's submit.
         """
         spec = self.registry.resolve(name)
-        workers = self.lifecycle.workers
-        record = self.lifecycle.records.setdefault(spec.id, ModelRecord())
+        slot = self.lifecycle.slot(spec.id)
         if explicit:
-            record.clear()
+            slot.clear()
+        self._arrivals += 1
+        seq = self._arrivals
+        worker = slot.worker
+        if worker is not None and self._may_run(slot, worker, seq, None):
+            return self._lease(worker)
+        settings = self.settings
+        if queued and len(slot.queue) >= settings.max_queued_requests:
+            raise self._refused(spec.id, slot, "full", errors.QueueFull(
+                f"the model '{spec.id}' has {len(slot.queue)} requests waiting already, as many as it queues "
+                "(max_queued_requests); try again later"))
+        waiter = Waiter(seq, self.clock.monotonic())
+        slot.queue.append(waiter)
+        try:
+            lease = await (self._within_limit(spec, slot, waiter) if queued else self._wait_in_line(spec, slot, waiter))
+        finally:
+            slot.queue.remove(waiter)
+            self._stop_waiting_for(waiter)
+            self._loaded_for(waiter)
+            self.lifecycle.changes.fire()  # the next in line may go
+        waited = self.clock.monotonic() - waiter.since
+        slot.waited(waited)
+        self.metrics.queue_wait.labels(spec.id).observe(waited)
+        return lease
+
+    async def _acquire_unbounded(self, name: str) -> Lease:
+        """A lease for a suspended request's resume: it waits in line, bounded by resume_timeout_s, not the queue's."""
+        return await self.acquire(name, queued=False)
+
+    def _may_run(self, slot: ModelSlot, worker: Worker, seq: int, waiter: Waiter | None) -> bool:
+        return (worker.state is State.READY and worker.leases < self.settings.running_limit
+                and slot.may_take(seq, waiter))
+
+    def _lease(self, worker: Worker) -> Lease:
+        worker.leases += 1
+        return Lease(self, worker)
+
+    async def _within_limit(self, spec: ModelSpec, slot: ModelSlot, waiter: Waiter) -> Lease:
+        """_wait_in_line's lease, or QueueTimeout once the request has waited queue_timeout_s (one timer, which
+        cancels the wait: no wrapper around each of its awaits)."""
+        task = asyncio.current_task()
+        assert task is not None
+        expired = False
+
+        async def expire() -> None:
+            nonlocal expired
+            await self.clock.sleep(self.settings.queue_timeout_s)
+            expired = True
+            task.cancel()
+
+        timer = asyncio.ensure_future(expire())
+        try:
+            return await self._wait_in_line(spec, slot, waiter)
+        except asyncio.CancelledError:
+            if not expired:
+                raise
+            task.uncancel()
+        finally:
+            timer.cancel()
+        raise self._refused(spec.id, slot, "timeout", errors.QueueTimeout(
+            f"the request waited {self.settings.queue_timeout_s:.0f}s (queue_timeout_s) for the model '{spec.id}', "
+            f"the last while waiting for {waiter.what}"))
+
+    def _refused(self, model_id: str, slot: ModelSlot, why: str, err: errors.MlxsupError) -> errors.MlxsupError:
+        """The queue's refusal `err`, counted, with its Retry-After."""
+        slot.refused += 1
+        self.metrics.queue_refused.labels(model_id, why).inc()
+        err.retry_after_s = slot.retry_after_s()
+        return err
+
+    async def _wait_in_line(self, spec: ModelSpec, slot: ModelSlot, waiter: Waiter) -> Lease:
+        """The queued request's lease, once it is its turn (see acquire)."""
+        changes = self.lifecycle.changes
         while True:
             if self.lifecycle.shutting_down:
                 raise errors.ShuttingDown("the server is shutting down")
-            worker = workers.get(spec.id)
+            worker = slot.worker
             if worker is None:
-                worker = await self.admission.start(spec, record)
-                if worker is None:  # it waited (a back-off, evictions): decide again
+                if waiter not in self._to_load:
+                    self._to_load.append(waiter)
+                first = min(self._to_load, key=lambda w: w.seq)
+                if first is not waiter:  # loads are decided in arrival order, over all models
+                    waiter.what = f"an earlier request's load ({first.what})"
+                    await changes.wait()
                     continue
+                waiter.what = "room to load"
+                started = await self.admission.start(spec, slot)
+                if isinstance(started, Busy):  # it fits once they are idle: wait for them (they yield to it)
+                    self._wait_for(waiter, started.models)
+                    waiter.what = f"{', '.join(started.models)} to finish"
+                    await changes.wait()
+                    continue
+                if started is None:  # it waited (a back-off, evictions): decide again
+                    continue
+                worker = started
+            self._stop_waiting_for(waiter)
+            self._loaded_for(waiter)
             if worker.state is State.READY:
-                worker.leases += 1
-                return Lease(self, worker)
-            if worker.state in (State.EVICTING, State.FAILED):  # on its way out: decide again once it is gone
+                if self._may_run(slot, worker, waiter.seq, waiter):
+                    return self._lease(worker)
+                waiter.what = "a place on its worker"
+                await changes.wait()
+            elif worker.state in (State.EVICTING, State.FAILED):  # on its way out: decide again once it is gone
+                waiter.what = "its last worker to stop"
                 await worker.gone.wait()
-                continue
-            worker.leases += 1
-            try:
-                await asyncio.shield(worker.ready)
-            finally:
-                worker.leases -= 1
+            else:
+                worker.leases += 1
+                waiter.what = "its load"
+                try:
+                    await asyncio.shield(worker.ready)
+                finally:
+                    worker.leases -= 1
+                    changes.fire()  # a place it held may let a waiter behind it on
+
+    def _loaded_for(self, waiter: Waiter) -> None:
+        """The waiter's model has a worker (or it waits no more): the next load in line may be decided."""
+        if waiter in self._to_load:
+            self._to_load.remove(waiter)
+            self.lifecycle.changes.fire()
+
+    def _wait_for(self, waiter: Waiter, models: tuple[str, ...]) -> None:
+        """From now on the waiter waits for these models' workers to idle: their later requests wait behind it."""
+        slots = [self.lifecycle.slot(m) for m in models]
+        self._stop_waiting_for(waiter, keep=slots)
+        for slot in slots:
+            if waiter not in slot.yield_to:
+                slot.yield_to.add(waiter)
+                waiter.waits_for.append(slot)
+
+    def _stop_waiting_for(self, waiter: Waiter, keep: list[ModelSlot] | None = None) -> None:
+        for slot in [s for s in waiter.waits_for if keep is None or s not in keep]:
+            slot.yield_to.discard(waiter)
+            waiter.waits_for.remove(slot)
+            self.lifecycle.changes.fire()  # its own requests may go on
 
     # --- leases (lease.LeaseHost) ----------------------------------------------------------
 
@@ -194,6 +314,7 @@ class Router(Generic[MetricsT]):
     def lease_ended(self, worker: Worker) -> None:
         worker.leases -= 1
         worker.last_used = self.clock.monotonic()
+        self.lifecycle.changes.fire()  # a place on it is free, or it idles: a queued request may go on
 
     def loading(self, name: str) -> Worker | None:
         """The model's worker while it loads (for progress), else None."""
@@ -382,7 +503,7 @@ class Router(Generic[MetricsT]):
     def model_status(self, model_id: str) -> ModelStatus:
         lifecycle = self.lifecycle
         worker = lifecycle.workers.get(model_id)
-        record = lifecycle.records.get(model_id, ModelRecord())
+        record = lifecycle.slots.get(model_id) or ModelSlot()
         spec = self.registry.specs[model_id]
         ttl = self.settings.model_ttl(spec)
         now = self.clock.monotonic()
@@ -392,7 +513,8 @@ class Router(Generic[MetricsT]):
                              stderr_tail=tuple(record.last_stderr), last_eviction=record.last_eviction,
             suspended=sum(1 for s in self.resumption.suspended.values() if s.model_id == model_id),
             resumed=record.resumed, resume_failed=record.resume_failed,
-            sampling=applied(spec) if spec.kind in (CHAT, VISION) else None)
+            sampling=applied(spec) if spec.kind in (CHAT, VISION) else None,
+            waiting=len(record.queue), oldest_wait_s=round(record.oldest_wait_s(now), 1), queue_refused=record.refused)
         if worker is None:
             if record.failed_until > now:
                 return replace(status, state=State.FAILED.value, retry_in_s=round(record.failed_until - now, 1))

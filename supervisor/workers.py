@@ -1,5 +1,5 @@
-"""The supervisor's view of worker processes: states, handles, request streams, and the
-per-model record that outlives one process. Plain data with small invariants; the router and the
+"""The supervisor's view of worker processes: states, handles, request streams (the model's state that outlives
+one process is its slot: slot.py). Plain data with small invariants; the router and the
 collaborators it owns (router.py, lifecycle.py, resume.py) are the only code that mutates them, on
 its one event loop.
 
@@ -11,7 +11,6 @@ suite sets it), raises IllegalTransition.
 from __future__ import annotations
 
 import asyncio
-import collections
 import enum
 import logging
 import os
@@ -20,10 +19,8 @@ from typing import Any
 
 from protocol.messages import Bye, CacheStats, Heartbeat, Progress, Pulse, Ready, Submit
 from supervisor import errors
-from supervisor.config import Settings
 from supervisor.effects import WorkerHandle
 from supervisor.registry import ModelSpec
-from supervisor.reports import EvictReport
 
 log = logging.getLogger(__name__)
 
@@ -141,41 +138,6 @@ class Worker:
     @property
     def pid(self) -> int | None:
         return self.process.pid
-
-
-@dataclass
-class ModelRecord:
-    """What outlives one worker process of a model: counts and the last error, for status."""
-
-    starts: int = 0
-    crashes: int = 0
-    last_error: str | None = None
-    last_exit: int | None = None
-    last_stderr: list[str] = field(default_factory=list)
-    last_eviction: EvictReport | None = None
-    recent_crashes: collections.deque = field(default_factory=collections.deque)  # monotonic times
-    failed_until: float = 0.0  # crash loop or failed load: refuse to start before this
-    backoff_until: float = 0.0  # after a crash: wait before the next start
-    suspended: int = 0  # requests suspended when a worker ended under them (supervisor/resume.py), in all
-    resumed: int = 0  # ... resumed on a later worker
-    resume_failed: int = 0  # ... failed after all (the bounds, a crash loop, the deadline, shutdown)
-    stranded_bytes: int = 0  # wired memory its last worker's exit did not give back (stranded.py; macOS)
-
-    def note_crash(self, now: float, settings: Settings, load_failed: bool) -> None:
-        self.crashes += 1
-        self.recent_crashes.append(now)
-        while self.recent_crashes and now - self.recent_crashes[0] > settings.crash_window_s:
-            self.recent_crashes.popleft()
-        n = len(self.recent_crashes)
-        self.backoff_until = now + min(settings.restart_backoff_s * 2 ** (n - 1), settings.restart_backoff_max_s)
-        if load_failed or n >= settings.crash_limit:
-            self.failed_until = now + settings.crash_cooldown_s
-            why = "the model failed to load" if load_failed else f"{n} crashes within {settings.crash_window_s:.0f}s"
-            self.last_error = f"{why}; marked failed: {self.last_error}"
-
-    def clear(self) -> None:
-        self.failed_until = self.backoff_until = 0.0
-        self.recent_crashes.clear()
 
 
 @dataclass(eq=False)

@@ -76,14 +76,16 @@ def memory_line(status: dict[str, Any]) -> str:
 
 
 def status_table(status: dict[str, Any]) -> list[str]:
-    rows = [("MODEL", "KIND", "STATE", "PID", "MEMORY", "SIZE", "CONTEXT", "IN-FLIGHT", "BATCH", "UNTIL", "HOT CACHE",
-             "SSD CACHE", "RESUMED", "LAST ERROR")]
+    rows = [("MODEL", "KIND", "STATE", "PID", "MEMORY", "SIZE", "CONTEXT", "IN-FLIGHT", "WAITING", "BATCH", "UNTIL",
+             "HOT CACHE", "SSD CACHE", "RESUMED", "LAST ERROR")]
     for m in map(ModelStatus.from_dict, status["models"]):
         cache = m.cache or {}
         in_flight = f"{m.in_flight} ({m.suspended} suspended)" if m.suspended else str(m.in_flight)
         resumed = f"{m.resumed} ({m.resume_failed} failed)" if m.resume_failed else str(m.resumed)
+        waiting = f"{m.waiting} ({duration(m.oldest_wait_s)})" if m.waiting else "0"
+        waiting += f", {m.queue_refused} refused" if m.queue_refused else ""
         rows.append((m.id, m.kind, m.state, str(m.pid or "-"), size(m.memory_bytes), size(m.weights_bytes or None),
-                     str(m.context_length or "-"), in_flight, str(m.batch_size), until(m),
+                     str(m.context_length or "-"), in_flight, waiting, str(m.batch_size), until(m),
                      _cache(cache.get("hot"), False), _cache(cache.get("ssd"), True), resumed,
                      (m.last_error or "")[:60]))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

@@ -215,7 +215,7 @@ async def _anthropic_errors(handling: Awaitable[Response]) -> Response:
     try:
         return await handling
     except errors.MlxsupError as exc:
-        return JSONResponse(anthropic_error_body(exc), status_code=exc.status)
+        return JSONResponse(anthropic_error_body(exc), status_code=exc.status, headers=exc.headers())
 
 
 def agent_routes(router: Router, settings: Settings) -> list[Route]:

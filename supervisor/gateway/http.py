@@ -44,7 +44,7 @@ def sse_event(event: dict) -> bytes:
 
 
 def error_response(exc: errors.MlxsupError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -30,14 +30,17 @@ class _StatusCollector(Collector):
         loaded = GaugeMetricFamily("mlxsup_model_state", "1 for the model's current state", labels=["model", "state"])
         suspended = GaugeMetricFamily("mlxsup_model_suspended", "Requests waiting to resume per model",
                                       labels=["model"])
+        waiting = GaugeMetricFamily("mlxsup_model_waiting", "Requests waiting in the model's queue", labels=["model"])
         for m in status["models"]:
             memory.add_metric([m["id"]], m["memory_bytes"] or 0)
             in_flight.add_metric([m["id"]], m["in_flight"])
             loaded.add_metric([m["id"], m["state"]], 1)
             suspended.add_metric([m["id"]], m.get("suspended", 0))
+            waiting.add_metric([m["id"]], m.get("waiting", 0))
         yield memory
         yield in_flight
         yield suspended
+        yield waiting
         yield loaded
         yield GaugeMetricFamily("mlxsup_memory_ceiling_bytes", "Admission ceiling", value=status["ceiling_bytes"])
         yield GaugeMetricFamily("mlxsup_stranded_bytes", "Wired memory that workers' exits did not give back (macOS)",
@@ -73,6 +76,11 @@ class Metrics:
                                ["model", "outcome"], registry=r)
         self.resume_pause = Histogram("mlxsup_resume_pause_seconds", "A resumed request's pause: from its "
                                       "suspension to its next token", ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_wait = Histogram("mlxsup_queue_wait_seconds", "A request's wait in its model's queue (a load, "
+                                    "room, a swap, a place on its worker) before its lease", ["model"],
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_refused = Counter("mlxsup_queue_refused", "Requests the model's queue refused: full (429) or "
+                                     "waited too long (503)", ["model", "why"], registry=r)
 
     def watch(self, status: Callable[[], dict]) -> None:
         self.registry.register(_StatusCollector(status))

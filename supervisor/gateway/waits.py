@@ -88,12 +88,19 @@ class Waits:
                 return f"loading {model}: {worker.progress.stage} {worker.progress.fraction:.0%}"
             if worker.state in LEAVING:
                 return f"waiting for {model}'s last worker to exit"
+            slot = router.slots.get(model)
+            if slot is not None and len(slot.queue) > 1:
+                return f"queued for {model} with {len(slot.queue) - 1} other request(s)"
             return f"waiting for {model}"  # ready: the lease is taken in this very turn
-        record = router.records.get(model)
+        record = router.slots.get(model)
         now = router.clock.monotonic()
         if record is not None and record.backoff_until > now:
             return f"waiting {record.backoff_until - now:.0f}s to restart {model} after a crash"
         leaving = sorted(w.spec.id for w in router.workers.values() if w.state in LEAVING)
         if leaving:
             return f"waiting for room to load {model}: {', '.join(leaving)} exiting"
+        if record is not None and record.queue:
+            busy = sorted({s.worker.spec.id for w in record.queue for s in w.waits_for if s.worker is not None})
+            if busy:
+                return f"waiting for room to load {model}: {', '.join(busy)} finishing its requests"
         return f"waiting to load {model}"

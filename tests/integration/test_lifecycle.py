@@ -4,6 +4,7 @@ pinning, memory pressure, and the `mlxsup status|evict|load` commands."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import subprocess
 import time
@@ -126,7 +127,7 @@ worker_args = ["--fault", "ignore-sigterm", "--fault", "hang-on-evict"]
     assert d.model("stuck")["state"] == "stopped"
 
 
-def test_ceiling_that_fits_one_model_swaps_them_and_refuses_when_busy(daemon: Daemon, daemon_factory,
+def test_ceiling_that_fits_one_model_swaps_them_and_waits_when_busy(daemon: Daemon, daemon_factory,
                                                                       model_dir: Path, tmp_path: Path) -> None:
     load(daemon, "tiny")
     one = daemon.model("tiny")["memory_bytes"]
@@ -149,15 +150,19 @@ worker_overhead = {one}
     assert len(set(pids)) == 4  # every swap was a fresh process
     assert d.model("tiny2")["last_eviction"]["reason"] == d.model("tiny")["last_eviction"]["reason"] == "admission"
 
+    # tiny busy: a request for tiny2 waits for it (no 507), and is served once tiny's request is done
     with httpx.stream("POST", d.v1 + "/completions", timeout=60, json={
             "model": "tiny", "prompt": "busy", "max_tokens": 8000, "ignore_eos": True, "stream": True}) as busy:
         lines = busy.iter_lines()  # kept referenced: a collected iterator closes the connection
         assert "error" not in next(line for line in lines if text_line(line))
         assert d.model("tiny")["leases"] == 1
-        with pytest.raises(openai.APIStatusError) as err:
-            client.completions.create(model="tiny2", prompt="no room", max_tokens=2)
-    assert err.value.status_code == 507
-    assert err.value.body["code"] == "insufficient_memory" and "busy" in err.value.body["message"]
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(client.completions.create, model="tiny2", prompt="room later", max_tokens=2)
+            wait_for(lambda: d.model("tiny2")["waiting"] == 1, 60, what="the request to wait for tiny")
+            assert d.model("tiny")["state"] == "ready" and not waiting.done()
+            busy.close()  # the client leaves: tiny idles, and goes for tiny2
+            assert waiting.result(timeout=120).usage.completion_tokens
+    assert d.model("tiny2")["state"] == "ready" and d.model("tiny")["last_eviction"]["reason"] == "admission"
 
 
 def test_ttl_waits_for_the_lease_then_evicts(daemon_factory, model_dir: Path, tmp_path: Path) -> None:

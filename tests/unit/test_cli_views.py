@@ -44,7 +44,7 @@ def test_status_has_size_context_until_and_a_memory_line() -> None:
                        generated_tokens=0, context_length=4096, suspended=1, resumed=3, resume_failed=1)
     stopped = ModelStatus("idle", "stopped", ttl_s=900, weights_bytes=2 * GiB, kind="embedding")
     header, *rows = status_table(status(ready, pinned, forever, busy, stopped))
-    assert header.split() == ["MODEL", "KIND", "STATE", "PID", "MEMORY", "SIZE", "CONTEXT", "IN-FLIGHT", "BATCH", "UNTIL",
+    assert header.split() == ["MODEL", "KIND", "STATE", "PID", "MEMORY", "SIZE", "CONTEXT", "IN-FLIGHT", "WAITING", "BATCH", "UNTIL",
                               "HOT", "CACHE", "SSD", "CACHE", "RESUMED", "LAST", "ERROR"]
     by_model = dict(zip(["chat", "pin", "free", "busy", "idle"], rows))
     assert "899 KiB" in by_model["chat"] and "8192" in by_model["chat"] and "in 14m02s" in by_model["chat"]

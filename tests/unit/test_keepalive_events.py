@@ -50,7 +50,7 @@ class Held(StubRouter):
             self.lease = lease
         self.lease.worker.heartbeat = None  # type: ignore[attr-defined]
         self.workers: dict[str, Any] = {}
-        self.records: dict[str, Any] = {}
+        self.slots: dict[str, Any] = {}
         self.clock = SimpleNamespace(monotonic=time.monotonic)
         self.suspensions: dict[str, Suspension] = {}
         self.routed = asyncio.Event()
@@ -325,7 +325,7 @@ def test_the_comment_says_what_the_request_waits_for_and_no_more() -> None:
     router.workers = {"other": worker(State.EVICTING, "other"), "third": worker(State.FAILED, "third")}
     assert waits.waiting() == b": waiting for room to load m: other, third exiting\n\n"  # admission waits for them
     router.workers = {}
-    router.records["m"] = SimpleNamespace(backoff_until=time.monotonic() + 5.4)
+    router.slots["m"] = SimpleNamespace(backoff_until=time.monotonic() + 5.4)
     assert waits.waiting() == b": waiting 5s to restart m after a crash\n\n"
 
     call.lease = router.lease  # type: ignore[assignment]

@@ -98,7 +98,7 @@ async def test_a_crash_tells_the_listener_first_and_fails_only_the_streams_it_le
     assert isinstance(next_event(left), errors.WorkerDied) and worker.streams == {}
     assert worker.state is State.FAILED and worker.gone.is_set()
     assert "m" not in w.lifecycle.workers and worker.identity not in w.lifecycle.by_identity
-    assert w.lifecycle.records["m"].crashes == 1
+    assert w.lifecycle.slots["m"].crashes == 1
 
 
 @scenario
@@ -161,7 +161,7 @@ async def test_a_refused_worker_fails_in_the_turn_it_is_refused_and_marks_the_mo
     assert worker.state is State.FAILED and worker.ready.done() and fake(worker).signals == ["SIGKILL"]
     fake(worker).exit(-9)
     await settle()
-    assert w.lifecycle.records["m"].failed_until > w.clock.now and "m" not in w.lifecycle.workers
+    assert w.lifecycle.slots["m"].failed_until > w.clock.now and "m" not in w.lifecycle.workers
 
 
 @scenario

@@ -33,11 +33,16 @@ def w(id: str, mib: int, *, state: str = "ready", busy: bool = False, pinned: bo
     # least recently used idle worker goes first, and only as many as needed
     (400, [w("a", 500, used=2), w("b", 300, used=1)], 1000, None, Admission(evict=("b",))),
     (700, [w("a", 500, used=2), w("b", 300, used=1)], 1000, None, Admission(evict=("b", "a"))),
-    # busy and pinned workers are never chosen
-    (400, [w("a", 500, busy=True), w("b", 300, pinned=True)], 1000, None, Admission(missing_bytes=200 * MiB)),
+    # busy and pinned workers are never chosen: a busy one is waited for (once idle it can go), a pinned one never
+    (400, [w("a", 500, busy=True), w("b", 300, pinned=True)], 1000, None, Admission(wait_for=("a",))),
+    (800, [w("a", 500, busy=True), w("b", 300, pinned=True)], 1000, None, Admission(missing_bytes=100 * MiB)),
     (400, [w("a", 500, busy=True, used=0), w("b", 300, used=5)], 1000, None, Admission(evict=("b",))),
-    # a loading worker is busy by definition (a request waits on it) and not ready: never chosen
-    (400, [w("a", 700, state="loading")], 1000, None, Admission(missing_bytes=100 * MiB)),
+    # idle ones cannot free enough: the least recently used busy ones are waited for, as few as do
+    (700, [w("a", 500, busy=True, used=3), w("b", 300, busy=True, used=1), w("c", 100, used=9)], 1000, None,
+     Admission(wait_for=("b", "a"))),
+    # a loading worker is busy by definition (a request waits on it) and not ready: never evicted, but waited for
+    (400, [w("a", 700, state="loading")], 1000, None, Admission(wait_for=("a",))),
+    (400, [w("a", 700, state="loading", pinned=True)], 1000, None, Admission(missing_bytes=100 * MiB)),
     # memory already on its way back: wait for it rather than evicting more
     (400, [w("a", 700, state="evicting"), w("b", 100)], 1000, None, Admission(wait=True)),
     # ... as is a refused worker's, being killed (it is neither evictable nor staying)
@@ -46,7 +51,8 @@ def w(id: str, mib: int, *, state: str = "ready", busy: bool = False, pinned: bo
     (2000, [], 1000, None, Admission(missing_bytes=1000 * MiB)),
     # the count limit
     (1, [w("a", 1, used=1), w("b", 1, used=0)], 1000, 2, Admission(evict=("b",))),
-    (1, [w("a", 1, busy=True), w("b", 1, busy=True)], 1000, 2, Admission(too_many=True)),
+    (1, [w("a", 1, busy=True, used=2), w("b", 1, busy=True, used=1)], 1000, 2, Admission(wait_for=("b",))),
+    (1, [w("a", 1, busy=True, pinned=True), w("b", 1, pinned=True)], 1000, 2, Admission(too_many=True)),
 ])
 def test_admit(need, views, ceiling, max_loaded, expected) -> None:
     assert admit(need * MiB, views, ceiling * MiB, max_loaded) == expected

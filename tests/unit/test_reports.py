@@ -6,7 +6,7 @@ import json
 
 from supervisor.reports import EvictReport, LoadProgress, ModelStatus, RecentEviction, SpareStatus, Status
 
-ALWAYS = ["id", "state", "kind", "pid", "memory_bytes", "in_flight", "queued", "leases", "idle_s", "ttl_s", "ttl_remaining_s",
+ALWAYS = ["id", "state", "kind", "pid", "memory_bytes", "in_flight", "queued", "waiting", "oldest_wait_s", "queue_refused", "leases", "idle_s", "ttl_s", "ttl_remaining_s",
           "pinned", "restarts", "crashes", "suspended", "resumed", "resume_failed", "last_error", "stderr_tail",
           "last_eviction", "worker_active", "batch_size", "peak_batch_size", "weights_bytes", "cache"]
 

@@ -148,7 +148,7 @@ async def test_shutdown_and_the_deadline_fail_suspended_requests(tmp_path: Path)
     (error,) = drain(late)
     assert isinstance(error, errors.WorkerDied) and "resume_timeout_s" in error.message
 
-    w.router.records["m"].clear()
+    w.router.slots["m"].clear()
     lease = await w.load("m")
     waiting = lease.submit(Submit("r2", max_tokens=0, prompt="hi"))
     w.process("m").exit(-9)

@@ -14,7 +14,8 @@ from supervisor.gateway.metrics import Metrics
 from supervisor.lease import Lease
 from supervisor.registry import ModelSpec
 from supervisor.resume import Resumption
-from supervisor.workers import ModelRecord, State, Stream, Worker
+from supervisor.slot import ModelSlot
+from supervisor.workers import State, Stream, Worker
 from tests.unit.test_router import (  # noqa: F401 - strict_states: its autouse fixture
     FakeClock,
     FakeProcess,
@@ -30,7 +31,7 @@ class Host:
     """The lifecycle as the Resumption reads it, and the leases' accounting (lease.LeaseHost)."""
 
     def __init__(self) -> None:
-        self.records = {"m": ModelRecord()}
+        self.slots = {"m": ModelSlot()}
         self.shutting_down = False
         self.pressure: str | None = None
 
@@ -99,7 +100,7 @@ async def test_a_crash_suspends_what_may_resume_and_the_next_lease_gets_the_cont
     (continuation,) = w.transport.to(fresh, Submit)
     assert continuation.resume_tokens == [5, 6, 7] and continuation.max_tokens == 7
     assert fresh.streams == {"r1": stream} and stream.lease.worker is fresh and stream.resumes == 1
-    assert w.resumption.suspended == {} and w.host.records["m"].resumed == 1
+    assert w.resumption.suspended == {} and w.host.slots["m"].resumed == 1
 
 
 @scenario

@@ -93,7 +93,7 @@ async def test_an_exit_that_strands_wired_memory_is_reported_and_counted(tmp_pat
     lease.release()
     w.process("m").exit(1)
     await settle()
-    record = w.router.lifecycle.records["m"]
+    record = w.router.lifecycle.slots["m"]
     assert record.backoff_until - w.clock.monotonic() >= w.settings.restart_backoff_max_s - 1e-9
 
 
@@ -106,5 +106,5 @@ async def test_an_exit_that_gives_everything_back_strands_nothing(tmp_path: Path
     lease.release()
     w.process("m").exit(1)
     await settle()
-    record = w.router.lifecycle.records["m"]
+    record = w.router.lifecycle.slots["m"]
     assert record.backoff_until - w.clock.monotonic() <= w.settings.restart_backoff_s + 1e-9

@@ -1,0 +1,165 @@
+"""A model's wait queue (supervisor/slot.py, Router.acquire): wait and swap, arrival order, the bounds.
+
+Against test_router.py's fakes (a fake transport, processes and clock): the router and its collaborators are real.
+Each test names, in its docstring, the handling it would catch missing."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from supervisor import errors
+from supervisor.workers import State
+from tests.unit.test_router import MIB, World, fake, now, pending, scenario, settle, strict_states  # noqa: F401
+
+
+def one_at_a_time(tmp_path: Path, **settings: object) -> World:
+    return World(tmp_path, max_loaded_models=1, **settings)
+
+
+async def swap(w: World, gone: str, coming: str) -> None:
+    """The idle worker of `gone` was evicted for `coming`: it exits, and `coming`'s worker loads."""
+    await settle()
+    leaving = w.worker(gone)
+    assert leaving.state is State.EVICTING and leaving.evict_reason == "admission"
+    fake(leaving).exit(0)
+    await settle()
+    w.ready(coming)
+    await settle()
+
+
+@scenario
+async def test_requests_for_another_model_wait_for_the_swap_and_are_served_in_order(tmp_path: Path) -> None:
+    """Catches: a request for a model that cannot load now refused (507) while the loaded one is busy, a busy worker
+    evicted under its requests, or the waiting requests served out of their order."""
+    w = one_at_a_time(tmp_path)
+    streaming = await w.load("m")
+    waiting = [asyncio.ensure_future(w.router.acquire("n")) for _ in range(3)]
+    await settle()
+    assert all(pending(t) for t in waiting) and w.worker("m").state is State.READY
+    assert w.router.model_status("n").waiting == 3
+    order: list[int] = []
+    for i, t in enumerate(waiting):
+        t.add_done_callback(lambda _, i=i: order.append(i))
+    streaming.release()  # m's request is done: m idles, and goes for n
+    await swap(w, "m", "n")
+    leases = [t.result() for t in waiting]
+    assert order == [0, 1, 2] and {lease.worker.spec.id for lease in leases} == {"n"}
+    assert w.router.model_status("n").waiting == 0
+    for lease in leases:
+        lease.release()
+
+
+@scenario
+async def test_a_busy_model_serves_what_came_before_the_other_models_request_and_then_yields(tmp_path: Path) -> None:
+    """Catches: a model that keeps getting requests starving another's waiting one (each new request a new lease)."""
+    w = one_at_a_time(tmp_path)
+    first = await w.load("m")
+    before = await now(w.router.acquire("m"))  # came before n's request: served at once
+    for_n = asyncio.ensure_future(w.router.acquire("n"))
+    await settle()
+    after = asyncio.ensure_future(w.router.acquire("m"))  # came after: waits behind n
+    await settle()
+    assert pending(for_n) and pending(after) and w.worker("m").leases == 2
+    first.release()
+    before.release()
+    await swap(w, "m", "n")
+    n_lease = for_n.result()
+    assert pending(after), "m's later request took m back before n's was served"
+    n_lease.release()
+    await swap(w, "n", "m")
+    assert after.result().worker.spec.id == "m"
+    after.result().release()
+
+
+@scenario
+async def test_a_full_queue_refuses_at_once_with_retry_after_and_the_queued_ones_complete(tmp_path: Path) -> None:
+    """Catches: an unbounded queue (every request accepted however many wait), a refusal with no Retry-After, or a
+    refusal that fails those already queued."""
+    w = one_at_a_time(tmp_path, max_queued_requests=2)
+    streaming = await w.load("m")
+    queued = [asyncio.ensure_future(w.router.acquire("n")) for _ in range(2)]
+    await settle()
+    with pytest.raises(errors.QueueFull) as full:
+        await now(w.router.acquire("n"))
+    assert full.value.status == 429 and full.value.headers() == {"Retry-After": "1"}
+    assert w.router.model_status("n").queue_refused == 1
+    assert w.sample("mlxsup_queue_refused_total", model="n", why="full") == 1
+    streaming.release()
+    await swap(w, "m", "n")
+    for lease in [t.result() for t in queued]:
+        lease.release()
+
+
+@scenario
+async def test_a_request_that_waits_past_its_limit_is_refused_and_leaves_the_queue(tmp_path: Path) -> None:
+    """Catches: a wait with no end (a client held for ever behind a model that never idles), or one that stays
+    counted in the queue after its refusal."""
+    w = one_at_a_time(tmp_path, queue_timeout_s=30.0)
+    streaming = await w.load("m")
+    waiting = asyncio.ensure_future(w.router.acquire("n"))
+    await settle()
+    w.clock.advance(29)
+    await settle()
+    assert pending(waiting)
+    w.clock.advance(2)
+    with pytest.raises(errors.QueueTimeout, match="waiting for m to finish") as late:
+        await now(waiting)
+    assert late.value.status == 503 and "Retry-After" in late.value.headers()
+    assert w.router.model_status("n").waiting == 0 and not w.router.slots["m"].yield_to
+    assert await now(w.router.acquire("m"))  # m no longer yields to a request that is gone
+    streaming.release()
+
+
+@scenario
+async def test_a_waiting_client_that_leaves_is_dropped_from_the_queue_at_once(tmp_path: Path) -> None:
+    """Catches: a cancelled wait left in the queue (counted against its bound) or still holding the busy model's
+    later requests back."""
+    w = one_at_a_time(tmp_path)
+    streaming = await w.load("m")
+    waiting = asyncio.ensure_future(w.router.acquire("n"))
+    await settle()
+    later = asyncio.ensure_future(w.router.acquire("m"))
+    await settle()
+    assert pending(later) and w.router.model_status("n").waiting == 1
+    waiting.cancel()
+    await settle()
+    assert w.router.model_status("n").waiting == 0 and not w.router.slots["m"].yield_to
+    assert later.done() and later.result().worker is w.worker("m")  # m's later request goes on
+    later.result().release()
+    streaming.release()
+
+
+@scenario
+async def test_a_models_requests_on_its_worker_are_bounded_and_the_rest_wait_their_turn(tmp_path: Path) -> None:
+    """Catches: every request handed to the worker however many run (nothing bounds a worker's own queue), or
+    the waiting ones not let on as places free up."""
+    w = World(tmp_path, max_running_requests=2)
+    leases = [await w.load("m"), await now(w.router.acquire("m"))]
+    third = asyncio.ensure_future(w.router.acquire("m"))
+    fourth = asyncio.ensure_future(w.router.acquire("m"))
+    await settle()
+    assert pending(third) and pending(fourth) and w.worker("m").leases == 2
+    leases[0].release()
+    await settle()
+    assert third.done() and pending(fourth)
+    leases[1].release()
+    await settle()
+    assert fourth.done()
+    third.result().release()
+    fourth.result().release()
+
+
+@scenario
+async def test_a_model_that_can_never_fit_beside_pinned_ones_is_still_refused_at_once(tmp_path: Path) -> None:
+    """Catches: a request queued for a load that no wait can allow (a pinned model holds the only place)."""
+    from supervisor.registry import ModelSpec
+    w = World(tmp_path, [ModelSpec("m", tmp_path, weights_bytes=100 * MIB, pinned=True),
+                         ModelSpec("n", tmp_path, weights_bytes=100 * MIB)], max_loaded_models=1)
+    await settle()
+    w.ready("m")
+    with pytest.raises(errors.InsufficientMemory, match="pinned"):
+        await now(w.router.acquire("n"))
+    assert w.router.model_status("n").waiting == 0
