@@ -125,7 +125,6 @@ class Engine:
         self.cost = StepCostModel(step_target_s, prefill_step_size, time_one_token(self.model))
         self.solo_on, compiled = solo_modes(solo)  # a request alone runs the generate_step way (solo.py)
         self.graph = DecodeGraph(self.model) if compiled else None  # a solo's decode steps compiled
-        self.lane = SoloLane(self.model, self.gen, self._stop_eos, self._stop_none)
         draft_model, draft_bytes = load_draft(draft, self.tokenizer) if draft is not None else (None, 0)
         self.weights_bytes += draft_bytes  # admission counts the draft model's weights as the model's
         speculation = Speculation(speculative, num_draft_tokens, draft_model, self.vocab_size)
@@ -153,10 +152,12 @@ class Engine:
         self.text = TextThread() if text_thread else None
         self._lagged: list[tuple[Request, list[int]]] = []  # rows' tokens for the text thread, at the next step
         self._making: list[tuple[Request, list[int]]] = []  # ... and those it is making text of now
+        # greedy batches of a few rows draft in lockstep (batch_drafting.py), and the solo drafts, meeting each
+        # reply-snapshot boundary
+        boundary = self.caches.block if self.caches is not None and self.caches.layout.snapshots else 0
+        self.lane = SoloLane(self.model, self.gen, self._stop_eos, self._stop_none, self.graph, boundary)
         self.snapshots = Snapshots(self.caches, self.gen, self.lane, self._by_uid) if self.caches is not None else None
-        # greedy batches of a few rows draft in lockstep (batch_drafting.py), meeting each reply-snapshot boundary
-        self.batch_drafts = BatchDrafting(self.model, self.gen, self.caches.block if self.caches is not None
-                                          and self.caches.layout.snapshots else 0)
+        self.batch_drafts = BatchDrafting(self.model, self.gen, boundary)
         self.released: list[str] = []  # settle's release steps, in their order (release.py)
         self.load_s = time.perf_counter() - t0
         # a vision-language model's images (vision.py's VisionInput: their prompts, cache keys and prefill), made from
@@ -210,7 +211,7 @@ class Engine:
         """Start a request: its prefix from the prompt caches (or the vision part's image prefill), its marks kept, and
         its lane: the solo if it is alone and needs nothing only the batch has (`alone_ok`), else the batch (stopped
         at max_tokens by the context's room, it finishes as "context_window")."""
-        tokens, keys, d = r.tokens, r.keys, r.decoding
+        tokens, keys = r.tokens, r.keys
         if self._stores:  # a conversation's next turn finds its last one's cache
             self._flush_stores()
         cached, prefix, hit = self._lookup(r)
@@ -223,24 +224,12 @@ class Engine:
         # sessions branch off (its head of system prompt and tools, its first user turn's parts): they pick up there
         points = [] if self.caches is None else self.caches.snapshot_points(
             len(tokens), cached, self.caches.matched, list(r.branches))
-        cuts = [0] + [p - cached for p in points] + [len(tokens) - cached]
-        drafting = r.drafting
+        # its lane: each takes the request, its cached tokens, their cache and its snapshot points, and gives its uid
         if self.solo_on and not self._by_rid and r.alone_ok:
-            uid = self.lane.start(tokens, cached, prefix, r.max_tokens, d.sampler, None if r.ignore_eos else self._eos,
-                                  self.graph, drafting, frozenset(points), self.batch_drafts.boundary)
+            uid = self.lane.start(r, cached, prefix, points, self._eos)
         else:
-            self._solo_to_batch()
-            (uid,) = self.gen.insert_segments(
-                [[tokens[cached + a:cached + b] for a, b in zip(cuts, cuts[1:]) if b > a]],  # prefill stops at each point
-                max_tokens=[r.max_tokens],
-                caches=[prefix] if prefix is not None else None,
-                all_tokens=[tokens[:cached]],
-                samplers=[drafting.draws if drafting is not None and drafting.draws is not None  # type: ignore[list-item]
-                          else d.sampler],  # a seeded request's draws, which drafting steps draw on too; None: greedy
-                logits_processors=[d.processors],
-                stop_sequences=[self._stop_none if r.ignore_eos else self._stop_eos],
-            )
-            self.batch_drafts.add(uid, drafting)
+            uid = self._insert(r, cached, prefix, points)
+        d, drafting = r.decoding, r.drafting
         req = Request(r.rid, uid, r.prompt_tokens, d.out, completion_tokens=r.resumed,
                       cached_tokens=min(hit, r.prompt_tokens), prefill_left=len(tokens) - cached - 1, position=cached,
                       start=cached, snapshot_at=frozenset(points), grammar=d.grammar, clamped=r.clamped,
@@ -252,6 +241,25 @@ class Engine:
         self._by_rid[r.rid] = req
         if req.prefill_left > 0:
             self._prefilling[r.rid] = req
+
+    def _insert(self, r: EngineRequest, cached: int, prefix: list | None, points: list[int]) -> int:
+        """The batch's start of a request (the solo, if any, joins it first): its prompt past `cached` in segments that
+        end at each snapshot point, `prefix` its starting cache; its uid in the generator."""
+        self._solo_to_batch()
+        tokens, d, drafting = r.tokens, r.decoding, r.drafting
+        cuts = [0] + [p - cached for p in points] + [len(tokens) - cached]
+        (uid,) = self.gen.insert_segments(
+            [[tokens[cached + a:cached + b] for a, b in zip(cuts, cuts[1:]) if b > a]],  # prefill stops at each point
+            max_tokens=[r.max_tokens],
+            caches=[prefix] if prefix is not None else None,
+            all_tokens=[tokens[:cached]],
+            samplers=[drafting.draws if drafting is not None and drafting.draws is not None  # type: ignore[list-item]
+                      else d.sampler],  # a seeded request's draws, which drafting steps draw on too; None: greedy
+            logits_processors=[d.processors],
+            stop_sequences=[self._stop_none if r.ignore_eos else self._stop_eos],
+        )
+        self.batch_drafts.add(uid, drafting)
+        return uid
 
     def _lookup(self, r: EngineRequest) -> tuple[int, list | None, int]:
         """(tokens in the request's starting cache, that cache, how many of them the prompt caches gave: its

@@ -40,7 +40,7 @@ import gc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -50,6 +50,9 @@ from mlx_lm.models.cache import make_prompt_cache
 from worker.mlx_engine.decode_graph import DecodeGraph, DecodeState
 from worker.mlx_engine.rollback import mark, restore, trim, undoable
 from worker.mlx_engine.speculative import Drafting
+
+if TYPE_CHECKING:
+    from worker.mlx_engine.request import EngineRequest
 from worker.step_cost import StepPlan
 
 
@@ -335,9 +338,11 @@ class Solo:
 class SoloLane:
     """The engine's solo, if a request is alone, and its way into the engine's generator when another comes."""
 
-    def __init__(self, model: nn.Module, gen: BatchGenerator, stop_eos: StopSequences,
-                 stop_none: StopSequences) -> None:
+    def __init__(self, model: nn.Module, gen: BatchGenerator, stop_eos: StopSequences, stop_none: StopSequences,
+                 graph: DecodeGraph | None = None, boundary: int = 0) -> None:
         self.model = model
+        self.graph = graph  # each solo's decode steps compiled (None: never)
+        self.boundary = boundary  # reply snapshots where a solo's cache fills a multiple of it (0: none)
         self._gen = gen
         self._stop_eos, self._stop_none = stop_eos, stop_none
         self.solo: Solo | None = None
@@ -345,13 +350,13 @@ class SoloLane:
         self.pending: list[SoloResponse] = []  # a solo's token read when it joined the batch, emitted next step
         self._uids = 0
 
-    def start(self, tokens: list[int], cached: int, cache: list | None, max_tokens: int, sampler: Callable | None,
-              eos: set[int] | None, graph: DecodeGraph | None, drafting: Drafting | None = None,
-              stops: frozenset[int] = frozenset(), boundary: int = 0) -> int:
-        """A request alone runs as the solo; its uid (negative: the generator's count up from 0)."""
+    def start(self, r: EngineRequest, cached: int, cache: list | None, points: list[int], eos: set[int]) -> int:
+        """A request alone runs as the solo, `cached` of its tokens in `cache`, its prefill stopping at `points`, ended
+        by `eos` (the engine's; unless it ignores EOS); its uid (negative: the generator's count up from 0). The
+        batch's start (Engine._insert) takes the same but for `eos` (the generator's stop sequences hold it)."""
         self._uids -= 1
-        self.solo = Solo(self.model, self._uids, tokens, cached, cache, max_tokens, sampler, eos, graph, drafting,
-                         stops, boundary)
+        self.solo = Solo(self.model, self._uids, r.tokens, cached, cache, r.max_tokens, r.decoding.sampler,
+                         None if r.ignore_eos else eos, self.graph, r.drafting, frozenset(points), self.boundary)
         self.plan = None  # predicted afresh, from what the fits know now
         return self._uids
 
