@@ -136,6 +136,8 @@ class Settings:
     image_max_count: int = 8  # per request
     image_fetch: bool = False
     image_fetch_timeout_s: float = 10.0
+    # a second listener serving the same app where apps look for Ollama (gateway/ollama_listener.py): "HOST:PORT" or "off"
+    ollama_listen: str = "127.0.0.1:11434"
 
     def security_warning(self) -> str | None:
         """What is wrong with listening where this daemon listens without a key; None: nothing."""
@@ -212,6 +214,7 @@ _SERVER_KEYS: dict[str, type | tuple[type, ...]] = {
     "image_max_bytes": int, "image_max_pixels": int, "image_max_count": int, "image_fetch": bool,
     "image_fetch_timeout_s": (int, float),
     "embed_timeout_s": (int, float),
+    "ollama_listen": str,
 }
 _MEMORY_KEYS = {
     "ceiling": "memory_ceiling_bytes", "reserve": "memory_reserve_bytes", "worker_overhead": "worker_overhead_bytes",
@@ -316,6 +319,7 @@ _ENV: dict[str, tuple[str, Callable[[str], object]]] = {
     "MLXSUP_MAX_LOADED_MODELS": ("max_loaded_models", int),
     "MLXSUP_DEFAULT_TTL_S": ("default_ttl_s", float),
     "MLXSUP_HF_CACHE": ("hf_cache", lambda v: Path(v) if v else None),
+    "MLXSUP_OLLAMA_LISTEN": ("ollama_listen", str),
 }
 
 

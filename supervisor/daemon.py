@@ -49,6 +49,7 @@ from supervisor.config import DEMO_MODEL_ID, DEMO_MODEL_NAME, Settings, runtime_
 from supervisor.effects import SystemClock, WorkerHandle
 from supervisor.gateway.app import build_app
 from supervisor.gateway.metrics import Metrics
+from supervisor.gateway.ollama_listener import open_listener
 from supervisor.group import GroupProcess, GroupSpec
 from supervisor.process import WorkerProcess, reap_stale
 from supervisor.registry import ModelSpec, Registry, is_model_dir, weights_bytes
@@ -246,6 +247,7 @@ async def serve(settings: Settings) -> int:
 async def _serve(settings: Settings) -> int:
     registry = build_registry(settings)
     listener = listen(settings.host, settings.port)
+    ollama = open_listener(settings, listener.getsockname()[1], listen)  # None: off, or its port is taken (logged)
     run_dir = runtime_dir(settings.state_dir)
     reap_stale(run_dir)
     router = build_router(registry, settings, run_dir)
@@ -281,7 +283,7 @@ async def _serve(settings: Settings) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, handle, sig)
 
-    serving = asyncio.create_task(server.serve(sockets=[listener]), name="http")
+    serving = asyncio.create_task(server.serve(sockets=[listener, *([ollama] if ollama else [])]), name="http")
     while not server.started and not serving.done():  # noqa: ASYNC110 - uvicorn's `started` is a bare flag
         await asyncio.sleep(0.01)
     if serving.done():  # the socket is bound already: this is some other start-up failure
@@ -292,6 +294,8 @@ async def _serve(settings: Settings) -> int:
     write_daemon_file(settings, {"pid": os.getpid(), "url": url, "router": router.transport.endpoint})
     log.info("[start] mlxsup serving %d model(s) on %s (router %s) frozen_objects=%d", len(registry.specs), url,
              router.transport.endpoint, gc.get_freeze_count())
+    if ollama is not None:
+        log.info("[start] Ollama's API (and every route) also on http://%s:%d", *ollama.getsockname()[:2])
     await asyncio.wait([serving, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
 
     log.info("[shutdown] signal=%s: evicting %d worker(s)", ",".join(signals_seen) or "none", len(router.workers))

@@ -19,6 +19,8 @@ import psutil
 import pytest
 
 MLXSUP = [sys.executable, "-m", "supervisor"]
+# no test daemon listens on Ollama's 127.0.0.1:11434 (issue 51): the tests that want it set a free port instead
+os.environ.setdefault("MLXSUP_OLLAMA_LISTEN", "off")
 
 
 def wait_for(predicate: Callable[[], object], timeout: float = 30.0, interval: float = 0.05, what: str = "") -> object:

@@ -33,8 +33,12 @@ from supervisor.gateway.embeddings_routes import embeddings_routes
 from supervisor.gateway.guard import WebGuard
 from supervisor.gateway.http import BodyDeadline, SSEResponse, error_response, read_body, sse
 from supervisor.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from supervisor.gateway.ollama_listener import STATUS as OLLAMA_LISTENER
+from supervisor.gateway.ollama_routes import PATHS as OLLAMA_PATHS
+from supervisor.gateway.ollama_routes import error_body as ollama_error_body
+from supervisor.gateway.ollama_routes import ollama_routes
 from supervisor.gateway.openai_routes import openai_routes
-from supervisor.gateway.pull_routes import pull_routes
+from supervisor.gateway.pull_routes import PullRoutes
 from supervisor.gateway.rerank_routes import rerank_routes
 from supervisor.gateway.ui import UI_PATH, Dashboard
 from supervisor.router import Router
@@ -57,6 +61,7 @@ class Gateway:
     async def status(self, request: Request) -> Response:
         return JSONResponse({"version": __version__, "uptime_s": round(time.time() - self.started, 1),
                              "security_warning": self.settings.security_warning(),
+                             "ollama_listener": OLLAMA_LISTENER.to_dict(),
                              **self.router.status().to_dict()})
 
     async def load(self, request: Request) -> Response:
@@ -182,6 +187,8 @@ class RequireApiKey:
                                           "or 'x-api-key: <key>'")
                 if scope["path"].startswith("/v1/messages"):
                     await JSONResponse(anthropic_error_body(err), status_code=err.status)(scope, receive, send)
+                elif scope["path"] in OLLAMA_PATHS:
+                    await JSONResponse(ollama_error_body(err), status_code=err.status)(scope, receive, send)
                 else:
                     await error_response(err)(scope, receive, send)
                 return
@@ -204,7 +211,6 @@ def build_app(router: Router, settings: Settings) -> ASGIApp:
     gw = Gateway(router, settings)
     dashboard = Dashboard()
     routes = [
-        Route("/", dashboard.root, methods=["GET"]),
         Route(UI_PATH, dashboard.page, methods=["GET"]),
         Route("/api/config", gw.config, methods=["GET"]),
         *openai_routes(router, settings),
@@ -217,7 +223,9 @@ def build_app(router: Router, settings: Settings) -> ASGIApp:
         Route("/api/models/{model:path}/evict", gw.evict, methods=["POST"]),
         Route("/api/hot-cache/clear", gw.clear_hot_cache, methods=["POST"]),
         Route("/api/ssd-cache/clear", gw.clear_ssd_cache, methods=["POST"]),
-        *pull_routes(router, settings),  # /api/pull
+        # Ollama's API: /, /api/version, /api/tags, /api/show, /api/ps, /api/chat, /api/generate, /api/embed(dings),
+        # /api/pull (mlxsup's own pull body too), /api/delete, /api/copy
+        *ollama_routes(router, settings, dashboard.root, PullRoutes(router, settings)),
         *agent_routes(router, settings),  # /v1/messages (Anthropic), /v1/responses (OpenAI Responses)
     ]
     handlers = {errors.MlxsupError: _on_error, HTTPException: _on_error, Exception: _on_error}

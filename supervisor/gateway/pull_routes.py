@@ -22,7 +22,6 @@ from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
 from supervisor import errors
 from supervisor.config import Settings
@@ -43,6 +42,17 @@ class PullRoutes:
 
     async def pull(self, request: Request) -> Response:
         model, stream = await _body(request)
+        p, events, done = await self.begin(model)
+        if not stream:
+            try:
+                return JSONResponse(_outcome(p, await asyncio.shield(done)))  # the client leaving leaves it running
+            except Exception as exc:
+                raise failure(p, exc) from None
+        return SSEResponse(_events(p, events, done), lambda: None)
+
+    async def begin(self, model: str) -> tuple[Plan, asyncio.Queue[dict[str, Any]], asyncio.Future[Path]]:
+        """Plan the pull of `model` (ORG/NAME[@REVISION]) and start it on its thread: (its plan, its progress
+        events, its end); the errors before any byte is fetched are raised here (the module's docstring)."""
         hub = self.settings.hf_cache
         if hub is None:
             raise errors.InvalidRequest("this daemon reads no Hugging Face cache ([server] hf_cache is empty)")
@@ -85,12 +95,7 @@ class PullRoutes:
 
         done.add_done_callback(lambda _: self._finished(repo_id))
         threading.Thread(target=run, name=f"pull[{repo_id}]", daemon=True).start()  # daemon: a stop is not held up
-        if not stream:
-            try:
-                return JSONResponse(_outcome(p, await asyncio.shield(done)))  # the client leaving leaves it running
-            except Exception as exc:
-                raise _failure(p, exc) from None
-        return SSEResponse(_events(p, events, done), lambda: None)
+        return p, events, done
 
     def _finished(self, repo_id: str) -> None:
         self.pulling.discard(repo_id)
@@ -119,10 +124,10 @@ async def _events(p: Plan, events: asyncio.Queue[dict[str, Any]], done: asyncio.
         else:
             getting.cancel()
     exc = done.exception()
-    yield sse(_outcome(p, done.result()) if exc is None else _failure(p, exc).body())
+    yield sse(_outcome(p, done.result()) if exc is None else failure(p, exc).body())
 
 
-def _failure(p: Plan, exc: BaseException) -> errors.MlxsupError:
+def failure(p: Plan, exc: BaseException) -> errors.MlxsupError:
     """A pull that failed once under way (the hub's bytes did not verify, it stopped sending): a 502."""
     err = errors.MlxsupError(str(exc) if isinstance(exc, PullError) else f"{p.repo_id}: the pull failed: {exc!r}",
                              code="pull_failed")
@@ -152,7 +157,3 @@ async def _body(request: Request) -> tuple[str, bool]:
     if not isinstance(stream, bool):
         raise errors.InvalidRequest("'stream' must be a boolean", param="stream")
     return model, stream
-
-
-def pull_routes(router: Router, settings: Settings) -> list[Route]:
-    return [Route("/api/pull", PullRoutes(router, settings).pull, methods=["POST"])]

@@ -27,6 +27,10 @@ MESSAGES = "/v1/messages"
 RESPONSES = "/v1/responses"
 EMBEDDINGS = "/v1/embeddings"
 RERANK = "/v1/rerank"
+OLLAMA_CHAT = "/api/chat"  # Ollama's API (issue 51): its generation routes bound the tokens in options.num_predict
+OLLAMA_GENERATE = "/api/generate"
+OLLAMA_EMBED = "/api/embed"
+OLLAMA_EMBEDDINGS = "/api/embeddings"
 MAX_TOKENS_CAP = 3
 # the field that bounds a generation on each route, and whether leaving it out means the whole context
 _LIMITS = {CHAT: ("max_tokens", "max_completion_tokens"), COMP: ("max_tokens",), MESSAGES: ("max_tokens",),
@@ -75,6 +79,18 @@ BASES: list[tuple[str, dict, int]] = [  # (path, valid body, weight)
     ("/api/models/nope/load", {"stream": True}, 1),
     ("/api/hot-cache/clear", {"model": "nope"}, 1),
     ("/api/ssd-cache/clear", {"model": "nope"}, 1),
+    (OLLAMA_CHAT, {"model": "tiny:latest", "options": {"num_predict": 2, "temperature": 0.5, "top_k": 20, "stop": ["\n"],
+                                                       "seed": 1, "repeat_penalty": 1.1, "num_ctx": 2048},
+                   "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                                {"role": "assistant", "content": "", "thinking": "t",
+                                 "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}}}]},
+                                {"role": "tool", "content": "ok", "tool_name": "f"}],
+                   "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+                   "format": {"type": "object"}, "think": False, "stream": True}, 3),
+    (OLLAMA_GENERATE, {"model": "tiny", "prompt": "Once", "system": "be brief", "raw": False, "format": "json",
+                       "options": {"num_predict": 2, "top_p": 0.9, "min_p": 0.05, "presence_penalty": 0.5},
+                       "stream": False}, 2),
+    ("/api/show", {"model": "tiny", "verbose": False}, 1),
 ]
 
 
@@ -86,6 +102,9 @@ EMBED_BASES: list[tuple[str, dict, int]] = [  # (path, valid body, weight): the 
     (RERANK, {"model": "reranker", "query": "which one?", "documents": ["a", {"text": "b"}, "c"], "top_n": 2,
               "return_documents": True, "max_tokens_per_doc": 64, "instruction": "judge"}, 2),
     (RERANK, {"model": "reranker", "query": "q", "documents": ["a"], "truncate_prompt_tokens": 32}, 1),
+    (OLLAMA_EMBED, {"model": "embedder", "input": ["hello", "world"], "truncate": True, "dimensions": 8,
+                    "options": {}}, 1),
+    (OLLAMA_EMBEDDINGS, {"model": "embedder:latest", "prompt": "hello"}, 1),
 ]
 
 
@@ -125,6 +144,13 @@ def _parent(body: Any, place: tuple) -> Any:
 
 def cap_generation(path: str, body: Any) -> Any:
     """A body that would generate asks for at most MAX_TOKENS_CAP tokens (none given means the whole context)."""
+    if path in (OLLAMA_CHAT, OLLAMA_GENERATE) and isinstance(body, dict):
+        options = body.setdefault("options", {}) if body.get("options") is None else body["options"]
+        if isinstance(options, dict):
+            value = options.get("num_predict")
+            if not isinstance(value, int) or isinstance(value, bool) or value > MAX_TOKENS_CAP or value < 1:
+                options["num_predict"] = MAX_TOKENS_CAP
+        return body
     if path not in _LIMITS or not isinstance(body, dict):
         return body
     keys = _LIMITS[path]
@@ -260,7 +286,7 @@ BIG_INTS: list[Any] = [2**31, 2**63 - 1, 2**63, 2**64, -(2**63) - 1, 10**30, Raw
 
 def embedding_targeted() -> Iterator[tuple[str, bytes]]:
     """The hostile values of the embedding and rerank routes (see the module's docstring), one body each."""
-    embed, ids, rerank, _ = (base for _, base, _ in EMBED_BASES)
+    embed, ids, rerank, *_ = (base for _, base, _ in EMBED_BASES)
     cases: list[tuple[str, dict]] = []
     for input_type in (["query"], {"type": "query"}, 1, True, "", "passage!", None):
         cases.append((EMBEDDINGS, {**embed, "input_type": input_type}))

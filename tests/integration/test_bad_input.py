@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+from supervisor.gateway.ollama_routes import PATHS as OLLAMA_PATHS
 from tests.conftest import MLXSUP, Daemon, start_daemon
 from tests.integration import bodyfuzz
 
@@ -157,6 +158,49 @@ CASES = [
 ]
 
 
+def ochat(**kw) -> dict:
+    return {"model": "tiny", "messages": MSGS, "options": {"num_predict": 2}, **kw}
+
+
+# Ollama's API (issue 51): (id, method, path, body, status, a word of its `{"error": "..."}`)
+OLLAMA_CASES = [
+    ("ollama-truncated-json", "POST", "/api/chat", b'{"model": "tiny", "messages": [', 400, "JSON"),
+    ("ollama-body-array", "POST", "/api/generate", b"[1]", 400, "object"),
+    ("ollama-unknown-model", "POST", "/api/chat", ochat(model="llama3.2:8b"), 404, "not found"),
+    ("ollama-show-unknown", "POST", "/api/show", {"model": "nope"}, 404, "not found"),
+    ("ollama-show-no-model", "POST", "/api/show", {}, 400, "model"),
+    ("ollama-messages-string", "POST", "/api/chat", ochat(messages="hi"), 400, "messages"),
+    ("ollama-role", "POST", "/api/chat", ochat(messages=[{"role": "oracle", "content": "x"}]), 400, "role"),
+    ("ollama-options-list", "POST", "/api/chat", ochat(options=[1]), 400, "options"),
+    ("ollama-temperature", "POST", "/api/chat", ochat(options={"temperature": 9}), 400, "temperature"),
+    ("ollama-num-predict", "POST", "/api/generate", {"model": "tiny", "prompt": "x", "options": {"num_predict": -9}},
+     400, "num_predict"),
+    ("ollama-seed-past-int64", "POST", "/api/chat", ochat(options={"seed": 2**64}), 400, "seed"),
+    ("ollama-stop-numbers", "POST", "/api/chat", ochat(options={"stop": [1]}), 400, "stop"),
+    ("ollama-format", "POST", "/api/chat", ochat(format="yaml"), 400, "format"),
+    ("ollama-think", "POST", "/api/chat", ochat(think=True), 400, "does not support thinking"),
+    ("ollama-image-on-text-model", "POST", "/api/chat", ochat(messages=[{"role": "user", "content": "x",
+                                                                         "images": ["aGk="]}]), 400, "image"),
+    ("ollama-image-not-base64", "POST", "/api/generate", {"model": "tiny", "prompt": "x", "images": [3]}, 400,
+     "base64"),
+    ("ollama-tool-name", "POST", "/api/chat", ochat(tools=[tool("f<|end|>")]), 400, "name"),
+    ("ollama-keep-alive", "POST", "/api/chat", ochat(keep_alive="later"), 400, "keep_alive"),
+    ("ollama-template", "POST", "/api/generate", {"model": "tiny", "prompt": "x", "template": "{{ .Prompt }}"}, 400,
+     "template"),
+    ("ollama-suffix", "POST", "/api/generate", {"model": "tiny", "prompt": "x", "suffix": "y"}, 400, "insert"),
+    ("ollama-embed-on-chat-model", "POST", "/api/embed", {"model": "tiny", "input": "x"}, 400, "embeddings"),
+    ("ollama-pull-not-hf", "POST", "/api/pull", {"model": "llama3.2", "stream": False}, 400, "does not exist"),
+    ("ollama-copy-no-source", "POST", "/api/copy", {"destination": "x"}, 400, "source"),
+    ("ollama-copy-unknown", "POST", "/api/copy", {"source": "nope", "destination": "x"}, 404, "not found"),
+    ("ollama-copy-bad-name", "POST", "/api/copy", {"source": "tiny", "destination": "a b<|x|>"}, 400, "destination"),
+    ("ollama-delete-unknown", "DELETE", "/api/delete", {"model": "nope"}, 404, "not found"),
+    ("ollama-create", "POST", "/api/create", {"model": "x", "from": "tiny"}, 400, "mlxsup import"),
+    ("ollama-huge-body", "POST", "/api/chat", b'{"model": "tiny", "pad": "' + b"x" * (9 * 2**20) + b'"}', 413,
+     "exceeds"),
+    ("ollama-wrong-method", "GET", "/api/chat", None, 405, ""),
+]
+
+
 @pytest.fixture(scope="module")
 def served(daemon: Daemon) -> Daemon:
     r = httpx.post(daemon.url + "/api/models/tiny/load", timeout=60)
@@ -173,6 +217,18 @@ def test_bad_request(served: Daemon, name, method, path, body, status, expected)
     error = r.json()["error"]
     assert set(error) >= {"message", "type", "param", "code"} and error["message"]
     assert expected in (error["code"], error["param"]), error
+
+
+@pytest.mark.parametrize("name, method, path, body, status, said", OLLAMA_CASES, ids=[c[0] for c in OLLAMA_CASES])
+def test_bad_ollama_request(served: Daemon, name, method, path, body, status, said) -> None:
+    kwargs = {"content": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, bytes) else (
+        {"json": body} if body is not None else {})
+    r = httpx.request(method, served.url + path, timeout=60, **kwargs)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    if status != 405:  # the router's own answer, before any route (mlxsup's body)
+        assert isinstance(error, str) and said in error, error
+    assert served.model("tiny")["state"] == "ready"
 
 
 # --- the embedding and rerank routes ----------------------------------------------------------------------
@@ -283,9 +339,18 @@ def _check_answer(path: str, raw: bytes, r: httpx.Response) -> str | None:
     if r.status_code >= 400:
         body = r.json()
         error = body.get("error") or {}
+        if path.startswith("/api/") and path in OLLAMA_PATHS:  # Ollama's own shape: {"error": "..."}
+            return None if isinstance(error, str) and error else where
         if path.startswith(MESSAGES):
             return None if body.get("type") == "error" and error.get("type") and error.get("message") else where
         return None if set(error) >= {"message", "type", "param", "code"} and error["message"] else where
+    if r.headers["content-type"].startswith("application/x-ndjson"):  # Ollama's stream: JSON lines, done or an error
+        lines = [json.loads(line) for line in r.text.splitlines()]
+        if not lines or not (lines[-1].get("done") is True or isinstance(lines[-1].get("error"), str)):
+            return where + " (the stream ended without its done line)"
+        if any("internal server error" in str(line.get("error", "")) for line in lines):
+            return where
+        return None
     if r.headers["content-type"].startswith("text/event-stream"):
         events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
         for event in events:

@@ -1,0 +1,56 @@
+"""Ollama's `keep_alive` (issue 51) through the router's public calls: 0 unloads the model once the request is
+answered (the orderly evict, `router.evict(..., "drain")`), a negative value keeps it loaded (no idle TTL: only an
+evict, or memory pressure, unloads it), a duration sets its idle TTL. The TTL is what `settings.model_ttl` says
+of the model, which the lifecycle's housekeeping and `mlxsup status` read, so a request's keep_alive shows in
+/api/ps's expires_at and in `mlxsup status` at once. Unset, the model keeps the TTL it has.
+
+A duration a request set stays the model's until another request sets one (the daemon's life long; a restart
+forgets it), as Ollama keeps the last request's keep_alive for a loaded model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from supervisor import errors
+from supervisor.config import Settings
+from supervisor.registry import ModelSpec
+from supervisor.router import Router
+
+log = logging.getLogger(__name__)
+
+
+class KeepAlive:
+    def __init__(self, router: Router, settings: Settings) -> None:
+        self.router = router
+        self.ttls: dict[str, float | None] = {}  # model id -> its TTL as the last keep_alive set it (None: never)
+        self._tasks: set[asyncio.Task] = set()
+        base: Callable[[ModelSpec], float | None] = settings.model_ttl
+        ttls = self.ttls
+
+        def model_ttl(spec: ModelSpec) -> float | None:
+            return ttls[spec.id] if spec.id in ttls else base(spec)
+
+        # the one place the server's TTL rule is read (lifecycle, status): a keep_alive goes there, for this model only
+        settings.model_ttl = model_ttl  # type: ignore[method-assign]
+
+    def after(self, model_id: str, seconds: float | None) -> None:
+        """Apply a request's keep_alive once it is answered (None: unset, nothing changes)."""
+        if seconds is None:
+            return
+        if seconds == 0:
+            task = asyncio.get_running_loop().create_task(self._unload(model_id), name=f"keep_alive[{model_id}]")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            return
+        self.ttls[model_id] = None if seconds < 0 else seconds
+
+    async def _unload(self, model_id: str) -> None:
+        try:
+            report = await self.router.evict(model_id, "drain", None, reason="keep_alive")
+        except errors.MlxsupError as exc:
+            log.info("[ollama] keep_alive 0: %s was not unloaded: %s", model_id, exc.message)
+            return
+        log.info("[ollama] keep_alive 0: %s unloaded (%s)", model_id, report.to_dict().get("outcome", "done"))
