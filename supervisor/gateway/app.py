@@ -234,4 +234,5 @@ def build_app(router: Router, settings: Settings) -> ASGIApp:
     if settings.api_key:
         app = RequireApiKey(app, settings.api_key)
     # outermost: a request from a foreign Host or Origin is refused before anything else looks at it
-    return WebGuard(app, hosts=[settings.host, *settings.allowed_hosts], origins=settings.allowed_origins)
+    return WebGuard(app, hosts=[settings.host, *settings.allowed_hosts], origins=settings.allowed_origins,
+                    untyped=OLLAMA_PATHS)  # Ollama's clients send JSON with no Content-Type

@@ -14,7 +14,9 @@ from reading the API or running anything:
 - "Simple" requests that skip the CORS preflight: a request body must be JSON
   (`application/json`, charset UTF-8 if one is named), else 415. A browser cannot send that
   type cross-origin without a preflight, which only allowed origins pass. A POST without a body
-  (`curl -X POST .../evict`) needs no type.
+  (`curl -X POST .../evict`) needs no type. On the `untyped` paths (Ollama's API, whose clients, LiteLLM's among
+  them, send JSON with no type), a body with no Content-Type at all passes when the request has no Origin: every
+  browser sends one with a POST, so it is no page's request (and a foreign one is refused above).
 - CORS preflights are answered (204) for allowed origins only; their actual responses carry
   Access-Control-Allow-Origin. Preflights carry no credentials, so this runs before the API key.
 
@@ -46,8 +48,10 @@ _JSON_TYPE = re.compile(r"^application/json\s*(;\s*charset\s*=\s*\"?utf-8\"?\s*)
 class WebGuard:
     """ASGI middleware applying the rules above to every HTTP and WebSocket request."""
 
-    def __init__(self, app: ASGIApp, hosts: Iterable[str] = (), origins: Iterable[str] = ()) -> None:
+    def __init__(self, app: ASGIApp, hosts: Iterable[str] = (), origins: Iterable[str] = (),
+                 untyped: Iterable[str] = ()) -> None:
         self.app = app
+        self.untyped = frozenset(untyped)
         self.host_names = {h for h in map(host_name, hosts) if h is not None}
         self.origins: set[Origin] = set()
         for value in origins:
@@ -102,7 +106,8 @@ class WebGuard:
                     f"requests from the web origin {', '.join(origins)[:100]!r} are not allowed: add it to "
                     "[server] allowed_origins to let its pages use this server")
             cors_origin = None if origin == own else origins[0]  # same-origin needs no CORS grant
-        if scope["type"] == "http":
+        if scope["type"] == "http" and not (scope["path"] in self.untyped and "content-type" not in headers
+                                             and "origin" not in headers):
             _check_body_type(scope["method"], headers)
         return cors_origin
 

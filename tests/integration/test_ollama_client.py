@@ -316,3 +316,35 @@ def test_pull_from_the_hub_with_ollamas_progress_then_copy_and_delete(client: ol
     with pytest.raises(ollama.ResponseError) as gone:
         client.delete("hf.co/mlx-test/Pullme-4bit")
     assert gone.value.status_code == 404
+
+
+# --- the frameworks that speak Ollama's API ----------------------------------------------------------
+
+
+def test_langchain_chat_ollama_with_tools_and_ollama_embeddings(daemon: Daemon) -> None:
+    langchain_ollama = pytest.importorskip("langchain_ollama")
+    url = daemon.ollama  # type: ignore[attr-defined]
+    chat = langchain_ollama.ChatOllama(model="qwen3", base_url=url, client_kwargs={"headers": AUTH})
+    asked = chat.bind_tools([WEATHER]).invoke("OLLAMA-WEATHER in Paris?")
+    assert [(c["name"], c["args"]) for c in asked.tool_calls] == [("get_weather", {"city": "Paris"})]
+    said = langchain_ollama.ChatOllama(model="tiny", base_url=url, client_kwargs={"headers": AUTH}, num_predict=4,
+                                       temperature=0).invoke("Tell me a story")
+    assert said.content and said.usage_metadata and said.usage_metadata["output_tokens"] == 4
+    embeddings = langchain_ollama.OllamaEmbeddings(model="embedder", base_url=url, client_kwargs={"headers": AUTH})
+    vectors = embeddings.embed_documents(["first text", "second text"])
+    assert len(vectors) == 2 and len(vectors[0]) == len(embeddings.embed_query("first text")) > 0
+
+
+def test_litellm_ollama_chat_provider(daemon: Daemon) -> None:
+    litellm = pytest.importorskip("litellm")
+    url = daemon.ollama  # type: ignore[attr-defined]
+    r = litellm.completion(model="ollama_chat/tiny", api_base=url, api_key=KEY, messages=HI, max_tokens=4,
+                           temperature=0)
+    assert r.choices[0].message.content and r.usage.completion_tokens == 4
+    parts = list(litellm.completion(model="ollama_chat/tiny", api_base=url, api_key=KEY, messages=HI, max_tokens=4,
+                                    temperature=0, stream=True))
+    assert "".join(p.choices[0].delta.content or "" for p in parts) == r.choices[0].message.content
+    called = litellm.completion(model="ollama_chat/qwen3", api_base=url, api_key=KEY, tools=[WEATHER],
+                                messages=[{"role": "user", "content": "OLLAMA-WEATHER in Paris?"}])
+    calls = called.choices[0].message.tool_calls
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]

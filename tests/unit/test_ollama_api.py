@@ -193,3 +193,35 @@ def test_a_taken_port_is_said_and_is_no_error() -> None:
         assert open_listener(Settings(ollama_listen="off"), 8800, listen) is None and STATUS.state == "off"
     finally:
         held.close()
+
+
+@pytest.mark.parametrize(("path", "headers", "passes"), [
+    ("/api/chat", [], True),  # LiteLLM's Ollama provider: JSON with no type, from no page
+    ("/api/chat", [(b"origin", b"http://127.0.0.1:8800")], False),  # a page's POST says its Origin: typed or refused
+    ("/api/chat", [(b"content-type", b"text/plain")], False),
+    ("/api/chat", [(b"content-type", b"application/json")], True),
+    ("/v1/chat/completions", [], False),  # the other routes keep the rule whole
+])
+def test_an_untyped_body_passes_only_on_ollamas_paths_from_no_page(path: str, headers: list, passes: bool) -> None:
+    import asyncio
+
+    from supervisor.gateway.guard import WebGuard
+    from supervisor.gateway.ollama_routes import PATHS
+
+    seen: list[dict] = []
+    sent: list[dict] = []
+
+    async def app(scope, receive, send) -> None:
+        seen.append(scope)
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    scope = {"type": "http", "scheme": "http", "method": "POST", "path": path,
+             "headers": [(b"host", b"127.0.0.1:8800"), (b"content-length", b"2"), *headers]}
+    asyncio.run(WebGuard(app, untyped=PATHS)(scope, receive, send))
+    assert bool(seen) is passes
+    assert passes or sent[0]["status"] in (403, 415)
