@@ -50,7 +50,8 @@ from worker.engine_api import RequestRejected
 from worker.memory import process_memory_bytes
 from worker.mlx_engine.attention import install as attention_route
 from worker.mlx_engine.batch_drafting import BatchDrafting
-from worker.mlx_engine.checkpoints import crossed, row_view
+from worker.mlx_engine.batch_lane import BatchLane
+from worker.mlx_engine.checkpoints import crossed
 from worker.mlx_engine.decode_graph import DecodeGraph, solo_modes
 from worker.mlx_engine.decoding import Decoding
 from worker.mlx_engine.guided import Grammars
@@ -158,6 +159,7 @@ class Engine:
         self.lane = SoloLane(self.model, self.gen, self._stop_eos, self._stop_none, self.graph, boundary)
         self.snapshots = Snapshots(self.caches, self.gen, self.lane, self._by_uid) if self.caches is not None else None
         self.batch_drafts = BatchDrafting(self.model, self.gen, boundary)
+        self.batch = BatchLane(self.gen, self.batch_drafts, self._stop_none)  # batch_lane.py
         self.released: list[str] = []  # settle's release steps, in their order (release.py)
         self.load_s = time.perf_counter() - t0
         # a vision-language model's images (vision.py's VisionInput: their prompts, cache keys and prefill), made from
@@ -228,7 +230,8 @@ class Engine:
         if self.solo_on and not self._by_rid and r.alone_ok:
             uid = self.lane.start(r, cached, prefix, points, self._eos)
         else:
-            uid = self._insert(r, cached, prefix, points)
+            self._solo_to_batch()
+            uid = self.batch.start(r, cached, prefix, points, self._stop_eos)
         d, drafting = r.decoding, r.drafting
         req = Request(r.rid, uid, r.prompt_tokens, d.out, completion_tokens=r.resumed,
                       cached_tokens=min(hit, r.prompt_tokens), prefill_left=len(tokens) - cached - 1, position=cached,
@@ -241,25 +244,6 @@ class Engine:
         self._by_rid[r.rid] = req
         if req.prefill_left > 0:
             self._prefilling[r.rid] = req
-
-    def _insert(self, r: EngineRequest, cached: int, prefix: list | None, points: list[int]) -> int:
-        """The batch's start of a request (the solo, if any, joins it first): its prompt past `cached` in segments that
-        end at each snapshot point, `prefix` its starting cache; its uid in the generator."""
-        self._solo_to_batch()
-        tokens, d, drafting = r.tokens, r.decoding, r.drafting
-        cuts = [0] + [p - cached for p in points] + [len(tokens) - cached]
-        (uid,) = self.gen.insert_segments(
-            [[tokens[cached + a:cached + b] for a, b in zip(cuts, cuts[1:]) if b > a]],  # prefill stops at each point
-            max_tokens=[r.max_tokens],
-            caches=[prefix] if prefix is not None else None,
-            all_tokens=[tokens[:cached]],
-            samplers=[drafting.draws if drafting is not None and drafting.draws is not None  # type: ignore[list-item]
-                      else d.sampler],  # a seeded request's draws, which drafting steps draw on too; None: greedy
-            logits_processors=[d.processors],
-            stop_sequences=[self._stop_none if r.ignore_eos else self._stop_eos],
-        )
-        self.batch_drafts.add(uid, drafting)
-        return uid
 
     def _lookup(self, r: EngineRequest) -> tuple[int, list | None, int]:
         """(tokens in the request's starting cache, that cache, how many of them the prompt caches gave: its
@@ -307,12 +291,11 @@ class Engine:
                 if solo is not None and solo.uid == req.uid:
                     computed = solo.release()
                 elif req.uid >= 0:
-                    computed = self.gen.extract_cache([req.uid]).get(req.uid, (None, None))
+                    computed = self.batch.computed(req.uid)
         except Exception:
             log.exception("[cache] rid=%s keeping an aborted request's cache failed; going on", req.rid)
         if not self.lane.drop(req.uid) and req.uid >= 0:
-            self.gen.remove([req.uid])
-            self.batch_drafts.drop(req.uid)
+            self.batch.drop(req.uid)
         if computed[0] is not None:
             self._keep(req, *computed)
         log.info("[usage] rid=%s prompt=%d cached=%d prefilled=%d aborted", req.rid, req.prompt_tokens,
@@ -343,7 +326,7 @@ class Engine:
             req.checkpointed = req.position
             try:
                 computed = ((solo.cache, solo.tokens[:solo.fed]) if solo is not None
-                            else row_view(self.gen, req.uid, self.caches.layout.block_layers))
+                            else self.batch.row(req.uid, self.caches.layout.block_layers))
                 if computed is not None:
                     self._keep(req, *computed, tail=False)
             except Exception:
@@ -428,11 +411,12 @@ class Engine:
             self._making, self._lagged = self._lagged, []
         t0 = time.perf_counter()
         lane = self.lane
-        drafted = self.batch_drafts.step() if lane.solo is None else None  # None: no drafting this step
-        progress, responses = (self._solo_step() if lane.solo is not None else ([], drafted) if drafted is not None
-                               else self.gen.next())
+        if lane.solo is not None:
+            (progress, responses), drafted = self._solo_step(), False
+        else:  # the batch's step, or its rows' drafting step in its place
+            progress, responses, drafted = self.batch.step()
         elapsed = time.perf_counter() - t0
-        if plan is not lane.plan and drafted is None:  # a drafting step is no plain step the fits could learn from
+        if plan is not lane.plan and not drafted:  # a drafting step is no plain step the fits could learn from
             self.cost.observe(plan, elapsed)
         if log.isEnabledFor(logging.DEBUG) and (plan.prefill_tokens or plan.decoding != self._in_flight):
             # a ramp's step (a prefill, or the decode batch's size changed): its shape, time and when it ended
@@ -521,16 +505,13 @@ class Engine:
         del self._by_uid[req.uid]
         del self._by_rid[req.rid]
         self._prefilling.pop(req.rid, None)
-        self.batch_drafts.drop(req.uid)
         if (solo := self.lane.solo) is not None and solo.uid == req.uid:
             assert r is not None
             log.info("[perf] solo rid=%s tokens=%d per_token_ms=%s", req.rid, solo.times.tokens,
                      solo.times.per_token_ms())
             cache, tokens = self.lane.finish(r)
-        elif r is None or r.finish_reason is None:  # a stop string ended it: the generator still runs it
-            cache, tokens = self.gen.remove([req.uid], return_prompt_caches=True).get(req.uid, (None, None))
-        else:
-            cache, tokens = r.prompt_cache, r.all_tokens
+        else:  # a row of the batch (a stop string ended it: the generator still runs it)
+            cache, tokens = self.batch.finish(req.uid, r)
         self._keep(req, cache, tokens)
 
     def after_send(self) -> None:
@@ -601,6 +582,6 @@ class Engine:
         """Every reference this engine holds to MLX arrays: the model, its generator, lanes, caches, drafts."""
         self._stores, self._lagged, self._making = [], [], []
         self._by_uid, self._by_rid, self._prefilling = {}, {}, {}
-        for name in ("model", "gen", "lane", "graph", "requests", "caches", "snapshots", "batch_drafts", "vision",
+        for name in ("model", "gen", "lane", "batch", "graph", "requests", "caches", "snapshots", "batch_drafts", "vision",
                      "prompts", "_plan", "_decode_plan"):
             vars(self)[name] = None

@@ -353,7 +353,7 @@ class SoloLane:
     def start(self, r: EngineRequest, cached: int, cache: list | None, points: list[int], eos: set[int]) -> int:
         """A request alone runs as the solo, `cached` of its tokens in `cache`, its prefill stopping at `points`, ended
         by `eos` (the engine's; unless it ignores EOS); its uid (negative: the generator's count up from 0). The
-        batch's start (Engine._insert) takes the same but for `eos` (the generator's stop sequences hold it)."""
+        batch's start (batch_lane.py's BatchLane.start) takes the same, its EOS as the generator's stop sequences."""
         self._uids -= 1
         self.solo = Solo(self.model, self._uids, r.tokens, cached, cache, r.max_tokens, r.decoding.sampler,
                          None if r.ignore_eos else eos, self.graph, r.drafting, frozenset(points), self.boundary)
