@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import shutil
 import socket
+import subprocess
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -348,3 +352,46 @@ def test_litellm_ollama_chat_provider(daemon: Daemon) -> None:
                                 messages=[{"role": "user", "content": "OLLAMA-WEATHER in Paris?"}])
     calls = called.choices[0].message.tool_calls
     assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+
+
+OLLAMA_JS = "0.6.4"  # the npm `ollama` client (ollama-js), pinned
+
+
+@pytest.fixture(scope="module")
+def ollama_js() -> Path:
+    """ollama-js installed once into ~/.cache/mlxsup-test-ollama-js/VERSION (skipped where npm cannot install it)."""
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mlxsup-test-ollama-js" / OLLAMA_JS
+    if (root / "node_modules" / "ollama" / "package.json").is_file():
+        return root
+    npm, node = shutil.which("npm"), shutil.which("node")
+    if npm is None or node is None:
+        pytest.skip("npm and node are needed for the npm ollama client")
+    partial = root.with_name(f"{OLLAMA_JS}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    done = subprocess.run([npm, "install", "--no-save", "--no-audit", "--no-fund", "--prefix", str(partial),
+                           f"ollama@{OLLAMA_JS}"], capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        pytest.skip(f"npm could not install ollama@{OLLAMA_JS}: {(done.stdout + done.stderr)[-500:]}")
+    shutil.rmtree(root, ignore_errors=True)
+    partial.rename(root)
+    return root
+
+
+def test_the_npm_ollama_client_drives_the_same_api(daemon: Daemon, ollama_js: Path) -> None:
+    script = Path(__file__).with_name("ollama_js_drive.mjs")
+    run = subprocess.run(["node", str(script), daemon.ollama, KEY], capture_output=True, text=True,  # type: ignore[attr-defined]
+                         timeout=300, env={**os.environ, "OLLAMA_JS": str(ollama_js)})
+    assert run.returncode == 0, run.stderr
+    said = json.loads(run.stdout)
+    assert {"tiny:latest", "qwen3:latest", "embedder:latest"} <= set(said["list"])
+    assert said["show"] == ["completion", "tools", "thinking"]
+    assert said["chat"]["content"] == said["chat_streamed"] and said["chat"]["eval_count"] == 8
+    assert said["generate"] == said["generate_streamed"] and said["generate"]
+    assert said["tool_calls"] == [["get_weather", {"city": "Paris"}]]
+    assert [s.strip() for s in said["think"]] == ["I ponder.", "The answer."]
+    assert json.loads(said["format"])["answer"] in ("yes", "no")
+    assert said["embed"] == 2 and "tiny:latest" in said["ps"]
+    assert said["copied"] and said["deleted"]
+    assert said["unknown"] == ["ResponseError", 404, "model 'gpt-99' not found"]
