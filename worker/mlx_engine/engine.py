@@ -65,7 +65,8 @@ from worker.mlx_engine.snapshots import Snapshots
 from worker.mlx_engine.solo import Solo, SoloLane
 from worker.mlx_engine.speculative import DEFAULT_DRAFT_TOKENS, DraftCounts, Speculation, load_draft
 from worker.mlx_engine.warmup import Warmed, WarmUp, wants_warm_up
-from worker.step_cost import PrefillSeq, StepCostModel, StepPlan, StepWork
+from worker.schedule import Scheduler
+from worker.step_cost import PrefillSeq, StepCostModel, StepPlan
 from worker.text_thread import TextThread
 
 if TYPE_CHECKING:
@@ -124,6 +125,7 @@ class Engine:
         self.max_batch_size = max_batch_size
         self.prefill_batch_size = prefill_batch_size
         self.cost = StepCostModel(step_target_s, prefill_step_size, time_one_token(self.model))
+        self.schedule = Scheduler(self.cost, max_batch_size, prefill_batch_size, DECODE_PLAN_STEPS)  # schedule.py
         self.solo_on, compiled = solo_modes(solo)  # a request alone runs the generate_step way (solo.py)
         self.graph = DecodeGraph(self.model) if compiled else None  # a solo's decode steps compiled
         draft_model, draft_bytes = load_draft(draft, self.tokenizer) if draft is not None else (None, 0)
@@ -136,7 +138,6 @@ class Engine:
         self.model_id = model_id
         self._prefilling: dict[str, Request] = {}  # requests with prompt left to prefill, in arrival order
         self._plan: StepPlan | None = None
-        self._decode_plan: tuple[StepWork, StepPlan, int] | None = None  # a decode step's plan, and its steps left
         self._in_flight = 0  # sequences of the last step's decode: launched, and what the next step waits for
         self._by_uid: dict[int, Request] = {}
         self._by_rid: dict[str, Request] = {}
@@ -229,6 +230,7 @@ class Engine:
         # its lane: each takes the request, its cached tokens, their cache and its snapshot points, and gives its uid
         if self.solo_on and not self._by_rid and r.alone_ok:
             uid = self.lane.start(r, cached, prefix, points, self._eos)
+            self.schedule.new_solo()
         else:
             self._solo_to_batch()
             uid = self.batch.start(r, cached, prefix, points, self._stop_eos)
@@ -358,36 +360,17 @@ class Engine:
 
     # --- generation --------------------------------------------------------------------
 
-    def _step_work(self) -> StepWork:
-        """What the next step holds: the generator prefills the oldest prompts, prefill_batch_size at a time."""
-        decoding = len(self._by_rid) - len(self._prefilling)
-        if not self._prefilling or decoding >= self.max_batch_size:
-            return StepWork(decoding, in_flight=self._in_flight)
-        prefill = []
-        for req in self._prefilling.values():
-            prefill.append(PrefillSeq(req.prefill_left, req.position))
-            if len(prefill) == self.prefill_batch_size:
-                break
-        return StepWork(decoding, tuple(prefill), self._in_flight)
-
     def plan_step(self) -> StepPlan:
-        """Size the next step's prefill chunk to the step target; the plan says what it holds and its predicted time.
-        A solo's decode step has nothing to size: one plan for all of them, and the fits learn from batches only. A
-        batch's decode step has nothing to size either: its plan serves DECODE_PLAN_STEPS steps of the same work
-        (each still teaches the fits), as solving the fits is the plan's whole cost."""
-        lane = self.lane
-        if lane.solo is not None and lane.solo.decoding:
-            if lane.plan is None:
-                lane.plan = self.cost.predict(StepWork(1, in_flight=1), self.cost.min_chunk)
-            self._plan = lane.plan
-            return lane.plan
-        work = self._step_work()
-        if not work.prefill and (kept := self._decode_plan) is not None and kept[0] == work and kept[2] > 0:
-            self._decode_plan = (work, kept[1], kept[2] - 1)
-            self._plan = kept[1]
-            return kept[1]
-        plan = self._plan = self.cost.plan(work)
-        self._decode_plan = None if work.prefill else (work, plan, DECODE_PLAN_STEPS - 1)
+        """Size the next step's prefill chunk to the step target (schedule.py, from what the engine holds: its
+        decoding sequences, its prompts still prefilling, oldest first, the decode in flight); the plan says what it
+        holds and its predicted time."""
+        if self.lane.solo is not None and self.lane.solo.decoding:
+            self._plan = self.schedule.solo()
+            return self._plan
+        work = self.schedule.work(len(self._by_rid) - len(self._prefilling),
+                                  (PrefillSeq(req.prefill_left, req.position) for req in self._prefilling.values()),
+                                  self._in_flight)
+        plan = self._plan = self.schedule.plan(work)
         self.gen.prefill_step_size = max(plan.chunk, self.cost.min_chunk)
         return plan
 
@@ -416,7 +399,7 @@ class Engine:
         else:  # the batch's step, or its rows' drafting step in its place
             progress, responses, drafted = self.batch.step()
         elapsed = time.perf_counter() - t0
-        if plan is not lane.plan and not drafted:  # a drafting step is no plain step the fits could learn from
+        if plan is not self.schedule.solo_plan and not drafted:  # a drafting step is no plain step the fits could learn from
             self.cost.observe(plan, elapsed)
         if log.isEnabledFor(logging.DEBUG) and (plan.prefill_tokens or plan.decoding != self._in_flight):
             # a ramp's step (a prefill, or the decode batch's size changed): its shape, time and when it ended
@@ -583,5 +566,5 @@ class Engine:
         self._stores, self._lagged, self._making = [], [], []
         self._by_uid, self._by_rid, self._prefilling = {}, {}, {}
         for name in ("model", "gen", "lane", "batch", "graph", "requests", "caches", "snapshots", "batch_drafts", "vision",
-                     "prompts", "_plan", "_decode_plan"):
+                     "prompts", "_plan"):
             vars(self)[name] = None

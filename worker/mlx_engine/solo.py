@@ -53,7 +53,6 @@ from worker.mlx_engine.speculative import Drafting
 
 if TYPE_CHECKING:
     from worker.mlx_engine.request import EngineRequest
-from worker.step_cost import StepPlan
 
 
 @dataclass(slots=True)
@@ -346,7 +345,6 @@ class SoloLane:
         self._gen = gen
         self._stop_eos, self._stop_none = stop_eos, stop_none
         self.solo: Solo | None = None
-        self.plan: StepPlan | None = None  # the plan of every solo decode step (Engine.plan_step)
         self.pending: list[SoloResponse] = []  # a solo's token read when it joined the batch, emitted next step
         self._uids = 0
 
@@ -357,7 +355,6 @@ class SoloLane:
         self._uids -= 1
         self.solo = Solo(self.model, self._uids, r.tokens, cached, cache, r.max_tokens, r.decoding.sampler,
                          None if r.ignore_eos else eos, self.graph, r.drafting, frozenset(points), self.boundary)
-        self.plan = None  # predicted afresh, from what the fits know now
         return self._uids
 
     def to_batch(self) -> tuple[int, int, int] | None:
