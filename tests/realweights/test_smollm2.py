@@ -17,6 +17,7 @@ from pathlib import Path
 
 import anthropic
 import httpx
+import ollama
 import openai
 import pytest
 
@@ -94,10 +95,22 @@ def responses(d: Daemon, case: dict, stream: bool) -> tuple[str, str]:
     return text, status
 
 
+def ollama_chat(d: Daemon, case: dict, stream: bool) -> tuple[str, str]:
+    """Ollama's /api/chat (issue 51), by the `ollama` client, on the daemon's own port."""
+    c = ollama.Client(host=d.url, timeout=300)
+    kw: dict = {"model": f"{MODEL}:latest", "messages": case["messages"], "options": {"num_predict": 64, "temperature": 0}}
+    if not stream:
+        r = c.chat(**kw, stream=False)
+        return r.message.content or "", r.done_reason or ""
+    parts = list(c.chat(**kw, stream=True))
+    return "".join(p.message.content or "" for p in parts), parts[-1].done_reason or ""
+
+
 # what each API calls the two ways a greedy run ends: EOS, or the 64 tokens used up
 FINISH = {chat: {"stop": "stop", "length": "length"}, completion: {"stop": "stop", "length": "length"},
-          messages: {"stop": "end_turn", "length": "max_tokens"}, responses: {"stop": "completed", "length": "incomplete"}}
-APIS: list[Callable[[Daemon, dict, bool], tuple[str, str]]] = [chat, completion, messages, responses]
+          messages: {"stop": "end_turn", "length": "max_tokens"}, responses: {"stop": "completed", "length": "incomplete"},
+          ollama_chat: {"stop": "stop", "length": "length"}}
+APIS: list[Callable[[Daemon, dict, bool], tuple[str, str]]] = [chat, completion, messages, responses, ollama_chat]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
@@ -113,7 +126,7 @@ def test_every_api_answers_as_transformers_does(smollm: Daemon, reference: dict,
 
 
 def test_a_batch_of_mixed_requests_answers_each_as_transformers_does(smollm: Daemon, reference: dict) -> None:
-    # 8 at once: every API whole and streamed, the four cases twice over (CPU decode time grows with the batch)
+    # 10 at once: every API whole and streamed, the four cases over and over (CPU decode time grows with the batch)
     jobs = [(api, (n + k) % len(CASES), k == 1) for n, api in enumerate(APIS) for k in (0, 1)]
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
         futures = {pool.submit(api, smollm, reference["cases"][i], stream): (api.__name__, i, stream)
