@@ -399,8 +399,8 @@ class Engine:
         else:  # the batch's step, or its rows' drafting step in its place
             progress, responses, drafted = self.batch.step()
         elapsed = time.perf_counter() - t0
-        if plan is not self.schedule.solo_plan and not drafted:  # a drafting step is no plain step the fits could learn from
-            self.cost.observe(plan, elapsed)
+        if plan is not self.schedule.solo_plan and not drafted:  # a solo's decode step, or a drafting step, is no
+            self.cost.observe(plan, elapsed)  # plain batch step the fits could learn from
         if log.isEnabledFor(logging.DEBUG) and (plan.prefill_tokens or plan.decoding != self._in_flight):
             # a ramp's step (a prefill, or the decode batch's size changed): its shape, time and when it ended
             log.debug("[step] at_ms=%.1f chunk=%d prefill=%d rows=%d decoding=%d predicted_ms=%.1f ms=%.1f",
