@@ -112,7 +112,7 @@ def run(engine: Engine, submits: list[Submit], abort: str | None = None) -> dict
             g["ids"] += f.token_ids
             g["logprobs"] += (f.extra or {}).get("logprobs", [])
             g["end"] = (f.finish_reason, f.completion_tokens, f.prompt_tokens)
-        if abort is not None and abort in [req.rid for req, _ in engine._lagged]:
+        if abort is not None and abort in [req.rid for req, _ in engine.output.lagged]:
             assert engine.abort(abort)
             abort = None
         assert steps < 200
@@ -152,7 +152,7 @@ def test_with_the_text_thread_every_request_says_and_counts_what_it_does_without
         assert lagged.generated_tokens == sync.generated_tokens - len(first["ids"])
     finally:
         lagged.settle()
-    assert lagged.text is not None and lagged.text._thread is None
+    assert lagged.output.text is not None and lagged.output.text._thread is None
 
 
 def test_a_row_aborted_while_its_text_is_made_says_nothing_more_and_the_batch_goes_on(model_dir: Path) -> None:
@@ -164,6 +164,6 @@ def test_a_row_aborted_while_its_text_is_made_says_nothing_more_and_the_batch_go
         got = run(engine, submits, abort="a")
         assert got["b"] == want["b"]
         assert got["a"]["end"] is None and got["a"]["ids"] == want["a"]["ids"][:len(got["a"]["ids"])]
-        assert not engine._making and not engine._lagged and len(engine) == 0
+        assert not engine.output.making and not engine.output.lagged and len(engine) == 0
     finally:
         engine.settle()

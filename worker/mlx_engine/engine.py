@@ -56,6 +56,7 @@ from worker.mlx_engine.decode_graph import DecodeGraph, solo_modes
 from worker.mlx_engine.decoding import Decoding
 from worker.mlx_engine.guided import Grammars
 from worker.mlx_engine.loading import load_with_progress, time_one_token
+from worker.mlx_engine.output_stage import OutputStage
 from worker.mlx_engine.prompt import Prompts
 from worker.mlx_engine.prompt_cache import CacheOptions, PromptCaches
 from worker.mlx_engine.release import release
@@ -151,9 +152,7 @@ class Engine:
         self.defer_stores = defer_stores
         self._stores: list[tuple[list[int] | None, list | None, dict, int]] = []  # ..., the caches' clears then
         # the worker's batch rows' text is made on a thread of its own, during the next step's launch (text_thread.py)
-        self.text = TextThread() if text_thread else None
-        self._lagged: list[tuple[Request, list[int]]] = []  # rows' tokens for the text thread, at the next step
-        self._making: list[tuple[Request, list[int]]] = []  # ... and those it is making text of now
+        self.output = OutputStage(TextThread() if text_thread else None)  # every row's text (output_stage.py)
         # greedy batches of a few rows draft in lockstep (batch_drafting.py), and the solo drafts, meeting each
         # reply-snapshot boundary
         boundary = self.caches.block if self.caches is not None and self.caches.layout.snapshots else 0
@@ -388,10 +387,7 @@ class Engine:
         failed mid-request). With a text thread, a batch row's text comes a step later (text_thread.py)."""
         plan = self._plan or self.plan_step()
         self._plan = None
-        if self._lagged:  # the last step's rows' text is made while this step's kernels launch
-            assert self.text is not None
-            self.text.start([(req.out, tokens) for req, tokens in self._lagged])
-            self._making, self._lagged = self._lagged, []
+        self.output.launch()  # the last step's rows' text is made while this step's kernels launch
         t0 = time.perf_counter()
         lane = self.lane
         if lane.solo is not None:
@@ -418,61 +414,12 @@ class Engine:
         if self.caches is not None and self.caches.enabled and (progress or (lane.solo and not lane.solo.decoding)):
             self._checkpoint(progress)  # prefill steps only: a decode step (the hot path) never enters it
         self.peak_batch_size = max(self.peak_batch_size, len({r.uid for r in responses}))  # a solo's drafts: one
-        chunks: list[list] = []
-        finished: list[Finished | Failed] = []
-        lag = self.text is not None and lane.solo is None
-        ending = {r.uid: r for r in responses if r.finish_reason is not None} if lag or self._making else {}
-        if self._making:  # before this step's tokens and any grammar failure: each row's text in order
-            self._collect(ending, chunks, finished)
-        finished += self._grammar_failures()
-        lagged: dict[str, tuple[Request, list[int]]] = {}
-        for r in responses:
-            req = self._by_uid.get(r.uid)
-            if req is None:
-                continue
-            # its text on the text thread, out a step later; a reply's first token not (its client waits for it)
-            if lag and r.uid not in ending and req.completion_tokens and req.out.threadable:
-                row = lagged.get(req.rid)
-                if row is None:
-                    lagged[req.rid] = (req, [r.token])
-                else:
-                    row[1].append(r.token)
-                continue
-            reason = r.finish_reason
-            if not (reason == "stop" and r.token in self._eos):
-                req.completion_tokens += 1
-                self.generated_tokens += 1
-                req.unsent.append(r.token)
-                req.out.push(r.token, r.logprobs)
-                if req.out.stopped:
-                    reason = "stop"
-            if reason is None:
-                if (chunk := req.out.take()) is not None:  # the ids of the tokens behind what it says go with it
-                    chunks.append([req.rid, chunk[0], chunk[1], req.unsent, *chunk[2:]])
-                    req.unsent = []
-                continue
-            self._end(req, r, reason, finished)
-        self._lagged = list(lagged.values())
+        lag = self.output.text is not None and lane.solo is None  # a batch row's text may come a step later
+        chunks, finished = self.output.rows(responses, self._by_uid, self._eos, lag, self._end, self._grammar_failures)
+        self.generated_tokens += self.output.counted
         if not self._by_rid and not self._stores:
             self._hand_off()  # idle next: no step would hand them off, and none is in flight to wait for
         return chunks, finished
-
-    def _collect(self, ending: dict, chunks: list[list], finished: list[Finished | Failed]) -> None:
-        """The text thread's chunks for the rows of the last step; a row its stop string ended finishes now (the
-        token this step made for it is dropped, uncounted, and the generator lets it go)."""
-        assert self.text is not None
-        rows, self._making = self._making, []
-        for (req, tokens), (chunk, pushed, stopped) in zip(rows, self.text.collect(), strict=True):
-            if self._by_rid.get(req.rid) is not req:
-                continue  # aborted meanwhile
-            req.completion_tokens += pushed
-            self.generated_tokens += pushed
-            req.unsent += tokens[:pushed]
-            if stopped:
-                self._end(req, ending.get(req.uid), "stop", finished)
-            elif chunk is not None:
-                chunks.append([req.rid, chunk[0], chunk[1], req.unsent, *chunk[2:]])
-                req.unsent = []
 
     def _end(self, req: Request, r: Any, reason: str, finished: list[Finished | Failed]) -> None:
         """A request ends: its Finished, and its cache to the prompt caches. `r`: its response that ended it, if the
@@ -552,8 +499,7 @@ class Engine:
         model, generator and caches dropped, MLX's buffer cache cleared); return the process footprint left. The
         engine serves nothing after it."""
         self.lane.close()
-        if self.text is not None:
-            self.text.close()
+        self.output.close()
         if self.warmer is not None:
             self.warmer.close()
             self.warmer = None
@@ -563,7 +509,8 @@ class Engine:
 
     def _drop(self) -> None:
         """Every reference this engine holds to MLX arrays: the model, its generator, lanes, caches, drafts."""
-        self._stores, self._lagged, self._making = [], [], []
+        self._stores = []
+        self.output.clear()
         self._by_uid, self._by_rid, self._prefilling = {}, {}, {}
         for name in ("model", "gen", "lane", "batch", "graph", "requests", "caches", "snapshots", "batch_drafts", "vision",
                      "prompts", "_plan"):
