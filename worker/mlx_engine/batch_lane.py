@@ -11,7 +11,7 @@ knows the engine's records of its requests (engine.py keeps them by uid).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from mlx_lm.generate import BatchGenerator, StopSequences
 
@@ -20,6 +20,16 @@ from worker.mlx_engine.checkpoints import row_view
 
 if TYPE_CHECKING:
     from worker.mlx_engine.request import EngineRequest
+
+
+class Lane(Protocol):
+    """What the engine asks the lane that runs a request (BatchLane, solo.py's SoloLane) about it."""
+
+    def computed(self, uid: int) -> tuple[list | None, list[int] | None]: ...
+
+    def row(self, uid: int, layers: Any) -> tuple[list, list[int]] | None: ...
+
+    def finish(self, uid: int, r: Any) -> tuple[list | None, list[int] | None]: ...
 
 
 class BatchLane:

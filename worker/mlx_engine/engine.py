@@ -50,7 +50,7 @@ from worker.engine_api import RequestRejected
 from worker.memory import process_memory_bytes
 from worker.mlx_engine.attention import install as attention_route
 from worker.mlx_engine.batch_drafting import BatchDrafting
-from worker.mlx_engine.batch_lane import BatchLane
+from worker.mlx_engine.batch_lane import BatchLane, Lane
 from worker.mlx_engine.checkpoints import crossed
 from worker.mlx_engine.decode_graph import DecodeGraph, solo_modes
 from worker.mlx_engine.decoding import Decoding
@@ -246,6 +246,11 @@ class Engine:
         if req.prefill_left > 0:
             self._prefilling[r.rid] = req
 
+    def _lane_of(self, uid: int) -> Lane:
+        """The lane running a request: the solo lane for the solo, else the batch's."""
+        solo = self.lane.solo
+        return self.lane if solo is not None and solo.uid == uid else self.batch
+
     def _lookup(self, r: EngineRequest) -> tuple[int, list | None, int]:
         """(tokens in the request's starting cache, that cache, how many of them the prompt caches gave: its
         usage's cached tokens; a prefix computed here for an image was prefilled, not cached)."""
@@ -285,14 +290,12 @@ class Engine:
             return False
         del self._by_uid[req.uid]
         self._prefilling.pop(rid, None)
-        solo = self.lane.solo
+        lane = self._lane_of(req.uid)
         computed: tuple[list | None, list[int] | None] = (None, None)
         try:  # what it computed, best effort (a generator that raised mid-step may not give it)
-            if self.caches is not None and self.caches.enabled and req.position > req.checkpointed:
-                if solo is not None and solo.uid == req.uid:
-                    computed = solo.release()
-                elif req.uid >= 0:
-                    computed = self.batch.computed(req.uid)
+            if self.caches is not None and self.caches.enabled and req.position > req.checkpointed and (
+                    lane is self.lane or req.uid >= 0):  # not a solo's last token, pending after its hand-over
+                computed = lane.computed(req.uid)
         except Exception:
             log.exception("[cache] rid=%s keeping an aborted request's cache failed; going on", req.rid)
         if not self.lane.drop(req.uid) and req.uid >= 0:
@@ -326,8 +329,7 @@ class Engine:
                 continue
             req.checkpointed = req.position
             try:
-                computed = ((solo.cache, solo.tokens[:solo.fed]) if solo is not None
-                            else self.batch.row(req.uid, self.caches.layout.block_layers))
+                computed = self._lane_of(req.uid).row(req.uid, self.caches.layout.block_layers)
                 if computed is not None:
                     self._keep(req, *computed, tail=False)
             except Exception:
@@ -435,13 +437,12 @@ class Engine:
         del self._by_uid[req.uid]
         del self._by_rid[req.rid]
         self._prefilling.pop(req.rid, None)
-        if (solo := self.lane.solo) is not None and solo.uid == req.uid:
+        lane = self._lane_of(req.uid)
+        if (solo := self.lane.solo) is not None and lane is self.lane:
             assert r is not None
             log.info("[perf] solo rid=%s tokens=%d per_token_ms=%s", req.rid, solo.times.tokens,
                      solo.times.per_token_ms())
-            cache, tokens = self.lane.finish(r)
-        else:  # a row of the batch (a stop string ended it: the generator still runs it)
-            cache, tokens = self.batch.finish(req.uid, r)
+        cache, tokens = lane.finish(req.uid, r)  # a batch row's stop string: the generator still runs it
         self._keep(req, cache, tokens)
 
     def after_send(self) -> None:

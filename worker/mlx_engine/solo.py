@@ -387,10 +387,21 @@ class SoloLane:
             return True
         return False
 
-    def finish(self, r: SoloResponse) -> tuple[list | None, list[int] | None]:
+    def computed(self, uid: int) -> tuple[list | None, list[int] | None]:
+        """What the solo computed (its cache and the tokens in it), for an abort: its token in flight read."""
+        assert self.solo is not None and self.solo.uid == uid
+        return self.solo.release()
+
+    def row(self, uid: int, layers: Any) -> tuple[list, list[int]]:
+        """The solo's cache as it stands mid-prefill, for a prefill checkpoint (checkpoints.py)."""
+        solo = self.solo
+        assert solo is not None and solo.uid == uid
+        return solo.cache, solo.tokens[:solo.fed]
+
+    def finish(self, uid: int, r: SoloResponse) -> tuple[list | None, list[int] | None]:
         """The solo ended at `r` (a stop string, when it says no reason): its cache and tokens, for the caches."""
         solo, self.solo = self.solo, None
-        assert solo is not None
+        assert solo is not None and solo.uid == uid
         return solo.release() if r.finish_reason is None else (r.prompt_cache, r.all_tokens)
 
     def close(self) -> None:
