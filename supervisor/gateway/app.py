@@ -34,6 +34,7 @@ from supervisor.gateway.guard import WebGuard
 from supervisor.gateway.http import BodyDeadline, SSEResponse, error_response, read_body, sse
 from supervisor.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from supervisor.gateway.ollama_listener import STATUS as OLLAMA_LISTENER
+from supervisor.gateway.ollama_routes import BLOBS as OLLAMA_BLOBS
 from supervisor.gateway.ollama_routes import PATHS as OLLAMA_PATHS
 from supervisor.gateway.ollama_routes import error_body as ollama_error_body
 from supervisor.gateway.ollama_routes import ollama_routes
@@ -235,4 +236,4 @@ def build_app(router: Router, settings: Settings) -> ASGIApp:
         app = RequireApiKey(app, settings.api_key)
     # outermost: a request from a foreign Host or Origin is refused before anything else looks at it
     return WebGuard(app, hosts=[settings.host, *settings.allowed_hosts], origins=settings.allowed_origins,
-                    untyped=OLLAMA_PATHS)  # Ollama's clients send JSON with no Content-Type
+                    untyped=[*OLLAMA_PATHS, OLLAMA_BLOBS])  # Ollama's clients send bodies with no Content-Type

@@ -51,7 +51,8 @@ class WebGuard:
     def __init__(self, app: ASGIApp, hosts: Iterable[str] = (), origins: Iterable[str] = (),
                  untyped: Iterable[str] = ()) -> None:
         self.app = app
-        self.untyped = frozenset(untyped)
+        self.untyped = frozenset(p for p in untyped if not p.endswith("/"))
+        self.untyped_under = tuple(p for p in untyped if p.endswith("/"))  # a path ending in "/": every path under it
         self.host_names = {h for h in map(host_name, hosts) if h is not None}
         self.origins: set[Origin] = set()
         for value in origins:
@@ -106,8 +107,8 @@ class WebGuard:
                     f"requests from the web origin {', '.join(origins)[:100]!r} are not allowed: add it to "
                     "[server] allowed_origins to let its pages use this server")
             cors_origin = None if origin == own else origins[0]  # same-origin needs no CORS grant
-        if scope["type"] == "http" and not (scope["path"] in self.untyped and "content-type" not in headers
-                                             and "origin" not in headers):
+        untyped = scope["path"] in self.untyped or scope["path"].startswith(self.untyped_under)
+        if scope["type"] == "http" and not (untyped and "content-type" not in headers and "origin" not in headers):
             _check_body_type(scope["method"], headers)
         return cors_origin
 

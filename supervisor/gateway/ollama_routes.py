@@ -9,7 +9,7 @@ embedder's worker as /v1/embeddings does. Model management maps onto mlxsup's ow
 `/api/show` one model's facts (ollama_models.py), `/api/ps` the loaded ones with when they expire, `/api/pull` a
 Hugging Face pull (hf.co/ORG/NAME[:REVISION]; mlxsup's own body on the same path is served as before),
 `/api/delete` the model's files (a copy's name only, for a copy), `/api/copy` a new name for a model (an alias, for
-the daemon's life), `/api/create` not done (mlxsup import makes models from GGUF files).
+the daemon's life), `/api/create` from an uploaded GGUF file `mlxsup import` (ollama_create.py).
 
 Errors are Ollama's `{"error": "..."}` with its status codes (an unknown model is a 404, which its clients raise as
 ResponseError); an error after a stream began is an `{"error"}` line, as Ollama ends a stream with one.
@@ -39,6 +39,7 @@ from supervisor.gateway.call import Calls
 from supervisor.gateway.http import SSEResponse, error_response, read_body, read_json
 from supervisor.gateway.images import ImageLimits, attach
 from supervisor.gateway.ollama_api import OllamaRequest, bad, parse_chat, parse_embed, parse_generate
+from supervisor.gateway.ollama_create import Blobs, create
 from supervisor.gateway.ollama_keepalive import KeepAlive
 from supervisor.gateway.ollama_shape import NS, OllamaShaper, Timing, dumps
 from supervisor.gateway.openai_routes import _config_context
@@ -55,6 +56,7 @@ log = logging.getLogger(__name__)
 OLLAMA_VERSION = "0.12.10"  # the Ollama release whose API this one speaks (clients gate features on it)
 RUNNING = "Ollama is running"
 ADMIN_BODY_LIMIT = 64 * 1024
+BLOBS = "/api/blobs/"  # a path under it names a blob: /api/blobs/sha256:<hex>
 PATHS = ("/api/version", "/api/tags", "/api/show", "/api/ps", "/api/chat", "/api/generate", "/api/embed",
          "/api/embeddings", "/api/pull", "/api/delete", "/api/copy", "/api/create", "/api/push")
 
@@ -134,6 +136,7 @@ class OllamaRoutes:
         self.pulls = pulls
         self.keep = KeepAlive(router, settings)
         self.copies: dict[str, str] = {}  # names /api/copy gave -> model id
+        self.blobs = Blobs(settings)  # /api/create's uploads
 
     # --- the daemon --------------------------------------------------------------------------
 
@@ -222,6 +225,11 @@ class OllamaRoutes:
             raise bad("source is required", "source")
         if not isinstance(destination, str) or not destination:
             raise bad("destination is required", "destination")
+        self.name_copy(source, destination)
+        return Response(status_code=200)
+
+    def name_copy(self, source: str, destination: str) -> None:
+        """`destination` names the model `source` names, from now on (for the daemon's life)."""
         spec = self._spec(source)
         name = destination.removesuffix(f":{om.LATEST}")
         if om.NAME_RULE.fullmatch(name) is None:
@@ -233,13 +241,11 @@ class OllamaRoutes:
         if taken is not None and taken.id != spec.id:
             raise bad(f"destination '{destination}' is a model already ({taken.id})", "destination")
         self.copies[name] = spec.id
-        return Response(status_code=200)
 
     async def create(self, request: Request) -> Response:
-        await self._body(request, self.settings.max_body_bytes)
-        raise bad("mlxsup does not create models from a Modelfile or uploaded blobs: import a GGUF file with "
-                  "`mlxsup import FILE.gguf --name NAME` (then it is listed here), or pull one: "
-                  "/api/pull hf.co/ORG/NAME")
+        made = await create(await self._body(request), self.settings, self.blobs, self.name_copy,
+                            lambda: self.router.registry.refresh(force=True))
+        return made if isinstance(made, Response) else NDJSONResponse(made, lambda: None)
 
     async def push(self, request: Request) -> Response:
         raise bad("mlxsup does not push models to a registry")
@@ -415,6 +421,8 @@ def ollama_routes(router: Router, settings: Settings, dashboard: Callable[[Reque
         ("/api/delete", r.delete, ["DELETE"]),
         ("/api/copy", r.copy, ["POST"]),
         ("/api/create", r.create, ["POST"]),
+        ("/api/blobs/{digest}", r.blobs.head, ["HEAD"]),
+        ("/api/blobs/{digest}", r.blobs.upload, ["POST"]),
         ("/api/push", r.push, ["POST"]),
     ]
     return [Route(path, ollama_errors(handler), methods=methods) for path, handler, methods in table]

@@ -395,3 +395,29 @@ def test_the_npm_ollama_client_drives_the_same_api(daemon: Daemon, ollama_js: Pa
     assert said["embed"] == 2 and "tiny:latest" in said["ps"]
     assert said["copied"] and said["deleted"]
     assert said["unknown"] == ["ResponseError", 404, "model 'gpt-99' not found"]
+
+
+def test_create_from_an_uploaded_gguf_is_mlxsup_import(client: ollama.Client, tmp_path: Path) -> None:
+    from tests.families.test_gguf_import import made_model, write_gguf
+
+    gguf_file = tmp_path / "made.gguf"
+    write_gguf(made_model(tmp_path, "qwen3"), gguf_file, {})
+    digest = client.create_blob(gguf_file)  # HEAD, then the upload: its bytes checked against the digest
+    assert digest.startswith("sha256:") and client.create_blob(gguf_file) == digest
+    statuses = [s.status for s in client.create("made", files={"made.gguf": digest}, stream=True)]
+    assert statuses[0] == "parsing GGUF" and statuses[-1] == "success", statuses
+    assert "made:latest" in {m.model for m in client.list().models}
+    assert "thinking" in (client.show("made").capabilities or [])
+    assert client.generate("made", "Hi", options={"num_predict": 2}).eval_count == 2
+    with pytest.raises(ollama.ResponseError) as again:
+        client.create("made", files={"made.gguf": digest})
+    assert again.value.status_code == 400 and "exists already" in again.value.error
+    with pytest.raises(ollama.ResponseError) as modelfile:
+        client.create("other", from_="made", system="You are a pirate.")
+    assert modelfile.value.status_code == 400 and "system" in modelfile.value.error
+    assert client.create("made-too", from_="made").status == "success"  # a new name, as /api/copy gives
+    assert client.delete("made-too").status == "success" and client.delete("made").status == "success"
+    assert "made:latest" not in {m.model for m in client.list().models}
+    forged = httpx.post(client._client.base_url.join("/api/blobs/sha256:" + "0" * 64), content=b"not those bytes",
+                        headers=AUTH)
+    assert forged.status_code == 400 and "digest" in forged.json()["error"]
