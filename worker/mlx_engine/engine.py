@@ -60,7 +60,7 @@ from worker.mlx_engine.output_stage import OutputStage
 from worker.mlx_engine.prompt import Prompts
 from worker.mlx_engine.prompt_cache import CacheOptions, PromptCaches
 from worker.mlx_engine.release import release
-from worker.mlx_engine.request import EngineRequest, Requests
+from worker.mlx_engine.request import EngineRequest, ImagePart, Requests
 from worker.mlx_engine.request_state import Request
 from worker.mlx_engine.snapshots import Snapshots
 from worker.mlx_engine.solo import Solo, SoloLane
@@ -71,10 +71,8 @@ from worker.step_cost import PrefillSeq, StepCostModel, StepPlan
 from worker.text_thread import TextThread
 
 if TYPE_CHECKING:
-    from worker.mlx_engine.vision import VisionInput
-
-    # (the loaded model, its prompts, its caches) -> the engine's vision part, made once at its construction
-    VisionPart = Callable[[Any, Prompts, PromptCaches | None], VisionInput]
+    # (the loaded model, its prompts, its caches) -> the engine's vision part (vision.py's VisionInput), made once
+    VisionPart = Callable[[Any, Prompts, PromptCaches | None], ImagePart]
 
 # finished sequences whose prompt-cache stores wait, while other requests decode, for an idle engine or the next lookup
 # (a store stalls every stream: ~70 ms a step when 8 of 32 ended together on the GPU host); past this, stored at once

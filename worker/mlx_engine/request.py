@@ -26,7 +26,7 @@ does and nothing more; nothing here touches the model, the batch or what the cac
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from protocol.messages import CONTEXT_LENGTH_EXCEEDED, INVALID_REQUEST, Submit
 from worker.engine_api import RequestRejected
@@ -36,8 +36,24 @@ from worker.mlx_engine.prompt_cache import PromptCaches
 from worker.mlx_engine.speculative import Drafting, Speculation
 from worker.template_input import special_token_texts, tool_names
 
-if TYPE_CHECKING:
-    from worker.mlx_engine.vision import Processed, VisionInput
+
+class ImagePrompt(Protocol):
+    """A prompt with images as a vision part made it (vision.py's Processed): its ids, each image's tokens expanded."""
+
+    ids: list[int]
+
+
+class ImagePart(Protocol):
+    """A vision-language model's part of the request path (vision.py's VisionInput, given to the engine)."""
+
+    def encode(self, msg: Submit, pictures: list | None = None) -> Any:
+        """A request with images as the model takes it: an ImagePrompt."""
+        ...
+
+    def keys(self, processed: Any, tokens: list[int]) -> list[int]: ...
+
+    def prefill(self, rid: str, tokens: list[int], cached: int, prefix: list | None,
+                processed: Any) -> tuple[int, list, int] | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,14 +73,14 @@ class EngineRequest:
     keys: list[int]  # the ids the prompt caches know it by: `tokens` itself, but for an image's (vision.py)
     marks: tuple[tuple[int, float], ...] = ()  # (end in tokens, ttl_s) of each cache_control mark (caches on)
     branches: tuple[int, ...] = ()  # where sibling sessions branch off it, for the caches' snapshot points
-    images: Processed | None = None  # a prompt with images, as the vision part made it (its image prefill reads it)
+    images: ImagePrompt | None = None  # a prompt with images, as the vision part made it (its image prefill reads it)
 
 
 class Requests:
     """The engine's one way from a Submit to an EngineRequest (the module's docstring)."""
 
     def __init__(self, prompts: Prompts, decoding: Decoding, speculation: Speculation, caches: PromptCaches | None,
-                 vision: VisionInput | None = None) -> None:
+                 vision: ImagePart | None = None) -> None:
         self.prompts = prompts
         self.decoding = decoding
         self.speculation = speculation
@@ -97,9 +113,9 @@ class Requests:
                              resumed=len(msg.resume_tokens), ignore_eos=msg.ignore_eos,
                              alone_ok=not d.processors and msg.logprobs < 0, decoding=d, drafting=drafting, keys=keys, marks=marks, branches=branches, images=images)
 
-    def _encode(self, msg: Submit, pictures: list | None) -> tuple[list[int], Processed | None]:
+    def _encode(self, msg: Submit, pictures: list | None) -> tuple[list[int], ImagePrompt | None]:
         if self.vision is not None and msg.images:
-            images = self.vision.encode(msg, pictures)
+            images: ImagePrompt = self.vision.encode(msg, pictures)
             return list(images.ids), images
         return self.prompts.encode(msg), None
 
