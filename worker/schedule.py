@@ -7,7 +7,8 @@ flight) and runs the plan; step_cost.py's StepCostModel sizes the plan's prefill
 - A batch's decode step has nothing to size: its plan serves `reuse_steps` steps of the same work (each still
   teaches the fits), as solving the fits is the plan's whole cost.
 - A solo's decode step has nothing to size either: one plan (`solo_plan`) for all the steps of one solo, predicted
-  afresh for each (`new_solo`); the fits learn from batches only, so the engine observes no step that ran it.
+  afresh for each (a solo is known by its uid); the fits learn from batches only, so the engine observes no step
+  that ran it.
 
 Invariants: a plan's chunk is the cost model's (within its [min_chunk, max_chunk]); a reused plan is only ever one
 made for equal work with no prefill.
@@ -26,16 +27,16 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.prefill_batch_size = prefill_batch_size
         self.reuse_steps = reuse_steps
-        self.solo_plan: StepPlan | None = None  # the plan of every decode step of the solo under way
+        self.solo_plan: StepPlan | None = None  # the plan of every decode step of the last solo planned
+        self._solo_uid: int | None = None  # ... that solo
         self._decode: tuple[StepWork, StepPlan, int] | None = None  # a decode step's plan, and its reuses left
 
-    def new_solo(self) -> None:
-        self.solo_plan = None  # predicted afresh, from what the fits know now
-
-    def solo(self) -> StepPlan:
-        """The plan of a solo's decode step: one token, one in flight."""
-        if self.solo_plan is None:
+    def solo(self, uid: int) -> StepPlan:
+        """The plan of a decode step of the solo `uid`: one token, one in flight; predicted at its first, from what
+        the fits know then."""
+        if self.solo_plan is None or self._solo_uid != uid:
             self.solo_plan = self.cost.predict(StepWork(1, in_flight=1), self.cost.min_chunk)
+            self._solo_uid = uid
         return self.solo_plan
 
     def work(self, decoding: int, prefilling: Iterable[PrefillSeq], in_flight: int) -> StepWork:

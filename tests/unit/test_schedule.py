@@ -36,8 +36,8 @@ def test_a_decode_steps_plan_serves_its_reuses_and_a_prefill_is_planned_each_tim
 
 def test_a_solos_decode_plan_is_made_once_per_solo() -> None:
     s, made = scheduler()
-    first = s.solo()
-    assert s.solo() is first and s.solo_plan is first and not made  # predicted, not planned: nothing to size
+    first = s.solo(-1)
+    assert s.solo(-1) is first and s.solo_plan is first and not made  # predicted, not planned: nothing to size
     assert first.decoding == 1 and first.in_flight == 1 and first.prefill_tokens == 0
-    s.new_solo()
-    assert s.solo_plan is None and s.solo() is not first
+    second = s.solo(-2)  # the next solo
+    assert second is not first and s.solo(-2) is second and s.solo_plan is second

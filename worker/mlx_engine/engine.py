@@ -227,7 +227,6 @@ class Engine:
         # its lane: each takes the request, its cached tokens, their cache and its snapshot points, and gives its uid
         if self.solo_on and not self._by_rid and r.alone_ok:
             uid = self.lane.start(r, cached, prefix, points, self._eos)
-            self.schedule.new_solo()
         else:
             self._solo_to_batch()
             uid = self.batch.start(r, cached, prefix, points, self._stop_eos)
@@ -363,8 +362,8 @@ class Engine:
         """Size the next step's prefill chunk to the step target (schedule.py, from what the engine holds: its
         decoding sequences, its prompts still prefilling, oldest first, the decode in flight); the plan says what it
         holds and its predicted time."""
-        if self.lane.solo is not None and self.lane.solo.decoding:
-            self._plan = self.schedule.solo()
+        if (solo := self.lane.solo) is not None and solo.decoding:
+            self._plan = self.schedule.solo(solo.uid)
             return self._plan
         work = self.schedule.work(len(self._by_rid) - len(self._prefilling),
                                   (PrefillSeq(req.prefill_left, req.position) for req in self._prefilling.values()),
