@@ -29,7 +29,7 @@ from supervisor.cli.exits import EXIT_NO_DAEMON, EXIT_USAGE, CliError
 from supervisor.cli.importer import add_import_parser
 from supervisor.cli.models import add_model_parsers
 from supervisor.cli.service import add_service_parser
-from supervisor.cli.views import duration, evict_line, memory_line, size, status_table
+from supervisor.cli.views import duration, evict_line, memory_line, ollama_line, size, status_table
 from supervisor.config import DEFAULT_PORT, ConfigError, Settings, parse_size, resolve
 from supervisor.config_view import effective, to_toml
 from supervisor.reports import EvictReport, ModelStatus
@@ -44,6 +44,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps(status, indent=2))
         return 0
     print(f"mlxsup {status['version']}  up {duration(status['uptime_s'])}  {client.url}")
+    if (ollama := ollama_line(status)) is not None:
+        print(ollama)
     print(memory_line(status))
     for line in status_table(status):
         print(line)

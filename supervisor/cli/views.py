@@ -55,6 +55,18 @@ def _cache(tier: dict | None, ssd: bool) -> str:
     return f"{size(tier.get('bytes'))} ({tier.get('entries', 0)})"
 
 
+def ollama_line(status: dict[str, Any]) -> str | None:
+    """Where Ollama's API is served besides the daemon's port (gateway/ollama_listener.py), or why not; None: off."""
+    listener = status.get("ollama_listener") or {}
+    address, state = listener.get("address"), listener.get("state")
+    if state == "listening":
+        return f"Ollama's API also on http://{address}"
+    if state in ("taken", "failed"):
+        return (f"Ollama's address {address} is {'taken' if state == 'taken' else 'not available'} "
+                f"({listener.get('error')}): Ollama's apps reach mlxsup only on its own port")
+    return None
+
+
 def memory_line(status: dict[str, Any]) -> str:
     """Models' memory against the admission ceiling, the system's, and the spare worker."""
     ceiling, used = status["ceiling_bytes"], status["used_bytes"]

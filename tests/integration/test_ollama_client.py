@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -24,7 +25,7 @@ import jsonschema
 import ollama
 import pytest
 
-from tests.conftest import Daemon, assert_gone, make_model, start_daemon, wait_for
+from tests.conftest import MLXSUP, Daemon, assert_gone, make_model, start_daemon, wait_for
 from tests.integration.standin_hub import Repo, StandInHub, folder_files
 
 KEY = "ollama-test-key"
@@ -258,6 +259,12 @@ def test_keep_alive_zero_unloads_negative_keeps_and_a_duration_is_the_ttl(daemon
     left = entry.expires_at - datetime.now(UTC)
     assert timedelta(minutes=9) < left <= timedelta(minutes=10) and entry.context_length
     assert status(daemon, "tiny")["ttl_s"] == 600
+    shown = subprocess.run([*MLXSUP, "status", "--url", daemon.url], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "MLXSUP_API_KEY": KEY})
+    assert shown.returncode == 0, shown.stderr
+    row = next(line for line in shown.stdout.splitlines() if line.startswith("tiny "))
+    assert re.search(r"in (9m\d\ds|10m00s)", row), row  # `mlxsup status` shows the TTL keep_alive set
+    assert f"Ollama's API also on {daemon.ollama}" in shown.stdout  # type: ignore[attr-defined]
     client.generate("tiny", "Hi", options={"num_predict": 1}, keep_alive=-1)
     entry = loaded(client)["tiny:latest"]
     assert entry.expires_at is not None and entry.expires_at.year > 2100

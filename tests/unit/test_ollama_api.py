@@ -225,3 +225,14 @@ def test_an_untyped_body_passes_only_on_ollamas_paths_from_no_page(path: str, he
     asyncio.run(WebGuard(app, untyped=PATHS)(scope, receive, send))
     assert bool(seen) is passes
     assert passes or sent[0]["status"] in (403, 415)
+
+
+def test_mlxsup_status_says_where_ollamas_api_is() -> None:
+    from supervisor.cli.views import ollama_line
+
+    on = {"ollama_listener": {"address": "127.0.0.1:11434", "state": "listening", "error": None}}
+    taken = {"ollama_listener": {"address": "127.0.0.1:11434", "state": "taken", "error": "Address already in use"}}
+    assert ollama_line(on) == "Ollama's API also on http://127.0.0.1:11434"
+    assert "taken (Address already in use)" in (ollama_line(taken) or "")
+    assert ollama_line({"ollama_listener": {"address": None, "state": "off", "error": None}}) is None
+    assert ollama_line({}) is None  # an older daemon's status
