@@ -6,10 +6,11 @@ loop in worker/loop.py feeds it Submit/Abort messages and ships what step() retu
 implements worker/engine_api.py's EngineApi, all the loop knows of it. What is not the batch is
 composed in: a Submit made once into an EngineRequest (request.py: its prompt's encoding and checks through
 prompt.py, its sampler, logits processors and output through decoding.py, its drafting, its cache keys), which
-`_start` then starts; a vision-language model's images (vision.py's VisionInput, given to the constructor); a
-request alone (solo.py's SoloLane); a few greedy requests drafting together (batch_drafting.py: a step of theirs
-may replace `gen.next()`); the model's loading (loading.py) and the idle warm-up after Ready (warmup.py's WarmUp:
-`warm_step`).
+`_start` then starts in a lane; a vision-language model's images (vision.py's VisionInput, given to the
+constructor); the lanes: a request alone (solo.py's SoloLane) and the batch's rows (batch_lane.py's BatchLane, whose
+step a few greedy rows drafting together may take, batch_drafting.py), asked the same things of a request
+(batch_lane.py's Lane); each step's plan (worker/schedule.py, pure); every row's text (output_stage.py); the
+model's loading (loading.py) and the idle warm-up after Ready (warmup.py's WarmUp: `warm_step`).
 
 Invariants: every admitted request ends in exactly one Finished or Failed (a grammar failing
 mid-request: a Failed for it alone); a request that is aborted or finished is removed from the
@@ -25,8 +26,8 @@ A resumed request (Submit.resume_tokens) joins with its earlier tokens as its pr
 chunk carries the ids of the tokens behind its text, which is what a resume continues from.
 
 Steps are bounded by time, not by a token count: before each step, the prefill chunk (the
-BatchGenerator's `prefill_step_size`, which it reads on every step) is sized by the step cost
-model (worker/step_cost.py) from what this model's steps measured on this machine, so a step
+BatchGenerator's `prefill_step_size`, which it reads on every step) is sized by the scheduler and its step cost
+model (worker/schedule.py, worker/step_cost.py) from what this model's steps measured on this machine, so a step
 stays near `step_target_s` however long the prompt, and streams already decoding keep flowing
 while it is prefilled. The engine follows each request's prefill (tokens left, position) from
 the generator's progress reports, so the plan needs nothing of the generator's internals.
