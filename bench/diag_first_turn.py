@@ -34,9 +34,9 @@ def main() -> None:
     enc = Encoder(model)
     session = load("claude")
     (work / "script.json").write_text(json.dumps([{"match": m, "reply": r} for m, r in enc.replies(session).items()]))
-    scripted.install(work / "script.json")
     ssd = work / "ssd" if len(sys.argv) > 2 and sys.argv[2] == "ssd" else None
     engine = Engine(model, cache=CacheOptions(hot_bytes=16 << 30, ssd_root=ssd), warm="off")
+    scripted.install(engine, work / "script.json")
     msg = submit_of(session[0].path, session[0].body)
     msg.max_tokens = 1
     faulthandler.dump_traceback_later(DUMP_S, repeat=True)

@@ -1,19 +1,13 @@
-"""Issue 30: stream_generate's generate_step, the worker's Solo driven alone, and the whole Engine (submit/step), on one
-model in one process, in interleaved rounds: is a lone request's extra time per token the Solo's or the Engine's?
-Each of Solo and Engine also with its next decode graph built ahead on a thread at every step (solo.py's Ahead, its
-Pace off), and the Engine as `--solo ahead` runs it (`engine_paced`: built ahead where its Pace measures that faster).
-With --pin (Linux), also the Solo built ahead with its main thread pinned to the first allowed CPU and the Ahead
-thread to each other allowed CPU in turn, and to all of them (`solo_ahead_pin_M_A`): does the build slow the launch
-less on some CPU beside it?
+"""stream_generate's generate_step, the worker's Solo driven alone, and the whole Engine (submit/step), on one model in
+one process, in interleaved rounds: is a lone request's extra time per token the Solo's or the Engine's?
 
-    python -m bench.solo_vs_sg --model DIR [--rounds 10] [--tokens 256] [--compiled] [--pin]
+    python -m bench.solo_vs_sg --model DIR [--rounds 10] [--tokens 256] [--compiled]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -28,25 +22,7 @@ from bench.diagnose import itl_ms
 from bench.prompts import prompts
 from protocol.messages import Submit
 from worker.mlx_engine.engine import Engine
-from worker.mlx_engine.solo import Ahead, Solo
-
-
-def pinned(solo: Callable[..., list[float]], main_cpu: int, ahead_cpus: list[int]) -> Callable[..., list[float]]:
-    """`solo` built ahead on an Ahead thread pinned to `ahead_cpus`, the calling thread pinned to `main_cpu` while it
-    runs (on Linux sched_setaffinity(0) sets the calling thread's CPUs only)."""
-    ahead = Ahead()
-    ahead.pace = None
-    ahead.start(os.sched_setaffinity, 0, set(ahead_cpus))
-    ahead.collect()
-
-    def run(ids: list[int], rid: str) -> list[float]:
-        before = os.sched_getaffinity(0)
-        os.sched_setaffinity(0, {main_cpu})
-        try:
-            return solo(ids, rid, ahead)
-        finally:
-            os.sched_setaffinity(0, before)
-    return run
+from worker.mlx_engine.solo import Solo
 
 
 def main() -> int:
@@ -55,14 +31,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--compiled", action="store_true", help="also an Engine whose solo decodes compiled (--solo compiled)")
-    p.add_argument("--pin", action="store_true", help="also the Solo built ahead, its two threads pinned (Linux)")
     args = p.parse_args()
     n = args.tokens
     eng = Engine(Path(args.model), max_batch_size=32, prefill_step_size=512, cache=None, solo="plain")
-    ahead_eng = Engine(Path(args.model), max_batch_size=32, prefill_step_size=512, cache=None, solo="ahead")
-    paced_eng = Engine(Path(args.model), max_batch_size=32, prefill_step_size=512, cache=None, solo="ahead")
-    assert ahead_eng.lane.ahead is not None
-    ahead_eng.lane.ahead.pace = None  # built ahead at every step
     compiled = Engine(Path(args.model), max_batch_size=32, prefill_step_size=512, cache=None,
                       solo="compiled") if args.compiled else None
     model, tok = load(args.model)
@@ -70,11 +41,8 @@ def main() -> int:
     def sg(ids: list[int], _: str) -> list[float]:
         return [time.perf_counter() for _ in generate_step(mx.array(ids), model, max_tokens=n)]
 
-    ahead = Ahead()
-    ahead.pace = None
-
-    def solo(ids: list[int], _: str, ahead: Ahead | None = None) -> list[float]:
-        s, ts = Solo(model, 0, ids, 0, None, n, None, None, ahead=ahead), []
+    def solo(ids: list[int], _: str) -> list[float]:
+        s, ts = Solo(model, 0, ids, 0, None, n, None, None), []
         while True:
             out = s.step(512)
             if out:
@@ -91,16 +59,10 @@ def main() -> int:
                 ts.append(time.perf_counter())
         return ts
 
-    variants = {"generate_step": sg, "solo": solo, "solo_ahead": lambda ids, rid: solo(ids, rid, ahead),
-                "engine": engine, "engine_ahead": lambda ids, rid: engine(ids, rid, ahead_eng),
-                "engine_paced": lambda ids, rid: engine(ids, rid, paced_eng)}
+    variants: dict[str, Callable[[list[int], str], list[float]]] = {"generate_step": sg, "solo": solo,
+                                                                    "engine": engine}
     if compiled is not None:
         variants["engine_compiled"] = lambda ids, rid: engine(ids, rid, compiled)
-    if args.pin:
-        cpus = sorted(os.sched_getaffinity(0))
-        main_cpu, others = cpus[0], cpus[1:]
-        for ahead_cpus in [[c] for c in others] + [others]:
-            variants[f"solo_ahead_pin_{main_cpu}_{'-'.join(map(str, ahead_cpus))}"] = pinned(solo, main_cpu, ahead_cpus)
     out: dict[str, list[float]] = {k: [] for k in variants}
     names = list(variants)
     for r in range(-1, args.rounds):
@@ -112,8 +74,6 @@ def main() -> int:
                 out[name].append(itl)
         if r >= 0:
             print(json.dumps({"round": r, **{k: v[-1] for k, v in out.items()}}), flush=True)
-    pace = paced_eng.lane.ahead.pace if paced_eng.lane.ahead is not None else None
-    print(json.dumps({"engine_paced": {"way": pace.way, "changes": pace.changes} if pace is not None else None}))
     print(json.dumps({"itl_p50_ms_median": {k: percentile(v, 50) for k, v in out.items()},
                       "ratio_to_generate_step_median": {
                           k: round(percentile([a / b for a, b in zip(v, out["generate_step"])], 50), 3)

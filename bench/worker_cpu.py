@@ -11,8 +11,8 @@ token (1 stream) or per step (N streams): which functions cost what, and how muc
 (inside async_eval), which a second thread could use. Beside the sums, the tail of the loop's steps (`WorkerLoop._step`
 wall time: p50, p95, p99, max) and the interpreter's garbage collections in the same period (count and wall time per
 generation, from gc.callbacks): are the slow steps that put a worker's p95 ITL above in-process's the collector's?
-A function that runs on another thread is summed with that thread's times: `Solo._build`, which `--solo ahead` (auto on
-CUDA) runs on its Ahead thread but for a request's first tokens, and `RequestOutput.push` on the text thread.
+A function that runs on another thread is summed with that thread's times: `RequestOutput.push` on the text thread.
+A wrapped name the measured revision lacks is skipped.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ WRAPPED = [
     ("worker.channel", "ZmqChannel", "send"), ("worker.channel", "ZmqChannel", "wait"),
     ("worker.mlx_engine.engine", "Engine", "step"), ("worker.mlx_engine.engine", "Engine", "plan_step"),
     ("worker.mlx_engine.solo", "Solo", "_step"), ("worker.mlx_engine.solo", "Solo", "_feed"),
-    ("worker.mlx_engine.solo", "Solo", "_out"), ("worker.mlx_engine.solo", "Solo", "_take_ahead"),
-    ("worker.mlx_engine.solo", "Solo", "_build"),  # on the Ahead thread (--solo ahead), but for the first tokens
+    ("worker.mlx_engine.solo", "Solo", "_out"),
+    ("worker.mlx_engine.solo", "Solo", "_build"),
     ("worker.request_output", "RequestOutput", "push"),
     ("worker.request_output", "RequestOutput", "take"), ("mlx_lm.generate", "BatchGenerator", "next"),
     ("worker.mlx_engine.engine", "Engine", "_store"), ("worker.mlx_engine.engine", "Engine", "_hand_off"),
@@ -109,7 +109,8 @@ def worker_child(argv: list[str]) -> None:
     for mod, cls, name in WRAPPED:
         m = importlib.import_module(mod)
         owner = getattr(m, cls) if cls else m
-        setattr(owner, name, _timed(getattr(owner, name), f"{cls or mod}.{name}"))
+        if hasattr(owner, name):  # a name this revision lacks is not measured (the list spans revisions)
+            setattr(owner, name, _timed(getattr(owner, name), f"{cls or mod}.{name}"))
     if "protocol.codec" in sys.modules:  # the loop imported encode by name before the wrap: wrap its reference too
         import worker.loop
         worker.loop.encode = sys.modules["protocol.codec"].encode
