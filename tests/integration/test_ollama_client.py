@@ -347,6 +347,7 @@ def test_langchain_chat_ollama_with_tools_and_ollama_embeddings(daemon: Daemon) 
 
 
 def test_litellm_ollama_chat_provider(daemon: Daemon) -> None:
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # read at litellm's import: else it fetches one
     litellm = pytest.importorskip("litellm")
     url = daemon.ollama  # type: ignore[attr-defined]
     r = litellm.completion(model="ollama_chat/tiny", api_base=url, api_key=KEY, messages=HI, max_tokens=4,
