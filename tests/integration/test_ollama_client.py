@@ -146,6 +146,9 @@ def test_chat_whole_and_streamed_say_the_same_with_truthful_counts(client: ollam
     assert all(not p.done for p in parts[:-1]) and parts[-1].done
     assert "".join(p.message.content or "" for p in parts) == whole.message.content and whole.message.content
     assert whole.model == "tiny" and parts[-1].model == "tiny:latest"
+    scored = client.chat("tiny", messages=HI, options=GREEDY, logprobs=True, top_logprobs=2)
+    assert scored.logprobs and len(scored.logprobs) == 8 and all(len(e.top_logprobs or []) == 2 for e in scored.logprobs)
+    assert "".join(e.token for e in scored.logprobs).lstrip() == whole.message.content  # (the parser drops a leading blank)
     for r in (whole, parts[-1]):
         assert r.done_reason == "length" and r.eval_count == 8
         assert r.prompt_eval_count and r.prompt_eval_count > 0

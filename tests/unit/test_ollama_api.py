@@ -180,7 +180,7 @@ def test_sizes_and_expiry() -> None:
     assert int(expires_at(30.0, 600.0, True)[:4]) > 2100
 
 
-def test_a_taken_port_is_said_and_is_no_error() -> None:
+def test_a_taken_port_is_said_and_is_no_error(caplog: pytest.LogCaptureFixture) -> None:
     from supervisor.config import Settings
     from supervisor.daemon import listen
     from supervisor.gateway.ollama_listener import STATUS, open_listener
@@ -190,6 +190,8 @@ def test_a_taken_port_is_said_and_is_no_error() -> None:
         port = held.getsockname()[1]
         assert open_listener(Settings(ollama_listen=f"127.0.0.1:{port}"), 8800, listen) is None
         assert STATUS.state == "taken" and STATUS.address == f"127.0.0.1:{port}" and "in use" in (STATUS.error or "")
+        said = [r.getMessage() for r in caplog.records if r.name == "supervisor.gateway.ollama_listener"]
+        assert len(said) == 1 and f"127.0.0.1:{port} is taken" in said[0] and "ollama_listen" in said[0]
         assert open_listener(Settings(ollama_listen="off"), 8800, listen) is None and STATUS.state == "off"
     finally:
         held.close()
