@@ -119,12 +119,12 @@ def _replayed(request: Request, raw: bytes) -> Request:
 
 
 def ollama_pull(body: dict) -> bool:
-    """Whether an /api/pull body is Ollama's (its clients' fields, a tag, an hf.co name, or a name with no ORG/),
-    not mlxsup's own `{"model": "ORG/NAME[@REVISION]"}`."""
+    """Whether an /api/pull body is Ollama's (its clients' fields, `name` or `insecure`; an hf.co name; a tag), not
+    mlxsup's own `{"model": "ORG/NAME[@REVISION]"}` (the dashboard's and `curl`'s: a bare name is refused in its shape)."""
     name = body.get("model", body.get("name"))
-    if "name" in body or "insecure" in body or not isinstance(name, str):
+    if "name" in body or "insecure" in body:
         return True
-    return name.lower().startswith(om.HF_PREFIXES) or ":" in name or "/" not in name
+    return isinstance(name, str) and (name.lower().startswith(om.HF_PREFIXES) or (":" in name and "@" not in name))
 
 
 class OllamaRoutes:

@@ -162,8 +162,9 @@ def test_ollama_names_map_onto_local_ones(name: str, tried: list[str]) -> None:
 
 def test_which_pull_body_is_ollamas() -> None:
     assert ollama_pull({"model": "hf.co/org/m", "insecure": False, "stream": True})
-    assert ollama_pull({"name": "org/m"}) and ollama_pull({"model": "llama3.2"}) and ollama_pull({"model": "a/b:c"})
+    assert ollama_pull({"name": "org/m"}) and ollama_pull({"model": "llama3.2:1b"}) and ollama_pull({"model": "a/b:c"})
     assert not ollama_pull({"model": "org/m"}) and not ollama_pull({"model": "org/m@v1", "stream": True})
+    assert not ollama_pull({"model": "org/name@main:x"}) and not ollama_pull({"model": "llama3.2", "stream": True})
 
 
 def test_the_listener_address_setting() -> None:
