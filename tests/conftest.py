@@ -169,7 +169,8 @@ def start_daemon(state_dir: Path, *args: str, env: dict | None = None) -> Daemon
     state_dir.mkdir(parents=True, exist_ok=True)
     log = open(state_dir / "daemon.log", "ab")
     isolated = {"HF_HUB_CACHE": str(state_dir / "no-hf-cache"), "XDG_CONFIG_HOME": str(state_dir / "no-config"),
-                "MLXSUP_STRICT_STATES": "1"}  # a worker state move workers.TRANSITIONS forbids raises, not just logs
+                "MLXSUP_STRICT_STATES": "1",  # a worker state move workers.TRANSITIONS forbids raises, not just logs
+                "MLXSUP_OLLAMA_LISTEN": "off"}  # never 127.0.0.1:11434 (issue 51): a test that wants it names a port
     proc = subprocess.Popen([*MLXSUP, "serve", "--port", "0", "--state-dir", str(state_dir), *args],
                             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **isolated, **(env or {})})
     daemon_file = state_dir / "daemon.json"
