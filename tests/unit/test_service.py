@@ -113,7 +113,8 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     home = tmp_path / "my home"
     home.mkdir()
     monkeypatch.setenv("HOME", str(home))
-    for name in ("MLXSUP_CONFIG", "MLXSUP_STATE_DIR", "MLXSUP_API_KEY", "XDG_CONFIG_HOME", "XDG_STATE_HOME"):
+    for name in ("MLXSUP_CONFIG", "MLXSUP_STATE_DIR", "MLXSUP_API_KEY", "XDG_CONFIG_HOME", "XDG_STATE_HOME",
+                 "MLXSUP_OLLAMA_LISTEN"):  # (tests/conftest.py sets it off for the daemons the tests start)
         monkeypatch.delenv(name, raising=False)
     return home
 
