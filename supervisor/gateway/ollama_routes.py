@@ -65,10 +65,12 @@ def error_body(exc: errors.MlxsupError) -> dict:
     return {"error": exc.message}
 
 
-class NDJSONResponse(SSEResponse):
-    """The request path's stream (sse.streamed) as Ollama writes it: one JSON object a line."""
-
-    media_type = "application/x-ndjson"
+def ndjson(lines: AsyncIterator[bytes], on_close: Callable[[], None]) -> SSEResponse:
+    """A stream as Ollama writes it, one JSON object a line: the SSE response of the request path (its disconnect
+    watch and `on_close` exactly once), said as NDJSON."""
+    response = SSEResponse(lines, on_close)
+    response.headers["content-type"] = "application/x-ndjson"
+    return response
 
 
 class NDJSONWriter:
@@ -245,7 +247,7 @@ class OllamaRoutes:
     async def create(self, request: Request) -> Response:
         made = await create(await self._body(request), self.settings, self.blobs, self.name_copy,
                             lambda: self.router.registry.refresh(force=True))
-        return made if isinstance(made, Response) else NDJSONResponse(made, lambda: None)
+        return made if isinstance(made, Response) else ndjson(made, lambda: None)
 
     async def push(self, request: Request) -> Response:
         raise bad("mlxsup does not push models to a registry")
@@ -280,7 +282,7 @@ class OllamaRoutes:
             except Exception as exc:
                 raise failure(p, exc) from None
             return JSONResponse({"status": "success"})
-        return NDJSONResponse(_pull_lines(p, events, done), lambda: None)
+        return ndjson(_pull_lines(p, events, done), lambda: None)
 
     # --- generation ----------------------------------------------------------------------------
 
@@ -330,7 +332,7 @@ class OllamaRoutes:
                 sse.on_close()
                 self.keep.after(spec.id, req.keep_alive)
 
-            return NDJSONResponse(sse.body_iterator, close)
+            return ndjson(sse.body_iterator, close)
         try:
             fin, = await whole(calls, request.receive, [shaper.feed])
         finally:

@@ -140,7 +140,12 @@ def test_list_and_show_say_what_each_model_really_is(client: ollama.Client) -> N
 # --- generation ------------------------------------------------------------------------------------
 
 
-def test_chat_whole_and_streamed_say_the_same_with_truthful_counts(client: ollama.Client) -> None:
+def test_chat_whole_and_streamed_say_the_same_with_truthful_counts(daemon: Daemon, client: ollama.Client) -> None:
+    raw = httpx.post(daemon.url + "/api/chat", headers=AUTH, timeout=60,  # `stream` left out: true, as in Ollama
+                     json={"model": "tiny", "messages": HI, "options": GREEDY})
+    assert raw.headers["content-type"] == "application/x-ndjson"
+    lines = [json.loads(line) for line in raw.text.splitlines()]
+    assert len(lines) > 1 and lines[-1]["done"] is True and not any(line["done"] for line in lines[:-1])
     whole = client.chat("tiny", messages=HI, options=GREEDY, stream=False)
     parts = list(client.chat("tiny:latest", messages=HI, options=GREEDY, stream=True))
     assert all(not p.done for p in parts[:-1]) and parts[-1].done
