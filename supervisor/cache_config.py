@@ -7,7 +7,8 @@
     ssd_dir = "/fast/disk/mlxsup-cache"   # default: <state_dir>/cache
     ssd_cap = "8GiB"             # per model: least recently used blocks go beyond it
     block_tokens = 64
-    kv_bits = 8                  # store cached K/V quantized (4 or 8); absent: as computed
+    kv_bits = 8                  # K/V quantized (4 or 8), the running cache and the cached blocks; absent: full
+    kv_group_size = 64           # its quantization groups along a head's dimension (32, 64 or 128)
     snapshot_every = 4096        # sliding-window / recurrent models: also snapshot every N prompt tokens
 
     [models.assistant]
@@ -35,6 +36,7 @@ class CacheConfig:
     ssd_cap: int | None = None
     block_tokens: int | None = None
     kv_bits: int | None = None  # 0: as computed (the default)
+    kv_group_size: int | None = None
     snapshot_every: int | None = None
 
     def over(self, base: CacheConfig) -> CacheConfig:
@@ -58,14 +60,14 @@ class CacheConfig:
         args = ["--hot-cache-bytes", str(self.hot_budget if self.hot_on else 0),
                 "--cache-block-tokens", str(self.block_tokens), "--cache-snapshot-every", str(self.snapshot_every)]
         if self.kv_bits:
-            args += ["--cache-kv-bits", str(self.kv_bits)]
+            args += ["--cache-kv-bits", str(self.kv_bits), "--cache-kv-group-size", str(self.kv_group_size)]
         if self.ssd_on:
             args += ["--ssd-cache-root", str(self.ssd_root(state_dir)), "--ssd-cache-bytes", str(self.ssd_cap)]
         return args
 
 
 DEFAULTS = CacheConfig(enabled=True, hot_budget=2**30, ssd=True, ssd_dir=None, ssd_cap=8 * 2**30, block_tokens=64,
-                       kv_bits=0, snapshot_every=4096)
+                       kv_bits=0, kv_group_size=64, snapshot_every=4096)
 
 
 def parse_cache(table: object, where: str, base: Path) -> CacheConfig:
@@ -96,6 +98,9 @@ def parse_cache(table: object, where: str, base: Path) -> CacheConfig:
         elif key == "kv_bits":
             if not is_number(value, integer=True) or value not in (0, 4, 8):
                 raise ValueError(f"{name}: must be 4 or 8 (or 0: not quantized)")
+        elif key == "kv_group_size":
+            if not is_number(value, integer=True) or value not in (32, 64, 128):
+                raise ValueError(f"{name}: must be 32, 64 or 128")
         elif key == "snapshot_every":
             if not is_number(value, integer=True) or value < 0:
                 raise ValueError(f"{name}: must be a number of tokens, 0 or more")

@@ -96,7 +96,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cache-block-tokens", type=int, default=64)
     p.add_argument("--cache-close-s", type=float, default=3.0, help="how long closing waits for SSD writes")
     p.add_argument("--cache-kv-bits", type=int, choices=(4, 8), default=None,
-                   help="store cached K/V quantized to this many bits (absent: as computed)")
+                   help="K/V quantized to this many bits: the running cache's attention layers and the cached blocks"
+                        " (worker/mlx_engine/quantized_kv.py; absent: full precision)")
+    p.add_argument("--cache-kv-group-size", type=int, choices=(32, 64, 128), default=64,
+                   help="the K/V quantization's group size along a head's dimension")
     p.add_argument("--cache-snapshot-every", type=int, default=4096,
                    help="with sliding-window or recurrent layers, also snapshot every N prompt tokens (0: end only)")
     p.add_argument("--image-decode-deadline-s", type=float, default=DECODE_DEADLINE_S,
@@ -248,7 +251,7 @@ def serve_model(args: argparse.Namespace, sock: zmq.Socket, shutdown: Shutdown, 
 
         cache = CacheOptions(args.hot_cache_bytes, args.ssd_cache_root, args.ssd_cache_bytes,
                              args.cache_block_tokens, args.cache_close_s, faults, args.cache_kv_bits,
-                             args.cache_snapshot_every)
+                             args.cache_snapshot_every, args.cache_kv_group_size)
         engine: EngineApi
         if model_kind(args.model_path) in (EMBEDDING, RERANK):  # its own engine: a queue, no generation batch
             from worker.mlx_engine.embedder import load_engine

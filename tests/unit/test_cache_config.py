@@ -85,3 +85,15 @@ def test_bad_cache_settings_are_refused_with_the_key(tmp_path: Path, text: str, 
     model(tmp_path, "m")
     with pytest.raises(ConfigError, match=match):
         load(tmp_path, text)
+
+
+def test_kv_group_size_goes_with_kv_bits(tmp_path: Path) -> None:
+    """issue 53: the running cache's quantization groups; passed only where kv_bits quantizes."""
+    model(tmp_path, "a")
+    st = load(tmp_path, '[cache]\nkv_bits = 4\nkv_group_size = 32\n[models.a]\npath = "a"\n')
+    args = st.model_cache(st.models[0]).worker_args(st.state_dir)
+    assert args[args.index("--cache-kv-group-size") + 1] == "32"
+    st = load(tmp_path, '[cache]\nkv_group_size = 128\n[models.a]\npath = "a"\n')
+    assert "--cache-kv-group-size" not in st.model_cache(st.models[0]).worker_args(st.state_dir)
+    with pytest.raises(ValueError, match="kv_group_size"):
+        load(tmp_path, "[cache]\nkv_group_size = 16\n")

@@ -57,6 +57,7 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache
 
 from worker.mlx_engine.draft_pricing import Costs, Pricing
 from worker.mlx_engine.guided import GrammarProcessor
+from worker.mlx_engine.quantized_kv import BatchQuantizedKVCache
 from worker.mlx_engine.speculative import Drafting, Oracle, leading
 
 MAX_DRAFT_BATCH = 8  # past this many rows a step is compute-bound: a verification costs what plain steps do
@@ -115,7 +116,7 @@ def undo(model: Callable[..., object], cache: list, ids: mx.array, keep: list[in
     if min(keep) == fed:
         return 0
     padding = [most - k for k in keep]
-    if marked is None and (not any(padding) or all(type(c) is BatchKVCache for c in cache)):
+    if marked is None and (not any(padding) or all(type(c) in (BatchKVCache, BatchQuantizedKVCache) for c in cache)):
         for c in cache:
             c.trim(fed - most)
             if any(padding):

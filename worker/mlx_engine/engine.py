@@ -60,6 +60,7 @@ from worker.mlx_engine.loading import load_with_progress, time_one_token
 from worker.mlx_engine.output_stage import OutputStage
 from worker.mlx_engine.prompt import Prompts
 from worker.mlx_engine.prompt_cache import CacheOptions, PromptCaches
+from worker.mlx_engine.quantized_kv import quantize_cache
 from worker.mlx_engine.release import release
 from worker.mlx_engine.request import EngineRequest, ImagePart, Requests
 from worker.mlx_engine.request_state import Request
@@ -98,6 +99,9 @@ class Engine:
         t0 = time.perf_counter()
         self.attention_routed = attention_route(attention)  # short prefills unfused on CUDA (mlx_engine/attention.py)
         self.model, self.tokenizer = loader(model_path, report)  # a group's rank: its shard (mlx_engine/group.py)
+        # the running K/V quantized at the caches' kv_bits, before anything makes a cache (quantized_kv.py, issue 53);
+        # its group size, None: full precision
+        self.kv_group = quantize_cache(self.model, cache.kv_bits, cache.kv_group_size) if cache is not None else None
         config = json.loads((model_path / "config.json").read_text())
         text_config = {**config, **(config.get("text_config") or {})}  # Qwen3.5 and other multimodal layouts
         # the config's max_position_embeddings, never past MAX_CONTEXT nor the supervisor's cap (--max-context: what

@@ -12,7 +12,10 @@ longest cached prefix of a new prompt is found by walking its keys until the fir
 A block holds the K/V of its tokens for the layers the model's `CacheLayout` cuts into blocks
 (worker/mlx_engine/layer_state.py), stacked over those layers so that each block owns one
 exact-size buffer per array: keys (layers, kv_heads, block_tokens, k_dim) and values (same
-with v_dim), or their quantized form (`kv_bits`: weights, scales and biases of each). Its
+with v_dim), or their quantized form (`kv_bits`: weights, scales and biases of each). A model whose
+running cache is quantized (quantized_kv.py, issue 53) has its blocks cut from it as they are, rows
+of its (weights, scales, biases), and a hit restores them into a QuantizedKV with no dequantize or
+requantize: a prefix from either tier holds the bits a fresh prefill would. Its
 `nbytes` is the memory it pins, and evicting it frees exactly that. A block of a model with
 snapshot layers (sliding-window, recurrent) may also carry the `Snapshot` of those layers at its
 end: only there can a prefix of such a model be picked up. Blocks are immutable.
@@ -30,6 +33,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from worker.mlx_engine.layer_state import CacheLayout, Snapshot, restore_snapshot
+from worker.mlx_engine.quantized_kv import QuantizedKV
 
 KEY_BYTES = 16
 
@@ -100,7 +104,9 @@ def cut_blocks(cache: list, layout: CacheLayout, tokens: list[int], keys: list[b
     for i in wanted:
         s, e = i * block_tokens, (i + 1) * block_tokens
         kv: dict[str, mx.array] = {}
-        if layers:
+        if layers and isinstance(layers[0], QuantizedKV):
+            kv = _rows(layers, s, e)
+        elif layers:
             k = mx.stack([cast(mx.array, c.keys)[0, :, s:e, :] for c in layers])  # filled: the sequence ran
             v = mx.stack([cast(mx.array, c.values)[0, :, s:e, :] for c in layers])
             if layout.kv_bits:
@@ -115,6 +121,16 @@ def cut_blocks(cache: list, layout: CacheLayout, tokens: list[int], keys: list[b
     return blocks
 
 
+def _rows(layers: list, s: int, e: int) -> dict[str, mx.array]:
+    """Tokens [s, e) of quantized running caches (batch 1), stacked over the layers, as they are."""
+    return {f"{name}.{part}": mx.stack([getattr(c, attr)[j][0, :, s:e, :] for c in layers])
+            for name, attr in (("k", "keys"), ("v", "values")) for j, part in enumerate("qsb")}
+
+
+def _quantized(layout: CacheLayout) -> bool:
+    return bool(layout.block_layers) and layout.classes[layout.block_layers[0]] == QuantizedKV.__name__
+
+
 def tail_key(parent: bytes, tokens: list[int] | tuple[int, ...]) -> bytes:
     """The key of a partial last block: never on a chain of full blocks' keys, found only by its parent."""
     h = hashlib.blake2b(parent + b"partial", digest_size=KEY_BYTES)
@@ -126,10 +142,13 @@ def cut_tail(cache: list, layout: CacheLayout, tokens: list[int], parent: bytes,
     """The partial block after the last full one of a finished sequence (block layers only, unquantized)."""
     s = len(tokens) // block_tokens * block_tokens
     layers = [cast(KVCache, cache[i]) for i in layout.block_layers]
-    k = mx.stack([cast(mx.array, c.keys)[0, :, s:len(tokens), :] for c in layers])
-    v = mx.stack([cast(mx.array, c.values)[0, :, s:len(tokens), :] for c in layers])
-    mx.async_eval(k, v)  # evaluated while the batch goes on, like cut_blocks(wait=False)
-    return Block(tail_key(parent, tokens[s:]), parent, s // block_tokens, tuple(tokens[s:]), {"k": k, "v": v})
+    if isinstance(layers[0], QuantizedKV):
+        kv = _rows(layers, s, len(tokens))
+    else:
+        kv = {"k": mx.stack([cast(mx.array, c.keys)[0, :, s:len(tokens), :] for c in layers]),
+              "v": mx.stack([cast(mx.array, c.values)[0, :, s:len(tokens), :] for c in layers])}
+    mx.async_eval(list(kv.values()))  # evaluated while the batch goes on, like cut_blocks(wait=False)
+    return Block(tail_key(parent, tokens[s:]), parent, s // block_tokens, tuple(tokens[s:]), kv)
 
 
 def _block_kv(block: Block, layout: CacheLayout, block_tokens: int) -> tuple[mx.array, mx.array]:
@@ -147,7 +166,17 @@ def join_blocks(blocks: list[Block], n_tokens: int, layout: CacheLayout, block_t
     the snapshot: the other layers' state comes from it.
     """
     cache: list = [None] * len(layout.classes)
-    if layout.block_layers:
+    if _quantized(layout):
+        assert layout.kv_bits
+        joined = {name: mx.concatenate([b.kv[name] for b in blocks], axis=2) for name in blocks[0].kv}
+        dim = joined["k.q"].shape[-1] * 32 // layout.kv_bits
+        group = dim // joined["k.s"].shape[-1]
+        for j, layer in enumerate(layout.block_layers):
+            q = QuantizedKV(group, layout.kv_bits)
+            q.keys, q.values = (tuple(joined[f"{name}.{part}"][j:j + 1] for part in "qsb") for name in "kv")
+            q.offset = n_tokens  # <= the blocks' length: the rest is overwritten by the next tokens
+            cache[layer] = q
+    elif layout.block_layers:
         parts = [_block_kv(b, layout, block_tokens) for b in blocks]
         # one concatenation over all layers, cut into per-layer views: a copy per block, not per block and layer
         # (a 30k-token prompt of a 20-layer model is 470 blocks: 940 copies, not 18,800 kernels on a GPU)
@@ -164,5 +193,5 @@ def join_blocks(blocks: list[Block], n_tokens: int, layout: CacheLayout, block_t
             raise ValueError("a prefix of a model with snapshot layers must end at a block with a snapshot")
         for layer, c in zip(layout.snapshot_layers, restore_snapshot(snapshot), strict=True):
             cache[layer] = c
-    mx.eval([a for layer in layout.block_layers for a in (cache[layer].keys, cache[layer].values)])
+    mx.eval([cache[layer].state for layer in layout.block_layers])
     return cache

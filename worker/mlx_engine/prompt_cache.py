@@ -24,9 +24,10 @@ branch: the end of its head of system prompt and tools, the parts of its first u
 last one its reply's decoding crosses (the engine's): its reusable prefix is
 the longest cached one that ends at a snapshot, and only blocks up to a snapshot are kept.
 
-`kv_bits` stores the blocks' K/V quantized (affine, as mlx-lm quantizes KV caches) and restores
-them dequantized: mlx-lm's BatchGenerator cannot batch a QuantizedKVCache, so generation itself
-keeps full-precision K/V; the tiers hold more prefixes in the same budget.
+`kv_bits` quantizes the running cache itself (quantized_kv.py, issue 53), and the blocks are its
+quantized rows as they are, restored as they are: one format from the running cache to both tiers. A
+model whose running cache stays full precision (quantized_kv.quantize_cache says why) stores its
+blocks quantized (affine, groups along each head's tokens x dim) and restores them dequantized.
 
 Invariants: every MLX call is on the main thread; the SSD writer only ever sees numpy; a cache
 failure never fails a request (the engine logs it and computes the prompt in full).
@@ -51,6 +52,7 @@ from worker.hot_cache import HotCache
 from worker.mlx_engine.disk_handoff import KV_PREFIX, DiskHandoff
 from worker.mlx_engine.kv_blocks import Block, chain_keys, cut_blocks, cut_tail, join_blocks, parent_of, root_key
 from worker.mlx_engine.layer_state import CacheLayout, Snapshot, from_numpy, take_snapshot
+from worker.mlx_engine.quantized_kv import QuantizedKV
 from worker.shutdown import run_best_effort
 from worker.ssd_cache import SsdCache
 from worker.ssd_format import SNAPSHOT_PREFIX
@@ -68,8 +70,9 @@ class CacheOptions:
     block_tokens: int = 64
     close_s: float = 3.0  # how long close() waits for the SSD writer to finish its queue
     faults: Faults = NO_FAULTS  # testing only (worker/faults.py): the SSD writer's faults
-    kv_bits: int | None = None  # store blocks' K/V quantized to 4 or 8 bits
+    kv_bits: int | None = None  # K/V quantized to 4 or 8 bits: the running cache (quantized_kv.py) and the blocks
     snapshot_every: int = 4096  # tokens; models with snapshot layers also snapshot this often (0: prompt end only)
+    kv_group_size: int = 64  # the running cache's quantization groups along a head's dimension
 
 
 class PromptCaches:
@@ -240,7 +243,9 @@ class PromptCaches:
                 self._store_tail(tokens, cache, keys)
             return
         block_bytes = 0
-        if first is not None:
+        if isinstance(first, QuantizedKV):  # its blocks are its rows as they are
+            block_bytes = first.nbytes // first.keys[0].shape[2] * self.block * len(layout.block_layers)
+        elif first is not None:
             block_bytes = (first.keys.nbytes + first.values.nbytes) // first.keys.shape[2] * self.block
             block_bytes = block_bytes * len(layout.block_layers) // (32 // layout.kv_bits if layout.kv_bits else 1)
         hot_n = min(len(keys), self.hot.room_for(block_bytes)) if block_bytes else len(keys) * self.hot.enabled
