@@ -236,4 +236,5 @@ def build_app(router: Router, settings: Settings) -> ASGIApp:
         app = RequireApiKey(app, settings.api_key)
     # outermost: a request from a foreign Host or Origin is refused before anything else looks at it
     return WebGuard(app, hosts=[settings.host, *settings.allowed_hosts], origins=settings.allowed_origins,
-                    untyped=[*OLLAMA_PATHS, OLLAMA_BLOBS])  # Ollama's clients send bodies with no Content-Type
+                    untyped=[*OLLAMA_PATHS, OLLAMA_BLOBS],  # Ollama's clients send bodies with no Content-Type
+                    error_body=lambda path, exc: ollama_error_body(exc) if path in OLLAMA_PATHS else exc.body())

@@ -29,7 +29,7 @@ read, so nothing it asked for happens.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.responses import JSONResponse, Response
@@ -49,8 +49,10 @@ class WebGuard:
     """ASGI middleware applying the rules above to every HTTP and WebSocket request."""
 
     def __init__(self, app: ASGIApp, hosts: Iterable[str] = (), origins: Iterable[str] = (),
-                 untyped: Iterable[str] = ()) -> None:
+                 untyped: Iterable[str] = (),
+                 error_body: Callable[[str, errors.MlxsupError], dict] = lambda path, exc: exc.body()) -> None:
         self.app = app
+        self.error_body = error_body  # a refusal's body, by path (Ollama's paths answer in Ollama's shape)
         self.untyped = frozenset(p for p in untyped if not p.endswith("/"))
         self.untyped_under = tuple(p for p in untyped if p.endswith("/"))  # a path ending in "/": every path under it
         self.host_names = {h for h in map(host_name, hosts) if h is not None}
@@ -116,7 +118,7 @@ class WebGuard:
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008, "reason": exc.code})
             return
-        await JSONResponse(exc.body(), status_code=exc.status)(scope, receive, send)
+        await JSONResponse(self.error_body(scope["path"], exc), status_code=exc.status)(scope, receive, send)
 
 
 def _check_body_type(method: str, headers: Headers) -> None:

@@ -116,7 +116,10 @@ def test_the_ollama_listener_answers_as_ollama_does_behind_the_same_guards(daemo
     with pytest.raises(ollama.ResponseError) as no_key:
         ollama.Client(host=url).list()
     assert no_key.value.status_code == 401 and "API key" in no_key.value.error
-    assert httpx.get(url + "/api/tags", headers={**AUTH, "host": "evil.example"}).status_code == 403
+    foreign = httpx.get(url + "/api/tags", headers={**AUTH, "host": "evil.example"})
+    assert foreign.status_code == 403 and "Host" in foreign.json()["error"]  # Ollama's shape: a string
+    page = httpx.post(url + "/api/chat", headers={**AUTH, "origin": "http://evil.example"}, json={"model": "tiny"})
+    assert page.status_code == 403 and "origin" in page.json()["error"]
     # the OpenAI routes are there too, as Ollama serves them
     models = httpx.get(url + "/v1/models", headers=AUTH).json()["data"]
     assert {"tiny", "qwen3", "embedder"} <= {m["id"] for m in models}
