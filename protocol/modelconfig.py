@@ -61,6 +61,17 @@ class ConfigError(ValueError):
 class MemoryEstimate:
     kv_bytes_per_token: int = 0  # every attention layer's K and V of one token
     runtime_bytes: int = 0  # a first request's KV (ESTIMATE_TOKENS) and one prefill chunk's logits
+    kv_dtype_bytes: int = 2  # the width of a K/V element (and of a quantized group's scale and bias)
+
+
+def kv_bytes_at(kv_bytes_per_token: int, dtype_bytes: int, bits: int | None, group_size: int = 64) -> int:
+    """A token's K/V bytes in the running cache at `bits` (issue 53; None or 0: full precision): each element at
+    `bits`, and each group of `group_size` elements a scale and a bias of the model's dtype (mlx-lm's
+    QuantizedKVCache, worker/mlx_engine/quantized_kv.py)."""
+    if not bits or kv_bytes_per_token <= 0:
+        return kv_bytes_per_token
+    elements = kv_bytes_per_token // dtype_bytes
+    return elements * bits // 8 + elements // group_size * 2 * dtype_bytes
 
 
 def read_config(path: Path) -> dict:
@@ -260,7 +271,7 @@ def memory_estimate(config: dict) -> MemoryEstimate:
     per_token = min(layers, _LAYERS) * 2 * kv_heads * min(head_dim, LIMITS["head_dim"][1]) * width
     tokens = min(ESTIMATE_TOKENS, context_length(config))
     logits = min(_int(tc, "vocab_size"), LIMITS["vocab_size"][1]) * tokens * width
-    return MemoryEstimate(per_token, per_token * tokens + logits)
+    return MemoryEstimate(per_token, per_token * tokens + logits, width)
 
 
 def model_estimate(path: Path) -> MemoryEstimate:

@@ -26,6 +26,7 @@ import logging
 import signal
 
 from protocol.messages import EXIT_LOAD_FAILED, Evict, Load, Message, Ready, Standby
+from protocol.modelconfig import kv_bytes_at
 from supervisor import errors, policy
 from supervisor.config import Settings
 from supervisor.core_api import LifecycleEvents, NoEvents
@@ -176,10 +177,13 @@ class Lifecycle:
 
     def context_cap(self, spec: ModelSpec) -> int | None:
         """The context a new worker of `spec` may publish for this machine's memory (policy.context_cap); a group's
-        is not capped here (its KV is spread over its ranks' machines)."""
+        is not capped here (its KV is spread over its ranks' machines). Its K/V counted at the model's `[cache]
+        kv_bits`, which quantizes the running cache (issue 53): 8 bits fit about twice the tokens of 16."""
         if spec.group is not None:
             return None
-        return policy.context_cap(spec.kv_bytes_per_token, self.estimate(spec), self.ceiling)
+        cache = self.settings.model_cache(spec)
+        per_token = kv_bytes_at(spec.kv_bytes_per_token, spec.kv_dtype_bytes, cache.kv_bits, cache.kv_group_size or 64)
+        return policy.context_cap(per_token, self.estimate(spec), self.ceiling)
 
     def _local_pids(self, worker: Worker) -> list[int]:
         """The worker's processes on this machine: its own, or a group's local ranks (remote ones count elsewhere)."""

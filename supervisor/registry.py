@@ -59,6 +59,7 @@ class ModelSpec:
     # counts runtime_bytes (a first request's KV and logits); the KV a token costs caps its published context
     runtime_bytes: int = 0
     kv_bytes_per_token: int = 0
+    kv_dtype_bytes: int = 2  # its K/V's element width: the cap at [cache] kv_bits counts quantized K/V from it
     sampling: Sampling = Sampling()  # `[models.ID]` sampling defaults (supervisor/sampling.py)
 
     @cached_property
@@ -102,7 +103,7 @@ def _spec(model_id: str, path: Path) -> ModelSpec:
     kind = model_kind(path)
     facts = memory_facts(path, kind)
     return ModelSpec(model_id, path, weights_bytes=weights_bytes(path), kind=kind, runtime_bytes=facts.runtime_bytes,
-                     kv_bytes_per_token=facts.kv_bytes_per_token)
+                     kv_bytes_per_token=facts.kv_bytes_per_token, kv_dtype_bytes=facts.kv_dtype_bytes)
 
 
 def discover(model_dir: Path) -> list[ModelSpec]:
@@ -172,7 +173,8 @@ def from_config(models: dict, base: Path) -> list[ModelSpec]:
         facts = memory_facts(path, kind)
         specs.append(ModelSpec(model_id, path, tuple(aliases), (*drafting, *args), weights_bytes(path) + draft_bytes,
                                None if ttl is None else float(ttl), pinned, cache, group, kind,
-                               runtime_bytes=facts.runtime_bytes, kv_bytes_per_token=facts.kv_bytes_per_token))
+                               runtime_bytes=facts.runtime_bytes, kv_bytes_per_token=facts.kv_bytes_per_token,
+                               kv_dtype_bytes=facts.kv_dtype_bytes))
     return [replace(spec, sampling=check_sampling(models[spec.id], f"models.{spec.id}")) for spec in specs]
 
 

@@ -181,3 +181,25 @@ async def test_the_spare_says_standby_and_a_stranger_is_not_the_spare(tmp_path: 
     assert isinstance(fake_spare, FakeProcess)
     fake_spare.exit(0)
     await asyncio.wait_for(shutting, 1)
+
+
+def test_the_context_cap_counts_the_kv_at_the_model_s_kv_bits(tmp_path: Path) -> None:
+    """issue 53: a ceiling that leaves room for N tokens of 16-bit K/V leaves ~1.9N at 8 bits and ~3.6N at 4
+    (each element at its bits, each group of 64 a 16-bit scale and bias), each within a block of the count."""
+    from protocol.modelconfig import kv_bytes_at
+    from supervisor.cache_config import CacheConfig
+
+    n, per_token = 8192, 2 * 2 * 4 * 64 * 2  # 2 layers, K and V, 4 kv heads of 64, float16
+    caps = {}
+    for bits in (0, 8, 4):
+        spec = ModelSpec("m", tmp_path, weights_bytes=100 * MIB, kv_bytes_per_token=per_token, kv_dtype_bytes=2,
+                         cache=CacheConfig(kv_bits=bits))
+        settings = Settings(state_dir=tmp_path, spare_workers=0, memory_ceiling_bytes=100 * MIB + n * per_token,
+                            worker_overhead_bytes=0)
+        lifecycle = Lifecycle(Registry({"m": spec}), settings, transport=FakeTransport(), spawn=lambda *a: None,
+                              memory=FakeMemory(), clock=FakeClock(), metrics=Metrics())
+        caps[bits] = lifecycle.context_cap(spec)
+    assert caps[0] == n
+    assert kv_bytes_at(per_token, 2, 8) == 1024 + 64 and kv_bytes_at(per_token, 2, 4) == 512 + 64
+    assert abs(caps[8] - n * per_token / 1088) < 64 and caps[8] > 1.8 * n
+    assert abs(caps[4] - n * per_token / 576) < 64 and caps[4] > 3.5 * n
