@@ -64,6 +64,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory, hub: StandInHub) -> Iterato
 
     make_model(models / "tiny")
     make(models / "embedder", "tiny", arch="qwen3-embedding")
+    make(models / "oss", "tiny", arch="gpt_oss")  # harmony: think takes a level
     try:
         make(models / "vl", "tiny", arch="qwen3_vl")
     except ImportError:  # no vision extra: the vision test skips
@@ -204,6 +205,10 @@ def test_think_gives_the_thinking_apart_and_a_model_that_cannot_think_refuses(cl
     with pytest.raises(ollama.ResponseError) as refused:
         client.chat("tiny", messages=HI, think=True)
     assert refused.value.status_code == 400 and "does not support thinking" in refused.value.error
+    assert "thinking" in (client.show("oss").capabilities or [])
+    for level in ("low", "high"):  # gpt-oss's levels: its template's reasoning_effort
+        r = client.chat("oss", messages=HI, think=level, options={"num_predict": 6, "temperature": 0})
+        assert r.done and r.eval_count == 6
 
 
 def test_a_schema_format_is_held_by_the_grammar_on_random_weights(client: ollama.Client) -> None:
