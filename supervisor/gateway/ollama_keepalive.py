@@ -4,8 +4,9 @@ evict, or memory pressure, unloads it), a duration sets its idle TTL. The TTL is
 of the model, which the lifecycle's housekeeping and `mlxsup status` read, so a request's keep_alive shows in
 /api/ps's expires_at and in `mlxsup status` at once. Unset, the model keeps the TTL it has.
 
-A duration a request set stays the model's until another request sets one (the daemon's life long; a restart
-forgets it), as Ollama keeps the last request's keep_alive for a loaded model.
+A keep_alive holds for the worker that served its request, as Ollama's holds for the model while it stays loaded:
+once that worker is gone (evicted, crashed), the model's next load has its own TTL again until a request says
+otherwise.
 """
 
 from __future__ import annotations
@@ -25,13 +26,20 @@ log = logging.getLogger(__name__)
 class KeepAlive:
     def __init__(self, router: Router, settings: Settings) -> None:
         self.router = router
-        self.ttls: dict[str, float | None] = {}  # model id -> its TTL as the last keep_alive set it (None: never)
+        # model id -> (the worker's pid, its TTL as the last keep_alive set it: None, never)
+        self.ttls: dict[str, tuple[int | None, float | None]] = {}
         self._tasks: set[asyncio.Task] = set()
         base: Callable[[ModelSpec], float | None] = settings.model_ttl
-        ttls = self.ttls
 
         def model_ttl(spec: ModelSpec) -> float | None:
-            return ttls[spec.id] if spec.id in ttls else base(spec)
+            kept = self.ttls.get(spec.id)
+            if kept is None:
+                return base(spec)
+            worker = router.workers.get(spec.id)
+            if worker is None or worker.pid != kept[0]:  # that worker is gone: the model's own TTL again
+                del self.ttls[spec.id]
+                return base(spec)
+            return kept[1]
 
         # the one place the server's TTL rule is read (lifecycle, status): a keep_alive goes there, for this model only
         settings.model_ttl = model_ttl  # type: ignore[method-assign]
@@ -45,7 +53,9 @@ class KeepAlive:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
             return
-        self.ttls[model_id] = None if seconds < 0 else seconds
+        worker = self.router.workers.get(model_id)
+        if worker is not None:
+            self.ttls[model_id] = (worker.pid, None if seconds < 0 else seconds)
 
     async def _unload(self, model_id: str) -> None:
         try:

@@ -38,6 +38,7 @@ SCRIPT = [{"match": "OLLAMA-WEATHER-RESULT", "reply": "It is sunny in Paris."},
           {"match": "OLLAMA-WEATHER", "reply": CALL},
           {"match": "OLLAMA-THINK", "reply": "<think>\nI ponder.\n</think>\n\nThe answer."}]
 GREEDY = {"temperature": 0, "num_predict": 8}
+TTL = 3600  # the daemon's default idle TTL, which a keep_alive overrides for the worker it was said to
 HI = [{"role": "user", "content": "Tell me a story"}]
 
 
@@ -76,7 +77,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory, hub: StandInHub) -> Iterato
     state = tmp_path_factory.mktemp("ollama-state")
     port = free_port()
     config = state / "config.toml"
-    config.write_text(f'[server]\napi_key = "{KEY}"\nollama_listen = "127.0.0.1:{port}"\n\n'
+    config.write_text(f'[server]\napi_key = "{KEY}"\nollama_listen = "127.0.0.1:{port}"\ndefault_ttl_s = {TTL}\n\n'
                       f'[models.qwen3]\npath = "{qwen3}"\nworker_args = ["--script", "{script}"]\n')
     env = {"HF_ENDPOINT": hub.url, "HF_HUB_CACHE": str(root / "hub"), "HF_HUB_OFFLINE": "0",
            "HF_HUB_DISABLE_TELEMETRY": "1", "MLXSUP_OLLAMA_LISTEN": f"127.0.0.1:{port}"}
@@ -291,6 +292,7 @@ def test_keep_alive_zero_unloads_negative_keeps_and_a_duration_is_the_ttl(daemon
     assert "tiny:latest" not in loaded(client) and status(daemon, "tiny")["last_eviction"]["reason"] == "keep_alive"
     assert_gone([pid])
     assert client.generate("tiny", "").done_reason == "load" and "tiny:latest" in loaded(client)  # an empty prompt
+    assert status(daemon, "tiny")["ttl_s"] == TTL  # a new worker: the model's own TTL again, until a keep_alive
     assert client.generate("tiny", "", keep_alive=0).done_reason == "unload"  # answered once it is gone
     assert "tiny:latest" not in loaded(client) and status(daemon, "tiny")["state"] == "stopped"
 
