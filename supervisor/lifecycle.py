@@ -113,7 +113,7 @@ class Lifecycle:
             return
         self._watch_liveness(self.clock.monotonic())
         views = self.views()
-        ttls = {w.spec.id: s.model_ttl(w.spec) for w in self.workers.values()}
+        ttls = {w.spec.id: self.ttl(w) for w in self.workers.values()}
         for model_id in policy.ttl_expired(views, ttls, self.clock.monotonic()):
             self.begin_evict(self.workers[model_id], "drain", None, "ttl")
         victim = policy.pressure_victim(self.views(), level)
@@ -211,8 +211,18 @@ class Lifecycle:
             return max(measured or 0, self.estimate(worker.spec))
         return measured if measured is not None else self.estimate(worker.spec)
 
+    def ttl(self, worker: Worker) -> float | None:
+        """The worker's idle TTL: its keep_alive's, else its model's (None: never)."""
+        if worker.keep_alive is not None:
+            return None if worker.keep_alive < 0 else worker.keep_alive
+        return self.settings.model_ttl(worker.spec)
+
+    def pinned(self, worker: Worker) -> bool:
+        """Pinned: only an explicit evict removes it (its model's `pinned`, or a negative keep_alive)."""
+        return worker.spec.pinned or (worker.keep_alive is not None and worker.keep_alive < 0)
+
     def views(self) -> list[policy.WorkerView]:
-        return [policy.WorkerView(w.spec.id, w.state.value, self._bytes(w), w.leases > 0, w.spec.pinned, w.last_used)
+        return [policy.WorkerView(w.spec.id, w.state.value, self._bytes(w), w.leases > 0, self.pinned(w), w.last_used)
                 for w in self.workers.values()]
 
     # --- starting workers --------------------------------------------------------------

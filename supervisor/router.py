@@ -316,6 +316,14 @@ class Router(Generic[MetricsT]):
         worker.last_used = self.clock.monotonic()
         self.lifecycle.changes.fire()  # a place on it is free, or it idles: a queued request may go on
 
+    def keep_alive(self, model_id: str, seconds: float) -> bool:
+        """An API's keep_alive for the model's current worker (workers.Worker.keep_alive); False: none runs."""
+        worker = self.lifecycle.workers.get(model_id)
+        if worker is None or worker.state not in (State.LOADING, State.READY):
+            return False
+        worker.keep_alive = seconds
+        return True
+
     def loading(self, name: str) -> Worker | None:
         """The model's worker while it loads (for progress), else None."""
         worker = self.lifecycle.workers.get(self.registry.resolve(name).id)
@@ -505,9 +513,10 @@ class Router(Generic[MetricsT]):
         worker = lifecycle.workers.get(model_id)
         record = lifecycle.slots.get(model_id) or ModelSlot()
         spec = self.registry.specs[model_id]
-        ttl = self.settings.model_ttl(spec)
+        ttl = lifecycle.ttl(worker) if worker is not None else self.settings.model_ttl(spec)
+        pinned = lifecycle.pinned(worker) if worker is not None else spec.pinned
         now = self.clock.monotonic()
-        status = ModelStatus(id=model_id, state=State.STOPPED.value, kind=spec.kind, ttl_s=ttl, pinned=spec.pinned,
+        status = ModelStatus(id=model_id, state=State.STOPPED.value, kind=spec.kind, ttl_s=ttl, pinned=pinned,
                              weights_bytes=spec.weights_bytes,
                              restarts=max(0, record.starts - 1), crashes=record.crashes, last_error=record.last_error,
                              stderr_tail=tuple(record.last_stderr), last_eviction=record.last_eviction,
@@ -525,7 +534,7 @@ class Router(Generic[MetricsT]):
             status, state=worker.state.value, pid=worker.pid,
             memory_bytes=lifecycle.measured(worker), ranks=lifecycle.ranks(worker),
             in_flight=len(worker.streams), leases=worker.leases, idle_s=round(idle, 1),
-            ttl_remaining_s=round(max(0.0, ttl - idle), 1) if ttl and not spec.pinned else None,
+            ttl_remaining_s=round(max(0.0, ttl - idle), 1) if ttl and not pinned else None,
             queued=hb.waiting if hb else 0, worker_active=hb.active if hb else 0, batch_size=hb.batch_size if hb else 0,
             peak_batch_size=hb.max_batch_size if hb else 0, generated_tokens=hb.generated_tokens if hb else 0,
             context_length=worker.info.context_length if worker.info else None,

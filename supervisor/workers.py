@@ -114,6 +114,9 @@ class Worker:
     pulse: Pulse | None = None  # its watchdog's last word: a long loop turn, computing (worker/watchdog.py)
     killing: asyncio.Task | None = None  # the hang kill: stacks dumped, then SIGKILL
     progress: Progress = field(default_factory=lambda: Progress("starting", 0.0))
+    # an API's keep_alive for this worker (Ollama's): its idle TTL in seconds, < 0 kept loaded as if pinned until an
+    # explicit evict; None: the model's own (Lifecycle.ttl, Lifecycle.pinned). It ends with the worker.
+    keep_alive: float | None = None
     drafted: int = 0  # speculative decoding over its life: tokens drafted, and kept (its Finished messages)
     accepted: int = 0
     progressed: asyncio.Event = field(default_factory=asyncio.Event)  # replaced after each set

@@ -136,7 +136,7 @@ class OllamaRoutes:
         self.settings = settings
         self.dashboard = dashboard
         self.pulls = pulls
-        self.keep = KeepAlive(router, settings)
+        self.keep = KeepAlive(router)
         self.copies: dict[str, str] = {}  # names /api/copy gave -> model id
         self.blobs = Blobs(settings)  # /api/create's uploads
 

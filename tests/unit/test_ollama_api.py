@@ -241,37 +241,29 @@ def test_mlxsup_status_says_where_ollamas_api_is() -> None:
     assert ollama_line({}) is None  # an older daemon's status
 
 
-def test_keep_alive_sets_the_ttl_of_the_worker_it_was_said_to_and_zero_evicts() -> None:
+def test_keep_alive_is_said_to_the_router_and_zero_evicts() -> None:
     import asyncio
-    from pathlib import Path
     from types import SimpleNamespace
 
-    from supervisor.config import Settings
     from supervisor.gateway.ollama_keepalive import KeepAlive
-    from supervisor.registry import ModelSpec
 
     evicted: list[tuple] = []
+    kept: list[tuple] = []
 
     async def evict(*args: object, **kw: object) -> SimpleNamespace:
         evicted.append((*args, kw))
         return SimpleNamespace(to_dict=dict)
 
-    router = SimpleNamespace(workers={"m": SimpleNamespace(pid=1)}, evict=evict)
-    settings = Settings(default_ttl_s=100.0)
-    keep = KeepAlive(router, settings)  # type: ignore[arg-type]
-    spec, other = ModelSpec("m", Path("/m")), ModelSpec("o", Path("/o"))
+    router = SimpleNamespace(evict=evict, keep_alive=lambda *args: kept.append(args))
+    keep = KeepAlive(router)  # type: ignore[arg-type]
     keep.after("m", None)
-    assert settings.model_ttl(spec) == 100.0
     keep.after("m", 600.0)
-    assert settings.model_ttl(spec) == 600.0 and settings.model_ttl(other) == 100.0
     keep.after("m", -1.0)
-    assert settings.model_ttl(spec) is None
-    router.workers["m"] = SimpleNamespace(pid=2)  # a new worker: the model's own TTL again
-    assert settings.model_ttl(spec) == 100.0
+    assert kept == [("m", 600.0), ("m", -1.0)] and not evicted
 
     async def unload() -> None:
         keep.after("m", 0)
         await asyncio.sleep(0)
 
     asyncio.run(unload())
-    assert evicted == [("m", "drain", None, {"reason": "keep_alive"})]
+    assert evicted == [("m", "drain", None, {"reason": "keep_alive"})] and len(kept) == 2

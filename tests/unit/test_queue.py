@@ -163,3 +163,27 @@ async def test_a_model_that_can_never_fit_beside_pinned_ones_is_still_refused_at
     with pytest.raises(errors.InsufficientMemory, match="pinned"):
         await now(w.router.acquire("n"))
     assert w.router.model_status("n").waiting == 0
+
+
+@scenario
+async def test_a_keep_alive_is_the_workers_ttl_or_pin_and_ends_with_it(tmp_path: Path) -> None:
+    """Catches: an API's keep_alive ignored by the housekeeping (the model's own TTL evicts it), a negative one that
+    memory pressure or admission may still take, or one that outlives the worker it was said to."""
+    w = World(tmp_path, default_ttl_s=100.0, housekeeping_s=1.0)
+    (await w.load("m")).release()
+    assert w.router.keep_alive("m", 600.0) and w.router.model_status("m").ttl_s == 600.0
+    w.clock.advance(200)  # past the model's own TTL, not its keep_alive
+    await settle()
+    assert w.worker("m").state is State.READY
+    assert w.router.keep_alive("m", -1.0)
+    status = w.router.model_status("m")
+    assert status.pinned and status.ttl_s is None and status.ttl_remaining_s is None
+    assert [v.pinned for v in w.router.lifecycle.views()] == [True]
+    gone = w.worker("m")
+    evicting = asyncio.ensure_future(w.router.evict("m", "now"))
+    await settle()
+    fake(gone).exit(0)
+    await now(evicting)
+    (await w.load("m")).release()
+    assert w.router.model_status("m").ttl_s == 100.0 and not w.router.model_status("m").pinned  # the next worker
+    assert not w.router.keep_alive("n", 5.0)  # no worker: nothing to say it to
