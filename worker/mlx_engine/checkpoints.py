@@ -23,6 +23,8 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from worker.mlx_engine.quantized_kv import BatchQuantizedKVCache, QuantizedKV
+
 
 def row_view(gen: BatchGenerator, uid: int, block_layers: tuple[int, ...] | list[int]) -> tuple[list, list[int]] | None:
     """(cache, tokens) of the row `uid` of the generator's prompt or generation batch: its block layers as views of
@@ -43,6 +45,12 @@ def row_view(gen: BatchGenerator, uid: int, block_layers: tuple[int, ...] | list
         end = c._idx
         if end - pad != len(tokens):
             return None  # padding or tokens not as the generator's own extract would read them
+        if isinstance(c, BatchQuantizedKVCache):  # the running cache quantized (issue 53): views of each part
+            q = QuantizedKV(c.group_size, c.bits)
+            q.keys, q.values = (tuple(x[idx:idx + 1, :, pad:end] for x in t) for t in (c.keys, c.values))
+            q.offset = end - pad
+            view[i] = q
+            continue
         kv = KVCache()
         kv.keys, kv.values = c.keys[idx:idx + 1, :, pad:end], c.values[idx:idx + 1, :, pad:end]
         kv.offset = end - pad

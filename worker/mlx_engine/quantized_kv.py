@@ -215,7 +215,11 @@ def quantize_cache(model: nn.Module, bits: int | None, group_size: int = 64) -> 
     dims = {d for c in probe if type(c) is KVCache and c.keys is not None and c.values is not None
             for d in (c.keys.shape[-1], c.values.shape[-1])}
     groups = {group_for(d, group_size) for d in dims}
-    if not dims or None in groups:
+    if not dims:
+        log.warning("[kv] running cache kept at full precision: no plain KVCache layer (%s)",
+                    ", ".join(sorted({type(c).__name__ for c in probe})))
+        return None
+    if None in groups:
         log.warning("[kv] running cache kept at full precision: head dims %s take no group of %d", sorted(dims),
                     group_size)
         return None
@@ -226,8 +230,9 @@ def quantize_cache(model: nn.Module, bits: int | None, group_size: int = 64) -> 
 
     try:
         mx.eval(model(mx.array([[0, 0]]), cache=make_cache()))
-    except ValueError as e:  # attention sinks (gpt-oss): mlx-lm's quantized attention refuses them
-        log.warning("[kv] running cache kept at full precision: %s", e)
+    except Exception as e:  # attention sinks (gpt-oss: mlx-lm's quantized attention refuses them), or
+        # attention that reads the cache's K/V as arrays (another library's model classes): full precision, said so
+        log.warning("[kv] running cache kept at full precision: %s: %s", type(e).__name__, e)
         return None
     model.make_cache = make_cache
     return group
