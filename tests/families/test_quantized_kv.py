@@ -121,3 +121,14 @@ def test_attention_sinks_keep_the_running_cache_full_precision(models: Path) -> 
     assert e.kv_group is None and QuantizedKV.__name__ not in {type(c).__name__ for c in e.model.make_cache()}
     got, _ = run(e, greedy(n=10))
     assert len(got) == 10
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_5"])
+def test_a_quantized_solo_decodes_in_the_compiled_graph(models: Path, name: str) -> None:
+    """decode_graph.py holds QuantizedKV layers as (weights, scales, biases) buffers: the solo's steps replay the
+    graph (the parity above is then compiled solo against the uncompiled batch)."""
+    e = engine(models / name, 8)
+    got, _ = run(e, greedy(n=6), until=3)
+    solo = e._solo
+    assert len(got) >= 3 and solo is not None and solo._state is not None
+    assert isinstance(solo._state.keys[0], tuple) and len(solo._state.keys[0]) == 3

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("mlx_vlm")
 
-from tests.integration.test_vision import ask, picture, run  # noqa: E402
+from tests.integration.test_vision import ask, picture, run
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,9 @@ over the buffer), and rejected drafts are undone by moving the fill back (`rollb
 it, masked, until overwritten; so a solo that drafts keeps its cache in the graph (one trace per n and capacity).
 
 Models whose caches are all KVCache and ArraysCache (Llama, Qwen3 dense and MoE, the Qwen3.5
-hybrids) use it; the rest (sliding windows, quantized caches) decode uncompiled. The graph is
+hybrids) use it, and so do their running caches quantized (QuantizedKV, `kv_bits`, issue 53: each of
+keys and values a (weights, scales, biases) buffer, a token quantized as it is written at the fill, read
+by mlx-lm's quantized attention under the same mask); the rest (sliding windows) decode uncompiled. The graph is
 traced once per capacity per worker (the first token past a capacity pays it; the first capacity is
 traced by the engine's idle warm-up, after Ready). Capacities step by 64 positions up to 1024 and by 1/8 to
 1/16 of the fill beyond: attention reads at most that many masked positions (a 512-position step
@@ -45,6 +47,10 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
+
+from worker.mlx_engine.quantized_kv import QuantizedKV
+
+KV = (KVCache, QuantizedKV)  # the attention layers the graph holds in fixed buffers
 
 MIN_STEP = 64  # the fewest K/V positions a buffer grows by
 
@@ -84,19 +90,51 @@ class _Slots:
         return self.keys, self.values
 
 
+class _QSlots:
+    """A QuantizedKV stand-in: keys and values each a (weights, scales, biases) buffer; `bits` sends attention
+    through mlx-lm's quantized path."""
+
+    __slots__ = ("keys", "values", "offset", "group_size", "bits")
+
+    def __init__(self, keys: Any, values: Any, offset: mx.array, group_size: int, bits: int) -> None:
+        self.keys, self.values, self.offset = keys, values, offset
+        self.group_size, self.bits = group_size, bits
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
+        return mx.arange(self.keys[0].shape[2])[None] <= (self.offset + mx.arange(n))[:, None]
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
+        qk = mx.quantize(keys, group_size=self.group_size, bits=self.bits)
+        qv = mx.quantize(values, group_size=self.group_size, bits=self.bits)
+        self.keys = tuple(mx.slice_update(b, x, self.offset, axes=(2,)) for b, x in zip(self.keys, qk, strict=True))
+        self.values = tuple(mx.slice_update(b, x, self.offset, axes=(2,)) for b, x in zip(self.values, qv, strict=True))
+        return self.keys, self.values
+
+
 @dataclass(slots=True)
 class DecodeState:
     n: int  # the fill (tokens in the cache)
     off: mx.array  # the same, as an int32 array of shape (1,)
-    keys: list[mx.array]  # per attention layer, capacity >= n
-    values: list[mx.array]
+    keys: list[Any]  # per attention layer, capacity >= n (a quantized layer's: its three buffers)
+    values: list[Any]
     arrays: list[list[mx.array]]  # per recurrent layer, its state
 
 
-def _grown(a: mx.array, capacity: int) -> mx.array:
-    """`a` with zero rows added up to `capacity` positions."""
+def _grown(a: Any, capacity: int) -> Any:
+    """`a` with zero rows added up to `capacity` positions (each part of a quantized buffer)."""
+    if isinstance(a, tuple):
+        return tuple(_grown(x, capacity) for x in a)
     rows = mx.zeros((*a.shape[:2], capacity - a.shape[2], a.shape[3]), a.dtype)
     return mx.concatenate([a, rows], axis=2)
+
+
+def _upto(a: Any, n: int) -> Any:
+    """The first n positions of a buffer (each part of a quantized one)."""
+    return tuple(x[..., :n, :] for x in a) if isinstance(a, tuple) else a[..., :n, :]
+
+
+def _positions(a: Any) -> int:
+    return (a[0] if isinstance(a, tuple) else a).shape[2]
 
 
 class DecodeGraph:
@@ -106,7 +144,8 @@ class DecodeGraph:
         self.model = model
         self._step = mx.compile(self._forward)
         # each layer's cache kind, as make_prompt_cache builds them: the graph's layout (used where they `fit`)
-        self._kinds = tuple("kv" if type(c) is KVCache else "arrays" for c in make_prompt_cache(model))
+        self._kinds = tuple((c.group_size, c.bits) if type(c) is QuantizedKV else "kv" if type(c) is KVCache
+                            else "arrays" for c in make_prompt_cache(model))
         self.warm_s: float | None = None  # how long warm() took, once it ran
 
     def warm(self) -> bool:
@@ -125,18 +164,18 @@ class DecodeGraph:
     def fits(cache: list) -> bool:
         """Whether decoding with `cache` (a solo's, prefilled) can run compiled."""
         kinds = [type(c) for c in cache]
-        return (KVCache in kinds and all(k in (KVCache, ArraysCache) for k in kinds)
-                and all(c.keys is not None for c in cache if type(c) is KVCache)
+        return (any(k in KV for k in kinds) and all(k in (*KV, ArraysCache) for k in kinds)
+                and all(c.keys is not None for c in cache if type(c) in KV)
                 and all(a is not None for c in cache if type(c) is ArraysCache for a in c.cache))
 
     def start(self, cache: list) -> DecodeState:
         """The graph's state for a prefilled cache (which `fits`)."""
-        kv: list[Any] = [c for c in cache if type(c) is KVCache]  # filled (fits): keys and values are arrays
+        kv: list[Any] = [c for c in cache if type(c) in KV]  # filled (fits): keys and values are arrays (triples)
         recurrent: list[Any] = [c for c in cache if type(c) is ArraysCache]
         n = kv[0].offset
         capacity = capacity_for(n + 1)
-        return DecodeState(n, mx.array([n], mx.int32), [_grown(c.keys[..., :n, :], capacity) for c in kv],
-                           [_grown(c.values[..., :n, :], capacity) for c in kv],
+        return DecodeState(n, mx.array([n], mx.int32), [_grown(_upto(c.keys, n), capacity) for c in kv],
+                           [_grown(_upto(c.values, n), capacity) for c in kv],
                            [list(c.cache) for c in recurrent])
 
     def feed(self, state: DecodeState, token: mx.array) -> mx.array:
@@ -147,7 +186,7 @@ class DecodeGraph:
         """Schedule n tokens into the state (a token and its drafts); the logprobs after each, shape (n, vocab).
         Traced once per n and capacity."""
         n = tokens.size
-        if state.n + n > state.keys[0].shape[2]:
+        if state.n + n > _positions(state.keys[0]):
             capacity = capacity_for(state.n + n)
             state.keys = [_grown(a, capacity) for a in state.keys]
             state.values = [_grown(a, capacity) for a in state.values]
@@ -172,9 +211,9 @@ class DecodeGraph:
         kv = iter(zip(state.keys, state.values))
         arrays = iter(state.arrays)
         for c in cache:
-            if type(c) is KVCache:
+            if type(c) in KV:
                 k, v = next(kv)
-                c.keys, c.values, c.offset = k[..., :state.n, :], v[..., :state.n, :], state.n
+                c.keys, c.values, c.offset = _upto(k, state.n), _upto(v, state.n), state.n
             else:
                 c.cache = list(next(arrays))
 
@@ -184,6 +223,8 @@ class DecodeGraph:
         for kind in self._kinds:
             if kind == "kv":
                 cache.append(_Slots(*next(kv), off))
+            elif isinstance(kind, tuple):
+                cache.append(_QSlots(*next(kv), off, *kind))
             else:
                 state = next(ar)
                 c = ArraysCache(len(state))
@@ -191,6 +232,6 @@ class DecodeGraph:
                 cache.append(c)
         logits = self.model(token.reshape(1, -1), cache=cache)[0]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        slots = [c for c in cache if isinstance(c, _Slots)]
+        slots = [c for c in cache if isinstance(c, (_Slots, _QSlots))]
         return (logprobs, off + token.size, [s.keys for s in slots], [s.values for s in slots],
                 [c.cache for c in cache if isinstance(c, ArraysCache)])
