@@ -68,10 +68,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="after a submit, wait this long for more before stepping, so a burst is prefilled together")
     p.add_argument("--burst-wait-ms", type=int, default=10,
                    help="as --admit-window-ms, after a submit whose gateway has more requests coming (Submit.more)")
-    p.add_argument("--solo", choices=("auto", "compiled", "plain", "off"), default="auto",
+    p.add_argument("--solo", choices=("auto", "compiled", "ahead", "plain", "off"), default="auto",
                    help="a request alone decodes the generate_step way (worker/mlx_engine/solo.py): its steps compiled"
-                        " where the model's caches allow (decode_graph.py), or plain; auto: compiled, plain where MLX"
-                        " runs on CUDA; off: always batched")
+                        " where the model's caches allow (decode_graph.py); ahead: each step's graph built on a thread"
+                        " while the step before it launches, where that measures faster (worker/pace.py); or plain;"
+                        " auto: compiled, ahead where MLX runs on CUDA; off: always batched")
     p.add_argument("--attention", choices=("auto", "fast", "routed"), default="auto",
                    help="routed: a short prefill's attention runs unfused, not through cuDNN, which builds a graph per"
                         " new prompt shape (worker/mlx_engine/attention.py); fast: always MLX's fused kernels;"

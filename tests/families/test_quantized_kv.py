@@ -132,3 +132,18 @@ def test_a_quantized_solo_decodes_in_the_compiled_graph(models: Path, name: str)
     solo = e._solo
     assert len(got) >= 3 and solo is not None and solo._state is not None
     assert isinstance(solo._state.keys[0], tuple) and len(solo._state.keys[0]) == 3
+
+
+def test_a_quantized_solo_never_builds_ahead_and_gives_the_same_ids(models: Path) -> None:
+    """`--solo ahead` (auto on CUDA) builds a solo's next graph ahead only on caches that are all KVCache, whose undo
+    is tested (solo.py): a quantized running cache decodes plain, its ids the plain solo's."""
+    path = models / "llama"
+    expected, _ = run(engine(path, 8), greedy(n=12))
+    e = Engine(path, cache=CacheOptions(hot_bytes=1 << 28, kv_bits=8), solo="ahead")
+    assert e.lane.ahead is not None
+    e.submit(greedy(n=12))
+    got: dict[str, list[int]] = {}
+    drive(e, "a", until=2, got=got)
+    assert e._solo is not None and e._solo.decoding and e._solo.ahead is None
+    drive(e, "a", got=got)
+    assert got["a"] == expected

@@ -8,6 +8,7 @@ and for the request that caused the switch; a solo's finished cache feeds the pr
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import mlx.core as mx
@@ -19,6 +20,8 @@ from tests.unit import mlx_streams
 from worker.mlx_engine.decode_graph import solo_modes
 from worker.mlx_engine.engine import DECODE_PLAN_STEPS, Engine
 from worker.mlx_engine.prompt_cache import CacheOptions
+from worker.mlx_engine.solo import Ahead, Solo
+from worker.pace import Pace
 
 LONG = [(i * 7919) % 1000 + 3 for i in range(150)]
 OTHER = [5, 9, 17, 33, 2, 41, 8]
@@ -57,7 +60,7 @@ def submit(engine: Engine, rid: str, ids: list[int], max_tokens: int) -> None:
     engine.submit(Submit(rid=rid, max_tokens=max_tokens, prompt_ids=ids, temperature=0.0))
 
 
-@pytest.mark.parametrize("solo", ["auto", "plain"])
+@pytest.mark.parametrize("solo", ["auto", "ahead"])
 def test_a_request_alone_never_enters_the_batch_and_matches_mlx_lm(model_dir: Path, reference, solo: str) -> None:
     engine = Engine(model_dir / "tiny", cache=CacheOptions(hot_bytes=1 << 28), solo=solo)
     got: dict[str, list[int]] = {}
@@ -80,13 +83,13 @@ def test_a_request_alone_never_enters_the_batch_and_matches_mlx_lm(model_dir: Pa
     assert finished[0].cached_tokens == 149 and got["again"] == got["a"]
 
 
-@pytest.mark.parametrize("solo", ["auto", "plain"])
+@pytest.mark.parametrize("solo", ["auto", "ahead"])
 @pytest.mark.parametrize("steps_alone", [1, 3, 4, 6, 8], ids=lambda n: f"after{n}")
 def test_switching_into_the_batch_loses_and_repeats_nothing(model_dir: Path, reference, steps_alone: int,
                                                            solo: str) -> None:
     """With prefill chunks of 64 (the cap, pinned: ANY_STEP_S), LONG is prefilled in 3 steps and its 6 tokens come out
     at steps 4..9: the switch comes mid-prefill (1), with the prefill done (3), after the first token (4), mid-decode
-    (6), and with its last token in flight (8)."""
+    (6: ahead, with the next graph built), and with its last token in flight (8)."""
     engine = Engine(model_dir / "tiny", prefill_step_size=64, step_target_s=ANY_STEP_S, solo=solo)
     got: dict[str, list[int]] = {}
     submit(engine, "a", LONG, 6)
@@ -100,7 +103,7 @@ def test_switching_into_the_batch_loses_and_repeats_nothing(model_dir: Path, ref
     assert sorted(got["finished"]) == ["a", "b"]  # type: ignore[type-var]
 
 
-@pytest.mark.parametrize("solo", ["auto", "plain"])
+@pytest.mark.parametrize("solo", ["auto", "ahead"])
 def test_a_stop_string_ends_a_solo_and_an_abort_drops_it(model_dir: Path, reference, solo: str) -> None:
     engine = Engine(model_dir / "tiny", solo=solo)
     expected = reference(OTHER, 12)
@@ -145,16 +148,14 @@ def test_solo_decode_steps_are_timed_and_leave_the_cost_model_alone(model_dir: P
 
 
 def test_solo_modes_and_auto_leaves_the_graph_off_on_cuda(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert solo_modes("compiled") == (True, True) and solo_modes("plain") == (True, False)
-    assert solo_modes("off") == (False, False)
-    assert solo_modes("auto") == (True, True)  # MLX on the CPU here: compiled
+    assert solo_modes("compiled") == (True, True, False) and solo_modes("plain") == (True, False, False)
+    assert solo_modes("ahead") == (True, False, True) and solo_modes("off") == (False, False, False)
+    assert solo_modes("auto") == (True, True, False)  # MLX on the CPU here: compiled
     monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
-    # the graph measured slower than plain decoding on an H200 (bench/README.md)
-    assert solo_modes("auto") == (True, False)
+    # the graph measured slower than plain decoding on an H200, and building ahead faster (bench/README.md)
+    assert solo_modes("auto") == (True, False, True)
     with pytest.raises(ValueError):
         solo_modes("fast")
-    with pytest.raises(ValueError):  # `--solo ahead` and its Pace were removed (issue 50)
-        solo_modes("ahead")
     plain = Engine(model_dir / "tiny", solo="plain")
     assert plain.solo_on and plain.graph is None
 
@@ -241,3 +242,157 @@ def test_while_others_decode_a_finished_cache_waits_for_the_next_lookup_or_idle_
     collect(engine, got)
     engine.after_send()  # idle: stored at once
     assert engine.caches.stats().hot_entries > 0
+
+
+class Builds(list):
+    got: list[int]
+
+
+def decode_alone_recording_builds(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> Builds:
+    """12 tokens of LONG alone; the name of the thread each decode graph was built on (and the ids, as `.got`)."""
+    built = Builds()
+    build = Solo._build
+    monkeypatch.setattr(Solo, "_build", lambda self, ids: (built.append(threading.current_thread().name),
+                                                          build(self, ids))[1])
+    submit(engine, "a", LONG, 12)
+    got: dict[str, list[int]] = {}
+    collect(engine, got)
+    built.got = got["a"]
+    return built
+
+
+def test_ahead_each_decode_graph_is_built_on_its_thread_while_the_last_one_launches(
+        model_dir: Path, reference, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--solo ahead` (auto on CUDA): the graph that feeds a token is built on the Ahead thread while the main thread
+    launches the graph that makes that token; the ids are mlx-lm's, and the graphs evaluate on the main thread (an
+    eval of a graph on another thread's stream raises)."""
+    engine = Engine(model_dir / "tiny", solo="ahead")
+    built = decode_alone_recording_builds(engine, monkeypatch)
+    assert built.got == reference(LONG, 12)
+    # the graphs that feed the prompt's last token and the first token out on the main thread, then each a token ahead
+    # until the one that makes the last token wanted: 12 graphs, 10 of them ahead
+    assert built.count("mlxsup-ahead") == 10 and len(built) == 12 and built[:2] == ["MainThread"] * 2, built
+    assert engine.lane.ahead is not None
+    thread = engine.lane.ahead._thread
+    engine.settle()
+    assert thread is not None and not thread.is_alive()
+
+
+class ScriptedPace(Pace):
+    """A Pace whose way is scripted per decode step, recording what it is told."""
+
+    def __init__(self, ways: list[bool]) -> None:
+        super().__init__()
+        self.ways, self.told, self.asked, self.begun = ways, [], 0, 0
+
+    def begin(self) -> None:
+        self.begun += 1
+
+    def use(self) -> bool:
+        self.asked += 1
+        return self.ways[self.asked - 1]
+
+    def record(self, seconds: float, way: bool) -> None:
+        self.told.append((seconds, way))
+
+
+def test_ahead_builds_only_in_the_steps_its_pace_says_and_tells_it_each_step_time(
+        model_dir: Path, reference, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whether a step builds the next graph ahead is the worker's Pace's choice, step by step (worker/pace.py: on the
+    GPU host it pays in one of the host's speeds and costs in the other); the ids are mlx-lm's across every change
+    of way, and the Pace is told each decode step's time in the way it ran."""
+    engine = Engine(model_dir / "tiny", solo="ahead")
+    assert engine.lane.ahead is not None and isinstance(engine.lane.ahead.pace, Pace)
+    ways = [True, True, False, False, True, False, True, True, False, True]
+    engine.lane.ahead.pace = pace = ScriptedPace(ways)
+    built = decode_alone_recording_builds(engine, monkeypatch)
+    assert built.got == reference(LONG, 12)
+    # the decode steps of tokens 1..10 choose a way (the graph built in the 10th makes the 12th, the last wanted); a step
+    # is told at the next one, if it ran wholly its way: built ahead after a step that built ahead (the 2nd, the 8th),
+    # or not after one that did not (the 4th); the first built on the main thread as well
+    assert pace.asked == 10 and [way for _, way in pace.told] == [True, False, True] and pace.begun == 1
+    assert all(seconds > 0 for seconds, _ in pace.told)
+    assert built.count("mlxsup-ahead") == ways.count(True), built
+    engine.settle()
+
+
+def test_ahead_a_solo_ended_by_an_eos_or_aborted_leaves_its_cache_as_plain_decoding_does(model_dir: Path) -> None:
+    """A graph built ahead has fed one more token than plain decoding had when an EOS ends the request, a second
+    request takes it into the batch or an abort drops it: it is undone (the offsets put back, as a trim would), so the
+    finished cache, the batch's starting cache and the next solo are what they are without it."""
+    model, _ = load(str(model_dir / "tiny"))
+    plain_out = Solo(model, 0, LONG, 0, None, 30, None, None)
+    ref = []
+    while not (rs := plain_out.step(512)) or rs[-1].finish_reason is None:
+        ref += [r.token for r in rs]
+    ahead = Ahead()
+    ahead.pace = None  # built ahead at every step, whatever the steps' times
+    try:
+        for at in (0, 1, 2, 7):  # an EOS as the first, second, third or a later token out
+            ends = []
+            for maker in (None, ahead):
+                solo = Solo(model, 0, LONG, 0, None, 30, None, {ref[at]}, ahead=maker)
+                out: list[int] = []
+                while not (rs := solo.step(512)) or rs[-1].finish_reason is None:
+                    out += [r.token for r in rs]
+                r = rs[-1]
+                assert r.prompt_cache is not None and r.all_tokens is not None
+                c = r.prompt_cache[0]  # positions past the offset are unused, as a trim leaves them
+                ends.append((out + [r.token], r.finish_reason, len(r.all_tokens), c.offset, c.keys[..., :c.offset, :]))
+            (o1, f1, n1, off1, k1), (o2, f2, n2, off2, k2) = ends
+            assert (o1, f1, n1, off1) == (o2, f2, n2, off2) and n1 == off1 and f1 == "stop"
+            assert mx.array_equal(k1, k2).item()
+        handed = []
+        for maker in (None, ahead):  # taken into the batch with the next graph built ahead: the same hand-over
+            solo = Solo(model, 0, LONG, 0, None, 30, None, None, ahead=maker)
+            while solo.generated < 5:
+                solo.step(512)
+            assert (solo._saved is not None) == (maker is not None)
+            pending, cache, fed, rest = solo.hand_over()
+            assert pending is not None and cache is not None
+            handed.append((pending.token, cache[0].offset, len(fed), rest))
+        assert handed[0] == handed[1] and handed[0][1] == handed[0][2]
+        released = []
+        for maker in (None, ahead):  # ended by a stop string (the engine's release) with the next graph built ahead
+            solo = Solo(model, 0, LONG, 0, None, 30, None, None, ahead=maker)
+            while solo.generated < 5:
+                solo.step(512)
+            assert (solo._saved is not None) == (maker is not None)
+            cache, fed = solo.release()
+            released.append((cache[0].offset, len(fed), fed))
+        assert released[0] == released[1] and released[0][0] == released[0][1]
+    finally:
+        ahead.close()
+
+    engine = Engine(model_dir / "tiny", solo="ahead")
+    submit(engine, "x", LONG, 20)
+    got: dict[str, list[int]] = {}
+    while engine._solo is None or engine._solo._saved is None:  # decoding, the next graph built ahead
+        collect(engine, got, steps=1)
+    assert engine.abort("x") and engine._solo is None and not engine.lane.ahead.pending
+    submit(engine, "y", OTHER, 5)
+    collect(engine, got)
+    assert got["y"] == ref_ids(model_dir, OTHER, 5)
+
+
+def ref_ids(model_dir: Path, ids: list[int], n: int) -> list[int]:
+    model, tok = load(str(model_dir / "tiny"))
+    return [r.token for r in stream_generate(model, tok, ids, max_tokens=n)]
+
+
+def test_ahead_a_seeded_request_draws_what_it_draws_without_it_across_the_switch_into_the_batch(
+        model_dir: Path) -> None:
+    """A seeded request's sampler is a stream of draws that the batch goes on with after a switch; a graph built
+    ahead and undone would have taken a draw from it, so a seeded solo never builds ahead."""
+    outs = []
+    for solo in ("plain", "ahead"):
+        engine = Engine(model_dir / "tiny", prefill_step_size=64, step_target_s=ANY_STEP_S, solo=solo)
+        engine.submit(Submit(rid="a", max_tokens=12, prompt_ids=LONG, temperature=1.0, seed=7))
+        got: dict[str, list[int]] = {}
+        collect(engine, got, steps=6)  # prefilled in 3 steps, 3 tokens out: mid-decode
+        assert engine._solo is not None and len(got["a"]) == 3
+        submit(engine, "b", OTHER, 4)
+        collect(engine, got)
+        outs.append(got["a"])
+        engine.settle()
+    assert outs[0] == outs[1] and len(outs[0]) == 12

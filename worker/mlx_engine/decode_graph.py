@@ -26,7 +26,8 @@ cost the `small` preset 8% a token on this CPU), and a long context is traced ~8
 Measured (bench.diagnose engine, worker): on this CPU the compiled step takes ~0.6x the uncompiled
 one (tiny model: 0.86-0.91 against 1.42 ms per token; stream_generate 1.44). On an H200 (MLX CUDA,
 1b preset) it took ~1.5x (worker: 3.4-3.8 against 2.2 ms), and its first trace builds kernels for
-11-17 s at load; so the worker's `--solo auto` leaves it off there (`solo_modes`). The mask is not
+11-17 s at load; so the worker's `--solo auto` leaves it off there and builds each step's graph ahead instead
+(`solo_modes`, solo.py's Ahead). The mask is not
 why: MLX CUDA's fused one-query attention takes no array mask, but a variant that hid the unfilled
 keys with a bias channel in padded heads instead, keeping attention fused, was no faster (removed;
 bench/results/history/gpu/diag-compiled-2026-11-21). Metal is not measured here; its fused attention takes
@@ -61,15 +62,17 @@ def capacity_for(n: int) -> int:
     return -(-n // step) * step
 
 
-SOLO_MODES = ("auto", "compiled", "plain", "off")
+SOLO_MODES = ("auto", "compiled", "ahead", "plain", "off")
 
 
-def solo_modes(mode: str) -> tuple[bool, bool]:
-    """(a request alone runs solo, its decode steps compiled) for the worker's `--solo` mode. auto: compiled, except
-    where MLX runs on CUDA: there the compiled step measured slower than uncompiled decoding (bench/README.md)."""
+def solo_modes(mode: str) -> tuple[bool, bool, bool]:
+    """(a request alone runs solo, its decode steps compiled, each uncompiled step's graph built ahead on a thread
+    of its own: solo.py's Ahead) for the worker's `--solo` mode. auto: compiled, except where MLX runs on CUDA: there
+    the compiled step measured slower than uncompiled decoding (bench/README.md), and the steps are built ahead."""
     if mode not in SOLO_MODES:
         raise ValueError(f"solo mode must be one of {SOLO_MODES}, not {mode!r}")
-    return mode != "off", mode == "compiled" or (mode == "auto" and not mx.cuda.is_available())
+    cuda = mx.cuda.is_available()
+    return mode != "off", mode == "compiled" or (mode == "auto" and not cuda), mode == "ahead" or (mode == "auto" and cuda)
 
 
 class _Slots:

@@ -130,7 +130,8 @@ class Engine:
         self.prefill_batch_size = prefill_batch_size
         self.cost = StepCostModel(step_target_s, prefill_step_size, time_one_token(self.model))
         self.schedule = Scheduler(self.cost, max_batch_size, prefill_batch_size, DECODE_PLAN_STEPS)  # schedule.py
-        self.solo_on, compiled = solo_modes(solo)  # a request alone runs the generate_step way (solo.py)
+        # a request alone runs the generate_step way (solo.py): compiled, or each step's graph built ahead
+        self.solo_on, compiled, ahead = solo_modes(solo)
         self.graph = DecodeGraph(self.model) if compiled else None  # a solo's decode steps compiled
         draft_model, draft_bytes = load_draft(draft, self.tokenizer) if draft is not None else (None, 0)
         self.weights_bytes += draft_bytes  # admission counts the draft model's weights as the model's
@@ -159,7 +160,7 @@ class Engine:
         # greedy batches of a few rows draft in lockstep (batch_drafting.py), and the solo drafts, meeting each
         # reply-snapshot boundary
         boundary = self.caches.block if self.caches is not None and self.caches.layout.snapshots else 0
-        self.lane = SoloLane(self.model, self.gen, self._stop_eos, self._stop_none, self.graph, boundary)
+        self.lane = SoloLane(self.model, self.gen, self._stop_eos, self._stop_none, self.graph, boundary, ahead)
         self.snapshots = Snapshots(self.caches, self.gen, self.lane, self._by_uid) if self.caches is not None else None
         self.batch_drafts = BatchDrafting(self.model, self.gen, boundary)
         self.batch = BatchLane(self.gen, self.batch_drafts, self._stop_none)  # batch_lane.py

@@ -67,6 +67,7 @@ class EngineRequest:
     clamped: bool  # max_tokens reaches the context's end: stopping there is the context's doing
     resumed: int  # tokens generated before (Submit.resume_tokens): its completion tokens start there
     ignore_eos: bool
+    seeded: bool  # its sampler is its seed's stream of draws (the solo never builds ahead for it: solo.py)
     alone_ok: bool  # it needs nothing only the batch has (logits processors, logprobs): it may run as the solo
     decoding: RequestDecoding  # sampler, processors, output, grammar
     drafting: Drafting | None
@@ -111,6 +112,7 @@ class Requests:
         return EngineRequest(msg.rid, tokens, prompt_tokens, max_tokens,
                              clamped=max_tokens < msg.max_tokens or not msg.max_tokens,
                              resumed=len(msg.resume_tokens), ignore_eos=msg.ignore_eos,
+                             seeded=msg.seed is not None,
                              alone_ok=not d.processors and msg.logprobs < 0, decoding=d, drafting=drafting, keys=keys, marks=marks, branches=branches, images=images)
 
     def _encode(self, msg: Submit, pictures: list | None) -> tuple[list[int], ImagePrompt | None]:

@@ -27,11 +27,33 @@ tokens are fed again in one forward pass (rollback.py); its logits are not neede
 one the verification chose. A seeded request samples with its drafting's `Draws`, which the verification draws
 from too, so its stream stays where plain decoding's would be (and goes on so in the batch after a hand-over).
 
+On CUDA (`--solo ahead`, auto there) the graph of the next decode step may be built ahead, on a thread of its own
+(`Ahead`), while the main thread launches the step before it. Its `Pace` (worker/pace.py) decides, step by step, from
+the decode steps' own times: on the GPU host building ahead was faster in the host's slow speed and slower in its fast
+one (bench/results/gpu/itl-s18/). Why it can pay: one stream is bound by the main thread's CPU, which
+builds a token's graph in Python (~40% of a token on the GPU host) and then launches it in `mx.async_eval`, which
+releases the GIL. The build ahead feeds the token in flight (lazy) to the cache; the main thread waits for it as the
+launch returns (so the thread never runs beside the main thread's other MLX work) and takes the built graph at its
+next step, as if it had fed it then. It runs only where it can be undone exactly: plain steps (not
+compiled, no drafts, no reply snapshots) on caches that are all KVCache (not a quantized running cache), for a
+request that is not seeded (an undone build would have drawn from its sampler's stream). `settle` undoes it (the
+caches' offsets put back; what it wrote lies past them, as after a trim) before anything reads or hands on the
+cache: an EOS or a stop string ends the
+request, the batch takes it over, an abort drops it. Its graphs go on the main thread's generation stream, where
+the main thread evaluates them (mlx-lm's `generation_stream` is one stream per thread), and their ids are plain
+decoding's. On the GPU host, at its slow speed, it took a lone request's tokens from 1.055 to 0.93 of generate_step's
+time in one process (`python -m bench.solo_vs_sg`), and served over HTTP 1.10-1.17x the tokens a second of the same
+tree without it (bench/results/gpu/itl-s17/); at its fast speed it cost ~10% (itl-s18/), hence the Pace. Removed
+once (45a74e6) as inside the noise, it came back when 5 interleaved pairs showed mlxsup's one-stream ITL over
+in-process mlx-lm going from 0.916 to 1.184 without it, every run after above every run before
+(bench/results/gpu/structure-ab/).
+
 `SoloLane` is the engine's side of it: the solo in flight (at most one), its start, the hand-over into the
 engine's BatchGenerator, and the token read at a hand-over, which the engine emits at its next step.
 
-Invariants: `fed` tokens are in the cache (its offset) and are `tokens[:fed]`; a finished solo hands its cache and
-exactly those tokens to the prompt caches; main thread only.
+Invariants: `fed` tokens are in the cache (its offset) and are `tokens[:fed]`, once a build ahead is settled (while
+one runs, the Ahead thread holds the cache, and `fed` does not count its token); a finished solo hands its cache and
+exactly those tokens to the prompt caches; main thread only, but for the build ahead.
 """
 
 from __future__ import annotations
@@ -45,11 +67,13 @@ from typing import TYPE_CHECKING, Any, cast
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator, StopSequences, generation_stream
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from worker.job_thread import JobThread
 from worker.mlx_engine.decode_graph import DecodeGraph, DecodeState
 from worker.mlx_engine.rollback import mark, restore, trim, undoable
 from worker.mlx_engine.speculative import Drafting
+from worker.pace import Pace
 
 if TYPE_CHECKING:
     from worker.mlx_engine.request import EngineRequest
@@ -105,11 +129,34 @@ def _greedy(logprobs: mx.array) -> mx.array:
     return mx.argmax(logprobs, axis=-1)
 
 
+class Ahead(JobThread):
+    """The thread a solo's next decode graph is built on while the main thread launches the one before it (made on
+    the main thread: its graphs go on the main thread's generation stream, where the main thread evaluates them;
+    mlx-lm's `generation_stream` is one stream per thread)."""
+
+    def __init__(self) -> None:
+        super().__init__("mlxsup-ahead")
+        with mx.stream(generation_stream):
+            self.stream = mx.default_stream(mx.default_device())
+        # whether building ahead is faster than not on this host now, measured on the solos' steps (None: always)
+        self.pace: Pace | None = Pace()
+
+    def use(self) -> bool:
+        return self.pace is None or self.pace.use()
+
+    def build(self, fn: Callable[..., Any], *args: Any) -> None:
+        self.start(self._on_stream, fn, args)
+
+    def _on_stream(self, fn: Callable[..., Any], args: tuple) -> Any:
+        with mx.stream(self.stream):
+            return fn(*args)
+
+
 class Solo:
     def __init__(self, model: nn.Module, uid: int, tokens: list[int], cached: int, cache: list | None,
                  max_tokens: int, sampler: Callable | None, eos: set[int] | None,
                  graph: DecodeGraph | None = None, drafting: Drafting | None = None, stops: frozenset[int] = frozenset(),
-                 boundary: int = 0) -> None:
+                 boundary: int = 0, ahead: Ahead | None = None) -> None:
         self.model = model
         self.uid = uid
         self.tokens = list(tokens)  # the prompt, then each generated token once it is fed
@@ -128,6 +175,17 @@ class Solo:
         self.drafting = drafting  # None: no drafts (never asked for, or this request's caches cannot roll back)
         self.stops = sorted(stops)  # prompt positions where its prefill stops for a cache snapshot (the engine's)
         self.boundary = boundary  # reply snapshots are taken where the cache fills a multiple of it (0: none)
+        # where the graph after the one launched is built meanwhile (None: never); only on caches that are all KVCache,
+        # whose state before a build can be put back exactly (a quantized running cache, quantized_kv.py's QuantizedKV,
+        # is not built ahead: its undo is not tested)
+        self.ahead = ahead if ahead is not None and all(type(c) is KVCache for c in self.cache) else None
+        if self.ahead is not None and self.ahead.pace is not None:
+            self.ahead.pace.begin()
+        # the last decode step, if it ran wholly one way (built ahead after a step that did, or not after one that did
+        # not): that way, and its start
+        self._timed: tuple[bool, float] | None = None
+        self._saved: list[tuple[mx.array, mx.array, int]] | None = None  # the cache before that build, until taken
+        self._built: tuple[mx.array, mx.array] | None = None  # that build's graph: its token and logprobs
 
     @property
     def prefill_left(self) -> int:
@@ -156,6 +214,46 @@ class Solo:
         logits = self.model(ids[None], cache=self.cache)[:, -1, :]
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
         return (self.sampler or _greedy)(logprobs), logprobs.squeeze(0)
+
+    def _ahead_ok(self) -> bool:
+        """Whether the next token's graph may be built ahead: plain steps (no compiled graph, no drafts, no reply
+        snapshots) with an Ahead thread (the caches allow it)."""
+        return self.ahead is not None and self.graph is None and self.drafting is None and not self.boundary
+
+    def _launch_with_build_ahead(self, built_too: tuple[mx.array, mx.array]) -> None:
+        """Launch `built_too` (the graph that makes the next token) while the Ahead thread builds the graph that feeds
+        that token, and wait for that build before going on: the Ahead thread runs inside the launch's release of the
+        GIL only, never beside the main thread's other MLX work."""
+        assert self.ahead is not None
+        self._saved = [(c.keys, c.values, c.offset) for c in self.cache]
+        self.ahead.build(self._build, built_too[0])
+        mx.async_eval(*built_too)
+        try:
+            self._built = self.ahead.collect()
+        except Exception:
+            self._restore()
+            raise
+
+    def _take_ahead(self) -> tuple[mx.array, mx.array]:
+        """The graph built ahead, which fed the token now in hand: from here on as if this step had fed it."""
+        built, self._built, self._saved = self._built, None, None
+        assert built is not None
+        self.fed += 1
+        return built
+
+    def settle(self) -> None:
+        """Undo a graph built ahead and not taken: the caches' offsets as plain decoding leaves them. What the build
+        wrote lies past them, as after a trim (mlx-lm's KVCache writes in place), and its lazy forward pass is left in
+        the caches' graph: one token's work, done when they are next evaluated. Before anything reads or hands on
+        the cache."""
+        if self._saved is not None:
+            self._restore()
+
+    def _restore(self) -> None:
+        saved, self._saved, self._built = self._saved, None, None
+        assert saved is not None
+        for c, (keys, values, offset) in zip(self.cache, saved, strict=True):
+            c.keys, c.values, c.offset = keys, values, offset
 
     def _compiled(self) -> bool:
         """Whether the graph holds the cache (taken into it here if it can)."""
@@ -217,12 +315,21 @@ class Solo:
         if self.drafting is not None and (drafted := self._draft_step()) is not None:
             return drafted
         times, t0 = self.times, time.perf_counter()
+        if self._timed is not None and self.ahead is not None and self.ahead.pace is not None:
+            self.ahead.pace.record(t0 - self._timed[1], self._timed[0])  # the last step's time, in its way
         token, logprobs = self._next
+        way, began_built = None, self._saved is not None
         if self.generated + 1 < self.max_tokens:  # another token will be wanted: schedule it before reading this one
-            self._next = self._feed(token)
-            mx.async_eval(*self._next)
+            self._next = self._take_ahead() if began_built else self._feed(token)
+            if self.generated + 2 < self.max_tokens and self._ahead_ok():  # and one after it may be built during
+                way = cast(Ahead, self.ahead).use()  # the launch: where that is faster now
+            if way:
+                self._launch_with_build_ahead(self._next)
+            else:
+                mx.async_eval(*self._next)
         else:
             self._next = None
+        self._timed = (way, t0) if way is not None and way == began_built else None
         if self.generated % 256 == 0:
             mx.clear_cache()  # as generate_step
         t1 = time.perf_counter()
@@ -297,11 +404,13 @@ class Solo:
             "length" if self.generated >= self.max_tokens else None)
         r = SoloResponse(self.uid, token, logprobs, reason)
         if reason is not None:
+            self.settle()
             r.prompt_cache, r.all_tokens = self._cache(), self.tokens[:self.fed]
         return r
 
     def release(self) -> tuple[list, list[int]]:
         """The cache and the tokens in it, for the prompt caches (a stop string ended it)."""
+        self.settle()
         if self._next is not None:
             with mx.stream(generation_stream):
                 mx.eval(self._next[0])
@@ -311,6 +420,7 @@ class Solo:
     def hand_over(self) -> tuple[SoloResponse | None, list | None, list[int], list[int]]:
         """End the solo for the batch: (the token in flight as a response, or None; the cache, or None when
         nothing was fed; the tokens in it; the tokens still to feed, which the batch takes as its prompt)."""
+        self.settle()
         pending = None
         if self._next is not None:
             token, logprobs = self._next
@@ -324,6 +434,7 @@ class Solo:
 
     def cache_now(self) -> list:
         """The cache with every token fed, the solo going on (the engine's snapshot of a reply's state)."""
+        self.settle()
         return self._cache()
 
     def _cache(self) -> list:
@@ -338,10 +449,11 @@ class SoloLane:
     """The engine's solo, if a request is alone, and its way into the engine's generator when another comes."""
 
     def __init__(self, model: nn.Module, gen: BatchGenerator, stop_eos: StopSequences, stop_none: StopSequences,
-                 graph: DecodeGraph | None = None, boundary: int = 0) -> None:
+                 graph: DecodeGraph | None = None, boundary: int = 0, ahead: bool = False) -> None:
         self.model = model
         self.graph = graph  # each solo's decode steps compiled (None: never)
         self.boundary = boundary  # reply snapshots where a solo's cache fills a multiple of it (0: none)
+        self.ahead = Ahead() if ahead else None  # each solo's next graph built during the last one's launch
         self._gen = gen
         self._stop_eos, self._stop_none = stop_eos, stop_none
         self.solo: Solo | None = None
@@ -351,10 +463,13 @@ class SoloLane:
     def start(self, r: EngineRequest, cached: int, cache: list | None, points: list[int], eos: set[int]) -> int:
         """A request alone runs as the solo, `cached` of its tokens in `cache`, its prefill stopping at `points`, ended
         by `eos` (the engine's; unless it ignores EOS); its uid (negative: the generator's count up from 0). The
-        batch's start (batch_lane.py's BatchLane.start) takes the same, its EOS as the generator's stop sequences."""
+        batch's start (batch_lane.py's BatchLane.start) takes the same, its EOS as the generator's stop sequences.
+        A seeded one never builds ahead: a build undone would have drawn from its sampler's stream, which the batch
+        goes on with."""
         self._uids -= 1
         self.solo = Solo(self.model, self._uids, r.tokens, cached, cache, r.max_tokens, r.decoding.sampler,
-                         None if r.ignore_eos else eos, self.graph, r.drafting, frozenset(points), self.boundary)
+                         None if r.ignore_eos else eos, self.graph, r.drafting, frozenset(points), self.boundary,
+                         None if r.seeded else self.ahead)
         return self._uids
 
     def to_batch(self) -> tuple[int, int, int] | None:
@@ -383,6 +498,7 @@ class SoloLane:
         """Forget a request (aborted): its pending token, and the solo if it is that one; True if it was."""
         self.pending = [r for r in self.pending if r.uid != uid]
         if self.solo is not None and self.solo.uid == uid:
+            self.solo.settle()  # its graph built ahead, if any, is the next solo's to wait for no more
             self.solo = None
             return True
         return False
@@ -405,5 +521,9 @@ class SoloLane:
         return solo.release() if r.finish_reason is None else (r.prompt_cache, r.all_tokens)
 
     def close(self) -> None:
+        if self.solo is not None:
+            self.solo.settle()
         self.solo = None
         self.pending = []
+        if self.ahead is not None:
+            self.ahead.close()
