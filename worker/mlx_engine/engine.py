@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 from mlx_lm.generate import BatchGenerator, StopSequences
 
 from protocol.messages import CONTEXT_WINDOW, INVALID_REQUEST, Failed, Finished, Submit
-from protocol.modelconfig import MAX_CONTEXT, context_length
+from protocol.modelconfig import MAX_CONTEXT, context_length, kv_bytes_at, memory_estimate
 from worker.chat_format import family_of
 from worker.engine_api import RequestRejected
 from worker.memory import process_memory_bytes
@@ -86,6 +86,16 @@ DECODE_PLAN_STEPS = 16
 log = logging.getLogger(__name__)
 
 
+def full_precision_context(config: dict, max_context: int, bits: int, group_size: int) -> int:
+    """The supervisor's cap counted this model's K/V at `bits` (supervisor/lifecycle.py); a worker that keeps full
+    precision (quantized_kv.quantize_cache said why) fits that many fewer tokens in the same bytes."""
+    est = memory_estimate(config)
+    if est.kv_bytes_per_token <= 0:
+        return max_context
+    return max_context * kv_bytes_at(est.kv_bytes_per_token, est.kv_dtype_bytes, bits, group_size) // (
+        est.kv_bytes_per_token)
+
+
 class Engine:
     def __init__(self, model_path: Path, max_batch_size: int = 32, prefill_batch_size: int = 8,
                  prefill_step_size: int = 2048, report: Callable[[str, float], None] = lambda *_: None,
@@ -106,6 +116,8 @@ class Engine:
         text_config = {**config, **(config.get("text_config") or {})}  # Qwen3.5 and other multimodal layouts
         # the config's max_position_embeddings, never past MAX_CONTEXT nor the supervisor's cap (--max-context: what
         # its memory ceiling leaves for this model's KV, protocol/modelconfig.py): what Ready publishes and prompts meet
+        if max_context and cache is not None and cache.kv_bits and self.kv_group is None:
+            max_context = full_precision_context(config, max_context, cache.kv_bits, cache.kv_group_size)
         self.context_length = min(context_length(config), max_context or MAX_CONTEXT)
         self.vocab_size = int(text_config.get("vocab_size") or 0)
         self.weights_bytes = sum(p.stat().st_size for p in model_path.glob("*.safetensors"))
