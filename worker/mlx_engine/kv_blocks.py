@@ -127,7 +127,8 @@ def _rows(layers: list, s: int, e: int) -> dict[str, mx.array]:
             for name, attr in (("k", "keys"), ("v", "values")) for j, part in enumerate("qsb")}
 
 
-def _quantized(layout: CacheLayout) -> bool:
+def running_quantized(layout: CacheLayout) -> bool:
+    """Whether the block layers are the running cache quantized (their blocks: its rows as they are)."""
     return bool(layout.block_layers) and layout.classes[layout.block_layers[0]] == QuantizedKV.__name__
 
 
@@ -139,7 +140,8 @@ def tail_key(parent: bytes, tokens: list[int] | tuple[int, ...]) -> bytes:
 
 
 def cut_tail(cache: list, layout: CacheLayout, tokens: list[int], parent: bytes, block_tokens: int) -> Block:
-    """The partial block after the last full one of a finished sequence (block layers only, unquantized)."""
+    """The partial block after the last full one of a finished sequence (block layers only): unquantized, or the
+    running cache's quantized rows as they are."""
     s = len(tokens) // block_tokens * block_tokens
     layers = [cast(KVCache, cache[i]) for i in layout.block_layers]
     if isinstance(layers[0], QuantizedKV):
@@ -166,7 +168,7 @@ def join_blocks(blocks: list[Block], n_tokens: int, layout: CacheLayout, block_t
     the snapshot: the other layers' state comes from it.
     """
     cache: list = [None] * len(layout.classes)
-    if _quantized(layout):
+    if running_quantized(layout):
         assert layout.kv_bits
         joined = {name: mx.concatenate([b.kv[name] for b in blocks], axis=2) for name in blocks[0].kv}
         dim = joined["k.q"].shape[-1] * 32 // layout.kv_bits

@@ -50,7 +50,16 @@ from protocol.messages import CacheStats
 from worker.faults import NO_FAULTS, Faults
 from worker.hot_cache import HotCache
 from worker.mlx_engine.disk_handoff import KV_PREFIX, DiskHandoff
-from worker.mlx_engine.kv_blocks import Block, chain_keys, cut_blocks, cut_tail, join_blocks, parent_of, root_key
+from worker.mlx_engine.kv_blocks import (
+    Block,
+    chain_keys,
+    cut_blocks,
+    cut_tail,
+    join_blocks,
+    parent_of,
+    root_key,
+    running_quantized,
+)
 from worker.mlx_engine.layer_state import CacheLayout, Snapshot, from_numpy, take_snapshot
 from worker.mlx_engine.quantized_kv import QuantizedKV
 from worker.shutdown import run_best_effort
@@ -270,7 +279,9 @@ class PromptCaches:
         """Keep a finished sequence's partial last block in the hot cache, under its chain: prompts shorter
         than a block (a chat template's head and a short question) share their start through it."""
         layout = self.layout
-        if layout.snapshots or layout.kv_bits or not layout.block_layers or not self.hot.enabled:
+        # a partial block is kept unquantized, or as the running cache's quantized rows (issue 53)
+        quantized = running_quantized(layout)
+        if layout.snapshots or (layout.kv_bits and not quantized) or not layout.block_layers or not self.hot.enabled:
             return
         if len(tokens) - len(keys) * self.block < MIN_PARTIAL_TOKENS:
             return
