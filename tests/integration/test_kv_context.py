@@ -1,5 +1,6 @@
 """issue 53 against a real daemon: the context a model publishes is what fits under the memory ceiling at its
-`[cache] kv_bits`, read through the openai client (GET /v1/models/{id}) from the worker's Ready.
+`[cache] kv_bits`, read through the openai client (GET /v1/models/{id}) from the worker's Ready, and a prompt past it
+is the API's 400 (context_length_exceeded), as past a checkpoint's window.
 
 A ceiling leaving room for N tokens of a float32 model's K/V: the published context is N at full precision and
 N x 4 bytes / (1 byte + a 4-byte scale and bias per group of 32) at 8 bits, within a block. A model whose running
@@ -56,6 +57,10 @@ def published(root: Path, name: str, kv_bits: int, state: Path) -> tuple[int, in
         client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=1)
         model = client.models.retrieve(name)  # the worker is up: its Ready's context
         context = (model.model_extra or {})["context_length"]
+        with pytest.raises(openai.BadRequestError) as refused:  # a prompt past the fitted context: the API's 400
+            client.chat.completions.create(model=name, messages=[{"role": "user", "content": "word " * (context + 50)}],
+                                           max_tokens=1)
+        assert refused.value.code == "context_length_exceeded"
     finally:
         assert d.stop() == 0
     return context, est.kv_bytes_per_token
