@@ -1,8 +1,8 @@
 """Every message that crosses the supervisor <-> worker boundary, one typed class each.
 
-Messages to the worker are imperative (Load, Submit, Abort, Evict, ClearCache, Tokenize, Embed, Rerank); messages
-from it are facts (Standby, Progress, Ready, Tokens, Finished, Failed, Heartbeat, StepStarted, Pulse, CacheStats,
-CacheCleared, Tokenized, Embedded, Reranked, Bye).
+Messages to the worker are imperative (Load, Submit, Abort, Evict, ClearCache, Tokenize, Embed, Rerank, Transcribe,
+Speak); messages from it are facts (Standby, Progress, Ready, Tokens, Finished, Failed, Heartbeat, StepStarted, Pulse,
+CacheStats, CacheCleared, Tokenized, Embedded, Reranked, Transcribed, Spoken, Bye).
 Fields hold only msgpack-native types (str, int, float, bool, None, list, dict) so the codec can
 validate them without any custom serialisation; errors travel as data (a machine code and a message), never as
 serialised exceptions.
@@ -14,13 +14,13 @@ import signal
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-PROTOCOL_VERSION = 10  # 2: prompt caches (ClearCache, CacheCleared, CacheStats); 3: StepStarted;
+PROTOCOL_VERSION = 11  # 2: prompt caches (ClearCache, CacheCleared, CacheStats); 3: StepStarted;
 # 4: resumed requests (Submit.resume_tokens, token ids in Tokens chunks and Finished); Submit's tools, template
 # kwargs, constraint, logprobs, seed, penalties, prompt_ids; typed chunk extras; 5: Tokenize/Tokenized,
 # Submit.reasoning_budget; 6: Embed/Embedded (embedding models); 7: Rerank/Reranked, Embed.input_type and
 # Embed.instruction, Finished.drafted_tokens and accepted_tokens (speculative decoding),
 # Submit.cache_mark and Finished.cache_written (prompt-cache breakpoints and usage); 8: Submit.branch_points;
-# 9: Submit.more; 10: Pulse (the worker's watchdog)
+# 9: Submit.more; 10: Pulse (the worker's watchdog); 11: Transcribe/Transcribed, Speak/Spoken (audio models)
 
 # Machine codes carried by Failed and surfaced to HTTP clients as the error "code".
 MODEL_EVICTED = "model_evicted"
@@ -173,6 +173,39 @@ class Rerank(Message):
     documents: list
     instruction: str | None = None
     truncate: int | None = None
+
+
+@dataclass(slots=True)
+class Transcribe(Message):
+    """To a speech-to-text model's worker: the text of one audio file, answered by Transcribed(rid). `audio` is the
+    file's bytes as the client sent them (msgpack bin; the worker finds its format from its bytes, not from
+    `media_type`, and decodes it on a thread); `task` "transcribe" or "translate" (to English); `language` an ISO-639-1
+    code or None (detected); `prompt` the text the first window is conditioned on; `words`: word timestamps too;
+    `max_audio_s`: a longer file is refused (0: no limit)."""
+
+    KIND: ClassVar[str] = "transcribe"
+    rid: str
+    audio: bytes
+    media_type: str = ""
+    task: str = "transcribe"
+    language: str | None = None
+    prompt: str | None = None
+    temperature: float = 0.0
+    words: bool = False
+    max_audio_s: float = 0.0
+
+
+@dataclass(slots=True)
+class Speak(Message):
+    """To a text-to-speech model's worker: `input` spoken in `voice` (None: the model's first) at `speed`, encoded as
+    `response_format` (wav, flac, mp3, opus, pcm: worker/audio_codec.py), answered by Spoken(rid)."""
+
+    KIND: ClassVar[str] = "speak"
+    rid: str
+    input: str
+    voice: str | None = None
+    speed: float = 1.0
+    response_format: str = "wav"
 
 
 @dataclass(slots=True)
@@ -402,6 +435,37 @@ class Reranked(Message):
 
 
 @dataclass(slots=True)
+class Transcribed(Message):
+    """The answer to Transcribe: the text, the language, the audio's length in seconds and its segments
+    ([{"id", "start", "end", "text", "tokens", "temperature", "avg_logprob", "compression_ratio", "no_speech_prob",
+    "words": [{"word", "start", "end", "probability"}, ...] when asked}, ...], times in seconds from the file's start);
+    or why not (`code`, `message`: as Failed's)."""
+
+    KIND: ClassVar[str] = "transcribed"
+    rid: str
+    text: str = ""
+    language: str = ""
+    duration: float = 0.0
+    segments: list = field(default_factory=list)
+    code: str | None = None
+    message: str = ""
+
+
+@dataclass(slots=True)
+class Spoken(Message):
+    """The answer to Speak: the speech encoded as asked (msgpack bin), `samples` of it at `sample_rate`; or why not
+    (`code`, `message`: as Failed's)."""
+
+    KIND: ClassVar[str] = "spoken"
+    rid: str
+    audio: bytes = b""
+    sample_rate: int = 0
+    samples: int = 0
+    code: str | None = None
+    message: str = ""
+
+
+@dataclass(slots=True)
 class Bye(Message):
     """The last message of a worker that exits in order; phases maps phase -> seconds."""
 
@@ -422,6 +486,8 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     Tokenize,
     Embed,
     Rerank,
+    Transcribe,
+    Speak,
     Standby,
     Ready,
     Progress,
@@ -436,5 +502,7 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     Tokenized,
     Embedded,
     Reranked,
+    Transcribed,
+    Spoken,
     Bye,
 )

@@ -6,7 +6,9 @@ folder or a config.json `_name_or_path` that names a reranker; in a hub cache, t
 the output: a sentence-transformers folder, with `modules.json` or `1_Pooling/config.json`, whatever its
 architecture, so a decoder with last-token pooling is one too; or a config.json naming an encoder architecture)
 "vision" (a generating decoder with a vision tower: config.json's `vision_config` and a preprocessor_config.json,
-served by mlx-vlm's classes, text-only requests included) and "chat" (all else: a generating decoder, mlx-lm's). Rerank is asked first: a reranker's folder may carry
+served by mlx-vlm's classes, text-only requests included), "stt" (speech to text: a Whisper checkpoint, config.json's
+model_type "whisper" or a Whisper architecture), "tts" (text to speech: a Kokoro checkpoint, config.json with Kokoro's
+`istftnet` and `plbert` sections; issue 54) and "chat" (all else: a generating decoder, mlx-lm's). Rerank is asked first: a reranker's folder may carry
 sentence-transformers files too. Pure file reads, no MLX; an unreadable config reads as "chat", whose loader then
 says what is wrong. `is_decoder` says which engine a worker builds for an embedding or rerank model.
 """
@@ -20,7 +22,10 @@ CHAT = "chat"
 EMBEDDING = "embedding"
 RERANK = "rerank"
 VISION = "vision"  # a chat model that also reads images: config.json's `vision_config` and the processor's files
-MODEL_KINDS = (CHAT, EMBEDDING, RERANK, VISION)
+STT = "stt"  # speech to text (Whisper): /v1/audio/transcriptions and /v1/audio/translations
+TTS = "tts"  # text to speech (Kokoro): /v1/audio/speech
+MODEL_KINDS = (CHAT, EMBEDDING, RERANK, VISION, STT, TTS)
+AUDIO_KINDS = (STT, TTS)
 
 # config.json architectures that are encoders without a generating head (Hugging Face's class names)
 ENCODER_ARCHITECTURES = frozenset({"BertModel", "XLMRobertaModel", "RobertaModel", "ModernBertModel",
@@ -55,6 +60,10 @@ def model_kind(path: Path) -> str:
         return EMBEDDING
     if isinstance(config.get("vision_config"), dict) and (path / "preprocessor_config.json").is_file():
         return VISION
+    if config.get("model_type") == "whisper" or any(a.startswith("Whisper") for a in _architectures(config)):
+        return STT
+    if isinstance(config.get("istftnet"), dict) and isinstance(config.get("plbert"), dict):
+        return TTS
     return CHAT
 
 

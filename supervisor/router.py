@@ -45,10 +45,12 @@ from protocol.messages import (
     Pulse,
     Ready,
     Reranked,
+    Spoken,
     StepStarted,
     Submit,
     Tokenized,
     Tokens,
+    Transcribed,
 )
 from protocol.modelkind import CHAT, VISION
 from supervisor import cache_admin, errors
@@ -450,7 +452,8 @@ class Router(Generic[MetricsT]):
         if stream is not None:
             stream.fail(errors.from_worker(msg.code, msg.message))
 
-    def _on_reply(self, worker: Worker, msg: CacheCleared | Tokenized | Embedded | Reranked) -> None:
+    def _on_reply(self, worker: Worker, msg: CacheCleared | Tokenized | Embedded | Reranked | Transcribed | Spoken
+                  ) -> None:
         """A reply (a kind that carries its request's rid, mapped here in HANDLERS): resolves its `ask`."""
         pending = worker.replies.pop(msg.rid, None)
         if pending is not None and not pending.done():
@@ -503,6 +506,8 @@ class Router(Generic[MetricsT]):
         Tokenized.KIND: _on_reply,
         Embedded.KIND: _on_reply,
         Reranked.KIND: _on_reply,
+        Transcribed.KIND: _on_reply,
+        Spoken.KIND: _on_reply,
         Bye.KIND: _on_bye,
     }
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 from protocol.messages import DUMP_STACKS_SIGNAL, EXIT_CRASHED, EXIT_LOAD_FAILED, EXIT_OK
-from protocol.modelkind import EMBEDDING, RERANK, VISION, model_kind
+from protocol.modelkind import AUDIO_KINDS, EMBEDDING, RERANK, VISION, model_kind
 from worker.faults import FAULTS, Faults
 from worker.image_decode import DECODE_DEADLINE_S, MAX_JPEG_SCANS
 from worker.shutdown import Shutdown, install_signal_handlers, leave, watch_lifeline
@@ -109,6 +109,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--jpeg-max-scans", type=int, default=MAX_JPEG_SCANS,
                    help="a vision model: a JPEG of more scans is refused before decoding (a progressive JPEG has"
                         " about 10, and each scan is a pass over the whole picture; 0: no limit)")
+    p.add_argument("--max-window-tokens", type=int, default=0,
+                   help="a speech-to-text model: the most tokens it writes per 30-second window (0: the model's own"
+                        " limit; tests cap random-weight models, which never stop by themselves)")
     p.add_argument("--fault", action="append", default=[], choices=sorted(FAULTS),
                    help="testing only: misbehave on purpose (repeatable): "
                    + "; ".join(f"{name}: {what}" for name, what in sorted(FAULTS.items())))
@@ -260,6 +263,10 @@ def serve_model(args: argparse.Namespace, sock: zmq.Socket, shutdown: Shutdown, 
             if args.group_rank is not None:
                 raise ValueError("an embedding or rerank model is served by one worker, not a group")
             engine = load_engine(args.model_path, report)
+        elif model_kind(args.model_path) in AUDIO_KINDS:  # speech to text or text to speech: worker/audio_engine.py
+            from worker.mlx_engine.audio_models import load_engine as load_audio
+
+            engine = load_audio(args.model_path, report, args.max_window_tokens, args.image_decode_deadline_s)
         elif model_kind(args.model_path) == VISION and args.group_rank is None and vision_installed():
             from worker.mlx_engine.vision import vision_engine  # mlx-vlm's classes under the batch engine
 

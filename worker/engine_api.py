@@ -20,7 +20,8 @@ What an engine promises the loop:
 
 An embedding or rerank model's engine (worker/embedding_engine.py) is an EngineApi whose generation batch stays
 empty (it refuses every Submit and Tokenize; `len` counts its queued requests) and an EmbedderApi too; a chat
-engine is never an EmbedderApi, so the loop answers an Embed or a Rerank sent to it with a refusal. Its
+engine is never an EmbedderApi, so the loop answers an Embed or a Rerank sent to it with a refusal. An audio model's
+engine (worker/audio_engine.py) is one too, for Transcribe and Speak. Its
 `fail_all` answers with Embedded or Reranked (a code, no rows), which is why `fail_all` returns messages.
 """
 
@@ -29,7 +30,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-from protocol.messages import CacheStats, Embed, Embedded, Failed, Finished, Message, Rerank, Reranked, Submit
+from protocol.messages import (
+    CacheStats,
+    Embed,
+    Embedded,
+    Failed,
+    Finished,
+    Message,
+    Rerank,
+    Reranked,
+    Speak,
+    Spoken,
+    Submit,
+    Transcribe,
+    Transcribed,
+)
 from worker.step_cost import StepPlan
 
 
@@ -121,14 +136,14 @@ class EmbedderApi(Protocol):
     across every pending request, once per turn while any is pending, so Abort and Evict are read between
     batches and the heartbeat comes between them."""
 
-    def enqueue(self, msg: Embed | Rerank) -> None:
+    def enqueue(self, msg: Embed | Rerank | Transcribe | Speak) -> None:
         """Check, tokenize and queue a request; RequestRejected for a bad one (nothing is queued)."""
         ...
 
-    def embed_step(self) -> list[Embedded | Reranked]:
+    def embed_step(self) -> Sequence[Embedded | Reranked | Transcribed | Spoken]:
         """One batch; the replies of the requests it completed (or failed: a code and no rows)."""
         ...
 
-    def withdraw(self, rid: str, code: str, message: str) -> Embedded | Reranked | None:
+    def withdraw(self, rid: str, code: str, message: str) -> Embedded | Reranked | Transcribed | Spoken | None:
         """Remove a pending request; the reply (with `code`) its client is owed, None when it is not pending."""
         ...

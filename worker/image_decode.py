@@ -163,7 +163,8 @@ class Decodes:
     from one thread (the loop's); its threads only run a job's work and signal its end."""
 
     def __init__(self, deadline_s: float = DECODE_DEADLINE_S, workers: int = DECODE_WORKERS,
-                 max_stuck: int = MAX_STUCK, clock: Callable[[], float] = time.monotonic) -> None:
+                 max_stuck: int = MAX_STUCK, clock: Callable[[], float] = time.monotonic, what: str = "image") -> None:
+        self.what = what  # what a job decodes, for the refusals: an image, or an audio model's file (issue 54)
         self.deadline_s = deadline_s
         self.workers = max(1, workers)
         self.max_stuck = max(1, max_stuck)
@@ -234,8 +235,8 @@ class Decodes:
     # --- inside ---------------------------------------------------------------------------
 
     def _busy(self) -> str:
-        return (f"{len(self._stuck)} image decodes that passed their {self.deadline_s:g}s deadline are still running "
-                f"in this worker; it decodes no more images until one of them ends")
+        return (f"{len(self._stuck)} {self.what} decodes that passed their {self.deadline_s:g}s deadline are still running "
+                f"in this worker; it decodes no more {self.what}s until one of them ends")
 
     def _sweep(self) -> None:
         """Running jobs that ended or passed their deadline leave their slots (their outcomes kept for `poll`),
@@ -251,7 +252,10 @@ class Decodes:
                 self._stuck.append(job)
                 log.warning("[vision] rid=%s image %d passed its decode deadline of %gs; its thread is left to end "
                             "(%d such running)", job.rid, job.at, self.deadline_s, len(self._stuck))
-                if not job.dropped:
+                if not job.dropped and self.what != "image":
+                    self._ended.append((job, RequestRejected(INVALID_REQUEST, (
+                        f"the {self.what} took longer than {self.deadline_s:g}s to decode; send it shorter or as WAV"))))
+                elif not job.dropped:
                     self._ended.append((job, RequestRejected(INVALID_REQUEST, (
                         f"image {job.at} took longer than {self.deadline_s:g}s to decode (this worker gives a "
                         f"request's images {self.deadline_s:g}s in all: --image-decode-deadline-s); send it smaller "

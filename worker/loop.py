@@ -61,11 +61,15 @@ from protocol.messages import (
     Ready,
     Rerank,
     Reranked,
+    Speak,
+    Spoken,
     StepStarted,
     Submit,
     Tokenize,
     Tokenized,
     Tokens,
+    Transcribe,
+    Transcribed,
 )
 from worker.channel import Channel
 from worker.engine_api import EmbedderApi, EngineApi, RequestRejected
@@ -75,6 +79,9 @@ from worker.shutdown import Shutdown
 
 log = logging.getLogger(__name__)
 
+# each question an EmbedderApi answers: its reply's class, and what a chat model's refusal says it does not serve
+REPLIES: dict[type, type] = {Embed: Embedded, Rerank: Reranked, Transcribe: Transcribed, Speak: Spoken}
+SERVES = {Embed: "embeddings", Rerank: "rerank", Transcribe: "audio transcriptions", Speak: "audio speech"}
 ANNOUNCE_FRACTION = 0.5  # a step predicted to take more than this part of a heartbeat interval is announced
 MAX_IDLE_WAIT_S = 0.25  # idle, the inbox is waited on this long at most (so signals are seen soon)
 IDLE_WORK_QUIET_S = 1.0  # idle work (warm_step) waits for this long without requests: a client's next one comes sooner
@@ -114,6 +121,8 @@ class WorkerLoop:
             Tokenize.KIND: self._on_tokenize,
             Embed.KIND: self._on_embed,
             Rerank.KIND: self._on_embed,
+            Transcribe.KIND: self._on_embed,  # an audio model's engine (worker/audio_engine.py) is an EmbedderApi too
+            Speak.KIND: self._on_embed,
             Evict.KIND: self._on_evict,
         }
 
@@ -238,11 +247,11 @@ class WorkerLoop:
             return
         self.send(Tokenized(msg.rid, len(ids), ids if msg.ids else []))
 
-    def _on_embed(self, msg: Embed | Rerank) -> None:
-        """Queue an Embed or a Rerank for the embedding engine's batches; refuse it at once where it cannot go."""
-        reply = Reranked if isinstance(msg, Rerank) else Embedded
+    def _on_embed(self, msg: Embed | Rerank | Transcribe | Speak) -> None:
+        """Queue an Embed, a Rerank, a Transcribe or a Speak for its engine; refuse it at once where it cannot go."""
+        reply = REPLIES[type(msg)]
         if self.embedder is None:
-            serves = "rerank" if isinstance(msg, Rerank) else "embeddings"
+            serves = SERVES[type(msg)]
             self.send(reply(msg.rid, code=INVALID_REQUEST,
                             message=f"'{self.model_id}' is a chat model: it does not serve {serves}"))
             return

@@ -28,12 +28,16 @@ from protocol.messages import (
     Ready,
     Rerank,
     Reranked,
+    Speak,
+    Spoken,
     Standby,
     StepStarted,
     Submit,
     Tokenize,
     Tokenized,
     Tokens,
+    Transcribe,
+    Transcribed,
 )
 from tests.unit.golden import GOLDEN_SHA256
 
@@ -76,6 +80,13 @@ SAMPLES = [
     Embedded(rid="e1", vectors=[[0.6, -0.8], [1.0, 0.0]], tokens=6),
     Rerank(rid="k1", query="which?", documents=["a", "b"], instruction="Judge", truncate=64),
     Reranked(rid="k1", scores=[0.25, 0.75], tokens=12),
+    Transcribe(rid="a1", audio=b"RIFF\x00", media_type="audio/wav", task="translate", language="de", prompt="Hi",
+               temperature=0.2, words=True, max_audio_s=600.0),
+    Transcribed(rid="a1", text=" hi", language="en", duration=1.5,
+                segments=[{"id": 0, "start": 0.0, "end": 1.5, "text": " hi",
+                           "words": [{"word": " hi", "start": 0.1, "end": 0.4, "probability": 0.9}]}]),
+    Speak(rid="s1", input="héllo", voice="af_heart", speed=1.25, response_format="flac"),
+    Spoken(rid="s1", audio=b"fLaC\x00", sample_rate=24000, samples=2),
     Bye(reason="evict", aborted=1, drained=2, phases={"settle": 0.01}, memory_bytes=5),
 ]
 

@@ -851,7 +851,8 @@ async def test_an_exception_in_a_background_task_is_logged_with_the_tasks_name(
 
 def test_every_kind_a_worker_sends_has_a_handler() -> None:
     """Catches: a new worker -> supervisor message that the router would drop as unexpected."""
-    to_worker = {"submit", "load", "abort", "evict", "clear_cache", "tokenize", "embed", "rerank"}
+    to_worker = {"submit", "load", "abort", "evict", "clear_cache", "tokenize", "embed", "rerank", "transcribe",
+                 "speak"}
     from_worker = {m.KIND for m in ALL_MESSAGES} - to_worker - {"standby"}  # Standby: the spare's, handled apart
     assert set(Router.HANDLERS) == from_worker
 

@@ -11,7 +11,8 @@ a chat template in the family's real format.
 
 Layout: family.py (what a family is), one module per family (llama, qwen3 with qwen3_moe, qwen3_5,
 gemma3, gpt_oss; vlm.py: qwen3_vl, gemma3_vl; qwen3_pool.py: qwen3-embedding, qwen3-reranker;
-the encoders encoders.py: bert, xlm_roberta.py, modernbert.py, which write their folders themselves),
+the encoders encoders.py: bert, xlm_roberta.py, modernbert.py, which write their folders themselves; the audio
+models whisper.py and kokoro.py, on mlx-audio's classes: issue 54),
 chatml.py / harmony.py (chat templates), tokenizer.py, weights.py (MLX, imported only when weights are written). Importing this package does
 not import MLX.
 """
@@ -25,6 +26,7 @@ from worker.mlx_engine.make_model.encoders import BERT
 from worker.mlx_engine.make_model.family import Family
 from worker.mlx_engine.make_model.gemma3 import GEMMA3
 from worker.mlx_engine.make_model.gpt_oss import GPT_OSS
+from worker.mlx_engine.make_model.kokoro import KOKORO
 from worker.mlx_engine.make_model.llama import FAMILY as LLAMA
 from worker.mlx_engine.make_model.modernbert import MODERNBERT
 from worker.mlx_engine.make_model.qwen3 import QWEN3, QWEN3_MOE
@@ -38,11 +40,12 @@ from worker.mlx_engine.make_model.tokenizer import (
     write_tokenizer,
 )
 from worker.mlx_engine.make_model.vlm import GEMMA3_VL, QWEN3_VL
+from worker.mlx_engine.make_model.whisper import WHISPER
 from worker.mlx_engine.make_model.xlm_roberta import XLM_ROBERTA
 
 FAMILIES: dict[str, Family] = {f.arch: f for f in (LLAMA, QWEN3, QWEN3_MOE, GEMMA3, GPT_OSS, QWEN3_5,
                                                    QWEN3_EMBEDDING, QWEN3_RERANKER, BERT, QWEN3_VL, GEMMA3_VL,
-                                                   XLM_ROBERTA, MODERNBERT)}
+                                                   XLM_ROBERTA, MODERNBERT, WHISPER, KOKORO)}
 PRESET_NAMES = ("tiny", "small", "1b")
 QUANTIZE_BITS = (4, 8)
 PRESETS = LLAMA.presets  # the default family's, as before families existed
