@@ -94,6 +94,9 @@ class Settings:
     # an embedding or rerank request fails (504) once its worker has sent no heartbeat for this long: a silence
     # limit, not a deadline (the worker heartbeats between its batches, so long work on a slow host completes)
     embed_timeout_s: float = 600.0
+    # audio (issue 54): a transcription's multipart body at most this big (OpenAI's 25 MB), its audio this long
+    audio_max_bytes: int = 25 * 1024 * 1024
+    max_audio_s: float = 3600.0
     prefill_step_size: int = 2048  # the most prompt tokens of a sequence one engine step prefills
     step_target_s: float = 0.25  # an engine step's target duration: prefill chunks are sized to it
     warm_batch_shapes: str = "auto"  # idle workers run each batch size once (after Ready, a step at a time): auto (GPU only), on, off
@@ -214,6 +217,7 @@ _SERVER_KEYS: dict[str, type | tuple[type, ...]] = {
     "image_max_bytes": int, "image_max_pixels": int, "image_max_count": int, "image_fetch": bool,
     "image_fetch_timeout_s": (int, float),
     "embed_timeout_s": (int, float),
+    "audio_max_bytes": int, "max_audio_s": (int, float),
     "ollama_listen": str,
 }
 _MEMORY_KEYS = {

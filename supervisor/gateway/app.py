@@ -28,6 +28,7 @@ from supervisor.config_view import effective
 from supervisor.gateway.agent_routes import agent_routes
 from supervisor.gateway.anthropic_api import anthropic_error_body
 from supervisor.gateway.arrivals import Arrivals
+from supervisor.gateway.audio_routes import UPLOAD_PATHS, audio_routes
 from supervisor.gateway.body import decode_json
 from supervisor.gateway.embeddings_routes import embeddings_routes
 from supervisor.gateway.guard import WebGuard
@@ -217,6 +218,7 @@ def build_app(router: Router, settings: Settings) -> ASGIApp:
         *openai_routes(router, settings),
         *embeddings_routes(router, settings),  # /v1/embeddings
         *rerank_routes(router, settings),  # /v1/rerank, /rerank, /v2/rerank
+        *audio_routes(router, settings),  # /v1/audio/transcriptions, /v1/audio/translations, /v1/audio/speech
         Route("/health", gw.health, methods=["GET"]),
         Route("/api/status", gw.status, methods=["GET"]),
         Route("/metrics", gw.metrics, methods=["GET"]),
@@ -236,5 +238,5 @@ def build_app(router: Router, settings: Settings) -> ASGIApp:
         app = RequireApiKey(app, settings.api_key)
     # outermost: a request from a foreign Host or Origin is refused before anything else looks at it
     return WebGuard(app, hosts=[settings.host, *settings.allowed_hosts], origins=settings.allowed_origins,
-                    untyped=[*OLLAMA_PATHS, OLLAMA_BLOBS],  # Ollama's clients send bodies with no Content-Type
+                    untyped=[*OLLAMA_PATHS, OLLAMA_BLOBS], multipart=UPLOAD_PATHS,  # Ollama's clients send bodies with no Content-Type
                     error_body=lambda path, exc: ollama_error_body(exc) if path in OLLAMA_PATHS else exc.body())

@@ -16,7 +16,9 @@ from reading the API or running anything:
   type cross-origin without a preflight, which only allowed origins pass. A POST without a body
   (`curl -X POST .../evict`) needs no type. On the `untyped` paths (Ollama's API, whose clients, LiteLLM's among
   them, send JSON with no type), a body with no Content-Type at all passes when the request has no Origin: every
-  browser sends one with a POST, so it is no page's request (and a foreign one is refused above).
+  browser sends one with a POST, so it is no page's request (and a foreign one is refused above). On the
+  `multipart` paths (OpenAI's audio uploads) a `multipart/form-data` body passes: a browser may send one without a
+  preflight, but only with an Origin, refused above unless it is allowed.
 - CORS preflights are answered (204) for allowed origins only; their actual responses carry
   Access-Control-Allow-Origin. Preflights carry no credentials, so this runs before the API key.
 
@@ -49,11 +51,12 @@ class WebGuard:
     """ASGI middleware applying the rules above to every HTTP and WebSocket request."""
 
     def __init__(self, app: ASGIApp, hosts: Iterable[str] = (), origins: Iterable[str] = (),
-                 untyped: Iterable[str] = (),
+                 untyped: Iterable[str] = (), multipart: Iterable[str] = (),
                  error_body: Callable[[str, errors.MlxsupError], dict] = lambda path, exc: exc.body()) -> None:
         self.app = app
         self.error_body = error_body  # a refusal's body, by path (Ollama's paths answer in Ollama's shape)
         self.untyped = frozenset(p for p in untyped if not p.endswith("/"))
+        self.multipart = frozenset(multipart)  # paths whose bodies are multipart/form-data (audio uploads, issue 54)
         self.untyped_under = tuple(p for p in untyped if p.endswith("/"))  # a path ending in "/": every path under it
         self.host_names = {h for h in map(host_name, hosts) if h is not None}
         self.origins: set[Origin] = set()
@@ -110,7 +113,9 @@ class WebGuard:
                     "[server] allowed_origins to let its pages use this server")
             cors_origin = None if origin == own else origins[0]  # same-origin needs no CORS grant
         untyped = scope["path"] in self.untyped or scope["path"].startswith(self.untyped_under)
-        if scope["type"] == "http" and not (untyped and "content-type" not in headers and "origin" not in headers):
+        uploads = scope["path"] in self.multipart and headers.get("content-type", "").startswith("multipart/form-data")
+        if scope["type"] == "http" and not uploads and \
+                not (untyped and "content-type" not in headers and "origin" not in headers):
             _check_body_type(scope["method"], headers)
         return cors_origin
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 import subprocess
 import time
@@ -35,12 +36,15 @@ KOKORO_WINDOW = 510  # phonemes per call: Kokoro's context less its two pad toke
 
 
 def plain(value: Any) -> Any:
-    """A result as msgpack-native values (mlx-audio's segments hold numpy and MLX scalars)."""
+    """A result as msgpack-native values (mlx-audio's segments hold numpy and MLX scalars); a float that is not finite
+    (a random-weight model's -inf log probability) as None, which JSON can carry."""
     if isinstance(value, dict):
         return {str(k): plain(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [plain(v) for v in value]
-    if isinstance(value, bool | int | float | str) or value is None:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, bool | int | str) or value is None:
         return value
     if hasattr(value, "tolist"):
         return plain(value.tolist())
@@ -102,7 +106,10 @@ class Kokoro:
         ps = phonemes(text, self.model.vocab)
         if not ps:
             return np.zeros(0, np.float32)
+        import mlx.core as mx
+
         pack: Any = self.packs[voice]
+        mx.random.seed(0)  # Kokoro's source adds noise: seeded, the same text speaks the same samples every time
         audio = self.model(ps, pack[min(len(ps), pack.shape[0]) - 1], speed)
         return np.array(audio, dtype=np.float32).reshape(-1)
 
