@@ -87,7 +87,8 @@ class StubRouter:
     def __init__(self, deltas: list[tuple[str, dict | None]], burst: int) -> None:
         self.deltas = deltas
         self.burst = burst
-        self.registry = SimpleNamespace(resolve=lambda name: SimpleNamespace(id=MODEL), specs={MODEL: None})
+        self.registry = SimpleNamespace(resolve=lambda name: SimpleNamespace(id=MODEL, sampling={}, model_sampling={}),
+                                        specs={MODEL: None})
         self.metrics = Metrics()
         self.clock = SimpleNamespace(monotonic=time.monotonic)
 

@@ -267,8 +267,10 @@ def load_file(path: Path, settings: Settings) -> Settings:
             value = [Path(v).expanduser() for v in cast(list, value)]
         elif key in ("allowed_hosts", "allowed_origins"):
             value = _web_names(key, cast(list, value), path)
-        elif key in ("max_queued_requests", "queue_timeout_s", "max_running_requests") and cast(float, value) < 0:
-            raise ConfigError(f"{path}: server.{key}: expected a non-negative number, got {value!r}")
+        elif key == "max_running_requests" and cast(int, value) < 0:
+            raise ConfigError(f"{path}: server.{key}: expected 0 (twice max_batch_size) or more, got {value!r}")
+        elif key in ("max_queued_requests", "queue_timeout_s") and cast(float, value) <= 0:
+            raise ConfigError(f"{path}: server.{key}: expected a positive number, got {value!r}")
         elif key == "warm_batch_shapes" and value not in ("auto", "on", "off"):
             raise ConfigError(f"{path}: server.warm_batch_shapes: expected 'auto', 'on' or 'off', got {value!r}")
         elif key == "model_aliases" and not all(isinstance(v, str) and v for v in cast(dict, value).values()):

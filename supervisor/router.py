@@ -157,28 +157,40 @@ class Router(Generic[MetricsT]):
 
         A request that cannot take a lease at once waits in the model's queue (slot.py) in arrival order, for a load,
         for room (busy models to idle, then their eviction), for a place on its worker (`running_limit`); `queued`
-        bounds it (`max_queued_requests`: QueueFull at once, `queue_timeout_s`: QueueTimeout), else (a resume, an
-        explicit load) it waits unbounded. A request waiting on a load holds a lease on the loading worker too, so
-        nothing evicts it between its Ready and the request's submit.
+        bounds it (`max_queued_requests`: QueueFull at once, `queue_timeout_s`: QueueTimeout), else (an explicit
+        load) it waits unbounded. A request waiting on a load holds a lease on the loading worker too, so nothing
+        evicts it between its Ready and the request's submit.
         """
+        return (await self._acquire(name, 1, explicit, queued))[0]
+
+    async def acquire_many(self, name: str, count: int) -> list[Lease]:
+        """`count` leases on the model's worker, taken together in one turn (a request's choices: none of them waits
+        for a place another holds, so a request never waits on itself)."""
+        return await self._acquire(name, count)
+
+    async def _acquire(self, name: str, count: int, explicit: bool = False, queued: bool = True,
+                       seq: int | None = None) -> list[Lease]:
         spec = self.registry.resolve(name)
         slot = self.lifecycle.slot(spec.id)
         if explicit:
             slot.clear()
-        self._arrivals += 1
-        seq = self._arrivals
+        if seq is None:
+            self._arrivals += 1
+            seq = self._arrivals
         worker = slot.worker
-        if worker is not None and self._may_run(slot, worker, seq, None):
-            return self._lease(worker)
+        if worker is not None and (self._may_run(slot, worker, seq, None, count)
+                                   or explicit and worker.state is State.READY):  # a load: it is loaded already
+            return self._lease(worker, count)
         settings = self.settings
         if queued and len(slot.queue) >= settings.max_queued_requests:
             raise self._refused(spec.id, slot, "full", errors.QueueFull(
                 f"the model '{spec.id}' has {len(slot.queue)} requests waiting already, as many as it queues "
                 "(max_queued_requests); try again later"))
-        waiter = Waiter(seq, self.clock.monotonic())
+        waiter = Waiter(seq, self.clock.monotonic(), count=count)
         slot.queue.append(waiter)
         try:
-            lease = await (self._within_limit(spec, slot, waiter) if queued else self._wait_in_line(spec, slot, waiter))
+            leases = await (self._within_limit(spec, slot, waiter) if queued
+                            else self._wait_in_line(spec, slot, waiter))
         finally:
             slot.queue.remove(waiter)
             self._stop_waiting_for(waiter)
@@ -187,21 +199,24 @@ class Router(Generic[MetricsT]):
         waited = self.clock.monotonic() - waiter.since
         slot.waited(waited)
         self.metrics.queue_wait.labels(spec.id).observe(waited)
-        return lease
+        return leases
 
     async def _acquire_unbounded(self, name: str) -> Lease:
-        """A lease for a suspended request's resume: it waits in line, bounded by resume_timeout_s, not the queue's."""
-        return await self.acquire(name, queued=False)
+        """A lease for a suspended request's resume: first in line (it was admitted before anything waiting now),
+        bounded by resume_timeout_s, not the queue's bounds."""
+        return (await self._acquire(name, 1, queued=False, seq=0))[0]
 
-    def _may_run(self, slot: ModelSlot, worker: Worker, seq: int, waiter: Waiter | None) -> bool:
-        return (worker.state is State.READY and worker.leases < self.settings.running_limit
+    def _may_run(self, slot: ModelSlot, worker: Worker, seq: int, waiter: Waiter | None, count: int) -> bool:
+        """Its `count` places fit under the worker's running limit (or it runs alone), and it is its turn."""
+        return (worker.state is State.READY
+                and (worker.leases + count <= self.settings.running_limit or worker.leases == 0)
                 and slot.may_take(seq, waiter))
 
-    def _lease(self, worker: Worker) -> Lease:
-        worker.leases += 1
-        return Lease(self, worker)
+    def _lease(self, worker: Worker, count: int) -> list[Lease]:
+        worker.leases += count
+        return [Lease(self, worker) for _ in range(count)]
 
-    async def _within_limit(self, spec: ModelSpec, slot: ModelSlot, waiter: Waiter) -> Lease:
+    async def _within_limit(self, spec: ModelSpec, slot: ModelSlot, waiter: Waiter) -> list[Lease]:
         """_wait_in_line's lease, or QueueTimeout once the request has waited queue_timeout_s (one timer, which
         cancels the wait: no wrapper around each of its awaits)."""
         task = asyncio.current_task()
@@ -218,9 +233,8 @@ class Router(Generic[MetricsT]):
         try:
             return await self._wait_in_line(spec, slot, waiter)
         except asyncio.CancelledError:
-            if not expired:
+            if not expired or task.uncancel() > 0:  # a cancel from outside too: it wins
                 raise
-            task.uncancel()
         finally:
             timer.cancel()
         raise self._refused(spec.id, slot, "timeout", errors.QueueTimeout(
@@ -234,7 +248,7 @@ class Router(Generic[MetricsT]):
         err.retry_after_s = slot.retry_after_s()
         return err
 
-    async def _wait_in_line(self, spec: ModelSpec, slot: ModelSlot, waiter: Waiter) -> Lease:
+    async def _wait_in_line(self, spec: ModelSpec, slot: ModelSlot, waiter: Waiter) -> list[Lease]:
         """The queued request's lease, once it is its turn (see acquire)."""
         changes = self.lifecycle.changes
         while True:
@@ -262,8 +276,8 @@ class Router(Generic[MetricsT]):
             self._stop_waiting_for(waiter)
             self._loaded_for(waiter)
             if worker.state is State.READY:
-                if self._may_run(slot, worker, waiter.seq, waiter):
-                    return self._lease(worker)
+                if self._may_run(slot, worker, waiter.seq, waiter, waiter.count):
+                    return self._lease(worker, waiter.count)
                 waiter.what = "a place on its worker"
                 await changes.wait()
             elif worker.state in (State.EVICTING, State.FAILED):  # on its way out: decide again once it is gone

@@ -37,6 +37,7 @@ class Waiter:
     since: float
     waits_for: list[ModelSlot] = field(default_factory=list)
     what: str = "its turn"  # what it waits for now (a timeout says it)
+    count: int = 1  # the places it takes on the worker (a request's choices, taken together)
 
 
 class Changes:
@@ -103,12 +104,7 @@ class ModelSlot:
         no request queued before it still waits, and no other model's waiter came before it to wait for this worker."""
         if self.yield_to and seq > min(w.seq for w in self.yield_to):
             return False
-        for queued in self.queue:
-            if queued is waiter:
-                return True
-            if queued.seq < seq:
-                return False
-        return True
+        return not any(queued.seq < seq for queued in self.queue if queued is not waiter)
 
     def waited(self, seconds: float) -> None:
         self.mean_wait_s += WAIT_EWMA * (seconds - self.mean_wait_s) if self.mean_wait_s else seconds

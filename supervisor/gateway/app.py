@@ -75,7 +75,7 @@ class Gateway:
         name = request.path_params["model"]
         self.router.registry.resolve(name)
         t0 = time.monotonic()
-        loading = asyncio.create_task(self.router.acquire(name, explicit=True), name=f"load[{name}]")
+        loading = asyncio.create_task(self.router.acquire(name, explicit=True, queued=False), name=f"load[{name}]")
         loading.add_done_callback(_release_lease)
 
         def report() -> dict:

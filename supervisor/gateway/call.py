@@ -47,6 +47,7 @@ class Call:
         self.status = STATUS_DISCONNECTED  # the HTTP status this request's outcome maps to
         self.t0 = time.monotonic()
         self.t_first: float | None = None
+        self.t_leased: float | None = None  # when it had its worker (a load's end)
         self._queue: asyncio.Queue = asyncio.Queue()  # its stream's events (the stream's own queue once submitted)
         self._held: object | None = None  # an item taken from the queue that did not merge into the last delta
         self._timer: asyncio.TimerHandle | None = None  # the keep-alive timer (while one is set)
@@ -58,11 +59,15 @@ class Call:
     def model_id(self) -> str:
         return self.lease.worker.spec.id if self.lease else self.parsed.model
 
-    async def start(self) -> None:
-        """Route, submit and wait for the first event: an error up to here is the response's status."""
+    async def start(self, lease: Lease | None = None) -> None:
+        """Route (unless given its `lease`), submit and wait for the first event: an error up to here is the
+        response's status."""
         try:
-            expect(self.router.registry.resolve(self.parsed.model).id)  # read whole, on its way to this model
-            self.lease = await self.router.acquire(self.parsed.model)
+            if lease is None:
+                expect(self.router.registry.resolve(self.parsed.model).id)  # read whole, on its way to this model
+                lease = await self.router.acquire(self.parsed.model)
+            self.lease = lease
+            self.t_leased = time.monotonic()
             # a burst's rest for the same worker, so it waits for them (gateway/arrivals.py)
             self.submit.more = await still_coming(self.lease.worker.spec.id)
             self._queue = self.lease.submit(self.submit).queue
@@ -213,7 +218,19 @@ class Calls:
         self.calls = [Call(router, parsed, endpoint, submit) for submit in parsed.choices]
 
     async def start(self) -> None:
-        tasks = [asyncio.create_task(c.start(), name=f"start[{c.submit.rid}]") for c in self.calls]
+        """Route the choices together (their leases in one turn: no choice waits for a place another holds), then
+        start each."""
+        if len(self.calls) > 1:
+            first = self.calls[0]
+            expect(first.router.registry.resolve(self.parsed.model).id)
+            try:
+                leases = await first.router.acquire_many(self.parsed.model, len(self.calls))
+            except errors.MlxsupError as exc:
+                first.outcome, first.status = exc.code, exc.status
+                raise
+            for call, lease in zip(self.calls, leases):  # each Call's now: its close releases it, started or not
+                call.lease = lease
+        tasks = [asyncio.create_task(c.start(c.lease), name=f"start[{c.submit.rid}]") for c in self.calls]
         try:
             await asyncio.gather(*tasks)
         finally:

@@ -318,9 +318,8 @@ class OllamaRoutes:
         parsed.model = spec.id
         await attach(parsed, self.router.registry, ImageLimits.of(self.settings))
         fill(parsed, self.router.registry)  # unset sampling fields: the model's defaults
-        await self._ready(spec.id)
-        timing.loaded = time.monotonic()
         calls = Calls(self.router, parsed, request.url.path)
+        timing.calls = calls  # its load's end is when its call has its worker (one acquire: no lease let go between)
         if parsed.stream:
             try:
                 sse = await streamed(calls, NDJSONWriter(calls, shaper, timing), self.settings.sse_keepalive_s)
@@ -355,13 +354,17 @@ class OllamaRoutes:
             raise bad(f'"{req.model}" does not support embeddings', "model")
         if old and req.inputs == [""]:  # Ollama's answer to an empty prompt
             return JSONResponse({"embedding": []})
-        await self._ready(spec.id)
-        loaded = time.monotonic()
+        loaded = t0
+
+        def leased() -> None:
+            nonlocal loaded
+            loaded = time.monotonic()
+
         try:
             reply = await ask_worker(self.router, spec.id,
                                      lambda rid: Embed(rid, req.inputs, req.truncate, req.dimensions),
                                      self.settings.embed_timeout_s, "embed the inputs", param="input",
-                                     request=request, silence=True)
+                                     request=request, silence=True, on_lease=leased)
         finally:
             self.keep.after(spec.id, req.keep_alive)
         assert isinstance(reply, Embedded)

@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import json
 import time
+from typing import TYPE_CHECKING
 
 from protocol.messages import CONTEXT_WINDOW, Finished
 from supervisor.gateway.ollama_models import now
 from supervisor.gateway.transcript import STOP, Part, Transcript
+
+if TYPE_CHECKING:
+    from supervisor.gateway.call import Calls
 
 NS = 1_000_000_000
 
@@ -47,9 +51,12 @@ class Timing:
     def __init__(self) -> None:
         self.t0 = time.monotonic()
         self.loaded = self.t0
+        self.calls: Calls | None = None  # a generation's Calls: its first call's lease time is the load's end
 
     def durations(self, fin: Finished | None, t_first: float | None) -> dict:
         end = time.monotonic()
+        if self.calls is not None and self.calls.calls[0].t_leased is not None:
+            self.loaded = self.calls.calls[0].t_leased
         first = t_first if t_first is not None else end
         out = {"total_duration": int((end - self.t0) * NS), "load_duration": int((self.loaded - self.t0) * NS)}
         if fin is not None:

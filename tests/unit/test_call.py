@@ -68,6 +68,9 @@ class StubRouter:
     async def acquire(self, name: str, explicit: bool = False) -> StubLease:
         return self.lease
 
+    async def acquire_many(self, name: str, count: int) -> list[StubLease]:
+        return [self.lease] * count
+
     def loading(self, name: str) -> None:
         return None
 

@@ -35,7 +35,7 @@ class StubRouter:
         self.lease = StubLease()
         self.gate: asyncio.Future = asyncio.get_running_loop().create_future()
 
-    async def acquire(self, name: str, explicit: bool = False) -> StubLease:
+    async def acquire(self, name: str, explicit: bool = False, queued: bool = True) -> StubLease:
         await self.gate
         return self.lease
 

@@ -187,3 +187,63 @@ async def test_a_keep_alive_is_the_workers_ttl_or_pin_and_ends_with_it(tmp_path:
     (await w.load("m")).release()
     assert w.router.model_status("m").ttl_s == 100.0 and not w.router.model_status("m").pinned  # the next worker
     assert not w.router.keep_alive("n", 5.0)  # no worker: nothing to say it to
+
+
+@scenario
+async def test_a_request_with_more_choices_than_places_takes_them_together_and_never_waits_on_itself(
+        tmp_path: Path) -> None:
+    """Catches: a request's choices acquired one by one, the last waiting for a place the first ones hold until the
+    request ends (a stall until queue_timeout_s, every later request behind it)."""
+    w = World(tmp_path, max_running_requests=2)
+    (await w.load("m")).release()
+    leases = await now(w.router.acquire_many("m", 3))  # more than the limit: it runs alone, all at once
+    assert len(leases) == 3 and w.worker("m").leases == 3
+    later = asyncio.ensure_future(w.router.acquire("m"))
+    await settle()
+    assert pending(later)  # the worker is full: a later request waits its turn
+    for lease in leases:
+        lease.release()
+    await settle()
+    assert later.done()
+    later.result().release()
+    two = asyncio.ensure_future(w.router.acquire_many("m", 2))
+    await settle()
+    assert two.done() and len(two.result()) == 2
+
+
+@scenario
+async def test_a_resumed_request_goes_first_and_an_explicit_load_never_waits_for_a_place(tmp_path: Path) -> None:
+    """Catches: a resume queued behind every request that came after its own (failing on resume_timeout_s while newer
+    ones are served), or `mlxsup load` of a loaded, saturated model waiting for one of its requests to end."""
+    w = World(tmp_path, max_running_requests=1)
+    held = await w.load("m")
+    queued = asyncio.ensure_future(w.router.acquire("m"))
+    await settle()
+    resumed = asyncio.ensure_future(w.router._acquire_unbounded("m"))
+    await settle()
+    assert pending(queued) and pending(resumed)
+    loaded = await now(w.router.acquire("m", explicit=True, queued=False))  # answered at once: it is loaded
+    loaded.release()
+    held.release()
+    await settle()
+    assert resumed.done() and pending(queued)  # the resume first, though it came later
+    resumed.result().release()
+    await settle()
+    assert queued.done()
+    queued.result().release()
+
+
+@scenario
+async def test_a_client_that_leaves_as_its_wait_times_out_is_cancelled_not_refused(tmp_path: Path) -> None:
+    """Catches: the queue's timer swallowing an outside cancel that came in the same turn (QueueTimeout raised to a
+    caller that cancelled)."""
+    w = World(tmp_path, max_loaded_models=1, queue_timeout_s=5.0)
+    held = await w.load("m")
+    waiting = asyncio.ensure_future(w.router.acquire("n"))
+    await settle()
+    w.clock.advance(6)  # the timer's cancel ...
+    waiting.cancel()  # ... and the client's, in the same turn
+    await settle()
+    assert waiting.cancelled()
+    assert w.router.model_status("n").waiting == 0
+    held.release()
