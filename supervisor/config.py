@@ -143,12 +143,20 @@ class Settings:
     ollama_listen: str = "127.0.0.1:11434"
 
     def security_warning(self) -> str | None:
-        """What is wrong with listening where this daemon listens without a key; None: nothing."""
-        if self.api_key or is_loopback(host_name(self.host) or self.host):
+        """What is wrong with listening where this daemon listens (its port, and Ollama's: `ollama_listen`) without
+        a key; None: nothing."""
+        if self.api_key:
             return None
-        return (f"listening on {self.host} without an API key: anyone who can reach this address can use every "
-                "model and admin route (the Host check is not authentication); set [server] api_key or "
-                "MLXSUP_API_KEY, or listen on 127.0.0.1")
+        try:
+            ollama = listen_address(self.ollama_listen)
+        except ValueError:
+            ollama = None
+        for host, setting in ((self.host, "host"), *([(ollama[0], "ollama_listen")] if ollama else [])):
+            if not is_loopback(host_name(host) or host):
+                return (f"listening on {host} ([server] {setting}) without an API key: anyone who can reach this "
+                        "address can use every model and admin route (the Host check is not authentication); set "
+                        "[server] api_key or MLXSUP_API_KEY, or listen on 127.0.0.1")
+        return None
 
     def model_cache(self, spec: ModelSpec) -> CacheConfig:
         """A model's effective cache settings: its own overrides, then [cache], then the defaults."""
@@ -283,6 +291,24 @@ def load_file(path: Path, settings: Settings) -> Settings:
     except ValueError as exc:
         raise ConfigError(f"{path}: {exc}") from None
     return settings
+
+
+OFF = ("", "off", "false", "no", "0")  # an `ollama_listen` that listens nowhere
+
+
+def listen_address(value: str) -> tuple[str, int] | None:
+    """(host, port) of an `ollama_listen` value ("HOST:PORT", or a port alone on 127.0.0.1); None: off; ValueError
+    for one that is neither."""
+    text = value.strip()
+    if text.lower() in OFF:
+        return None
+    host, colon, port = text.rpartition(":")
+    if not colon:
+        host, port = "127.0.0.1", text
+    host = host.strip("[]") or "127.0.0.1"
+    if not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"ollama_listen: {value!r} is neither HOST:PORT nor 'off'")
+    return host, int(port)
 
 
 def _web_names(key: str, values: list, path: Path) -> list[str]:

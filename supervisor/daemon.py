@@ -202,15 +202,18 @@ def build_registry(settings: Settings) -> Registry:
     return registry
 
 
-def listen(host: str, port: int) -> socket.socket:
-    """Bind the HTTP port before anything else starts, so a taken port leaves nothing behind."""
+def listen(host: str, port: int, reuse: bool = True) -> socket.socket:
+    """Bind the HTTP port before anything else starts, so a taken port leaves nothing behind. `reuse`: SO_REUSEADDR
+    (a restart binds at once); off for a port another server may hold (Ollama's: on macOS it would let a bind to
+    127.0.0.1 succeed beside a server listening on 0.0.0.0, and take its loopback clients)."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         sock = socket.socket(family, kind, proto)
     except OSError as exc:
         raise StartupError(f"cannot listen on {host}:{port}: {exc}") from None
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
         sock.listen(2048)
     except OSError as exc:
@@ -247,7 +250,8 @@ async def serve(settings: Settings) -> int:
 async def _serve(settings: Settings) -> int:
     registry = build_registry(settings)
     listener = listen(settings.host, settings.port)
-    ollama = open_listener(settings, listener.getsockname()[1], listen)  # None: off, or its port is taken (logged)
+    ollama = open_listener(settings, listener.getsockname()[1],  # None: off, or its port is taken (logged)
+                           lambda host, port: listen(host, port, reuse=False))
     run_dir = runtime_dir(settings.state_dir)
     reap_stale(run_dir)
     router = build_router(registry, settings, run_dir)

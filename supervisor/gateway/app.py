@@ -233,7 +233,8 @@ def build_app(router: Router, settings: Settings) -> ASGIApp:
     ]
     handlers = {errors.MlxsupError: _on_error, HTTPException: _on_error, Exception: _on_error}
     app: ASGIApp = Arrivals(Starlette(routes=routes, exception_handlers=handlers))  # each Submit says what follows
-    app = BodyDeadline(app, settings.body_timeout_s)  # a body not whole in time: 408, never held for ever
+    # a body not whole in time (an upload: a part of it): 408, never held for ever
+    app = BodyDeadline(app, settings.body_timeout_s, uploads=(OLLAMA_BLOBS,))
     if settings.api_key:
         app = RequireApiKey(app, settings.api_key)
     # outermost: a request from a foreign Host or Origin is refused before anything else looks at it

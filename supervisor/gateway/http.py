@@ -65,22 +65,26 @@ class BodyDeadline:
     RequestTimeout (the routes' error mapping makes it a 408) and the response closes the connection, so a
     slow-loris upload holds neither a connection nor a task past the deadline. Once the body is whole (or for a
     request that never reads it) `receive` is passed through untimed: the watch for a client leaving runs as long
-    as its answer does."""
+    as its answer does. Under an `uploads` path prefix (a file of gigabytes) the deadline is for each part of the
+    body instead: a stalled upload is cut as soon, one that keeps coming is not."""
 
-    def __init__(self, app: ASGIApp, timeout_s: float) -> None:
+    def __init__(self, app: ASGIApp, timeout_s: float, uploads: tuple[str, ...] = ()) -> None:
         self.app = app
         self.timeout_s = timeout_s
+        self.uploads = uploads
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not self.timeout_s:
             await self.app(scope, receive, send)
             return
-        deadline = asyncio.get_running_loop().time() + self.timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        upload = scope["path"].startswith(self.uploads) if self.uploads else False
         whole = False
         late = False
 
         async def timed_receive() -> Message:
-            nonlocal whole, late
+            nonlocal whole, late, deadline
             if whole:
                 return await receive()
             try:
@@ -94,6 +98,8 @@ class BodyDeadline:
                                             "(server.body_timeout_s)") from None
             if message["type"] != "http.request" or not message.get("more_body", False):
                 whole = True
+            elif upload:
+                deadline = loop.time() + self.timeout_s
             return message
 
         async def closing_send(message: Message) -> None:

@@ -18,9 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from supervisor.config import Settings
+from supervisor.config import listen_address as address
 
 log = logging.getLogger(__name__)
-OFF = ("", "off", "false", "no", "0")
 
 
 @dataclass
@@ -34,20 +34,6 @@ class ListenerStatus:
 
 
 STATUS = ListenerStatus()  # this daemon's (one per process), for /api/status
-
-
-def address(value: str) -> tuple[str, int] | None:
-    """(host, port) of an `ollama_listen` value; None: off; ValueError for one that is neither."""
-    text = value.strip()
-    if text.lower() in OFF:
-        return None
-    host, colon, port = text.rpartition(":")
-    if not colon:
-        host, port = "127.0.0.1", text
-    host = host.strip("[]") or "127.0.0.1"
-    if not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"ollama_listen: {value!r} is neither HOST:PORT nor 'off'")
-    return host, int(port)
 
 
 def open_listener(settings: Settings, main_port: int, listen: Callable[[str, int], socket.socket]

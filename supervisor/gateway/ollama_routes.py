@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import shutil
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -155,7 +156,9 @@ class OllamaRoutes:
 
     def _spec(self, name: Any) -> ModelSpec:
         if isinstance(name, str) and name.removesuffix(f":{om.LATEST}") in self.copies:
-            return self.router.registry.specs[self.copies[name.removesuffix(f":{om.LATEST}")]]
+            spec = self.router.registry.specs.get(self.copies[name.removesuffix(f":{om.LATEST}")])
+            if spec is not None:  # its model gone: the name is looked up as any other (a 404)
+                return spec
         return om.resolve(self.router.registry, name)
 
     async def tags(self, request: Request) -> Response:
@@ -273,6 +276,10 @@ class OllamaRoutes:
                       f"named hf.co/ORG/NAME[:REVISION] (not '{name[:100]}')", "model")
         ref = om.candidates(name)[-1]
         tag = name.rpartition(":")[2] if ":" in name.partition("/")[2] else ""
+        if re.fullmatch(r"(?i)i?q\d\w*|f16|f32|bf16", tag):
+            raise bad(f"pull model manifest: '{tag[:40]}' names a GGUF quantization; mlxsup pulls MLX repos "
+                      "(hf.co/ORG/NAME[:REVISION], a branch, tag or commit of the repo); `mlxsup import` takes a "
+                      "GGUF file", "model")
         if tag and tag != om.LATEST:
             ref = f"{ref}@{tag}"
         p, events, done = await self.pulls.begin(ref)

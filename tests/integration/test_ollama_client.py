@@ -334,6 +334,9 @@ def test_pull_from_the_hub_with_ollamas_progress_then_copy_and_delete(client: ol
     with pytest.raises(ollama.ResponseError) as not_hf:
         client.pull("llama3.2")
     assert not_hf.value.status_code == 400 and "file does not exist" in not_hf.value.error
+    with pytest.raises(ollama.ResponseError) as quant:  # Ollama's GGUF quant tag is no revision of an MLX repo
+        client.pull("hf.co/mlx-test/Pullme-4bit:Q4_K_M")
+    assert quant.value.status_code == 400 and "GGUF quantization" in quant.value.error
     assert client.copy("hf.co/mlx-test/Pullme-4bit", "mine").status == "success"
     assert "mine:latest" in {m.model for m in client.list().models}
     assert client.show("mine:latest").details.family == "llama"  # type: ignore[union-attr]

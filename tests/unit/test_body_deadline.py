@@ -90,3 +90,31 @@ def test_a_slow_upload_whole_in_time_and_a_long_answer_are_not_timed() -> None:
         assert b"connection" not in headers
 
     asyncio.run(main())
+
+
+def test_an_upload_that_keeps_coming_is_timed_per_part_and_one_that_stalls_is_still_cut() -> None:
+    """Catches: a blob upload of gigabytes (Ollama's /api/blobs) cut at body_timeout_s however steadily it comes, or
+    an upload path exempt from the deadline altogether (a stalled one held for ever)."""
+    from supervisor.errors import RequestTimeout
+    from supervisor.gateway.http import BodyDeadline
+
+    async def reader(scope: dict, receive: Callable[[], Awaitable[dict]], send: object) -> None:
+        while (await receive()).get("more_body"):
+            pass
+
+    def upload(path: str, gaps: list[float]) -> tuple[dict, Callable[[], Awaitable[dict]]]:
+        scope, receive = request([b"x"] * len(gaps), gaps, len(gaps))
+        return {**scope, "path": path}, receive
+
+    async def main() -> None:
+        app = BodyDeadline(reader, TIMEOUT_S, uploads=("/api/blobs/",))
+        steady = [0.0] + [TIMEOUT_S / 2] * 6  # whole after 3 deadlines, no part later than half of one
+        await asyncio.wait_for(app(*upload("/api/blobs/sha256:ab", steady), None), 10)
+        for path, gaps in (("/v1/chat/completions", steady), ("/api/blobs/sha256:ab", [0.0, 3600.0])):
+            try:
+                await asyncio.wait_for(app(*upload(path, gaps), None), 10)
+            except RequestTimeout:
+                continue
+            raise AssertionError(f"{path} was not cut")
+
+    asyncio.run(main())

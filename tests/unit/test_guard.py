@@ -150,6 +150,20 @@ def test_listening_beyond_loopback_without_a_key_is_warned_of(host: str, key: st
     assert warning is None or host in warning
 
 
+@pytest.mark.parametrize("ollama, key, warned", [
+    ("127.0.0.1:11434", None, False), ("off", None, False), ("11434", None, False), ("localhost:11434", None, False),
+    ("0.0.0.0:11434", None, True), ("192.168.1.5:11434", None, True), ("[::]:11434", None, True),
+    ("0.0.0.0:11434", "k", False),
+])
+def test_ollamas_listener_beyond_loopback_without_a_key_is_warned_of(ollama: str, key: str | None,
+                                                                     warned: bool) -> None:
+    """Catches: `ollama_listen` opening every route to the network with no key while the main port is loopback (serve
+    refuses to start on the warning unless insecure_no_key)."""
+    warning = Settings(ollama_listen=ollama, api_key=key).security_warning()
+    assert (warning is not None) is warned
+    assert warning is None or "ollama_listen" in warning
+
+
 def test_insecure_no_key_is_a_config_key(tmp_path: Path) -> None:
     path = tmp_path / "config.toml"
     path.write_text('[server]\nhost = "0.0.0.0"\ninsecure_no_key = true\n')
