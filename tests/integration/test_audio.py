@@ -13,7 +13,10 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
+import signal
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +25,7 @@ import numpy as np
 import openai
 import pytest
 
-from tests.conftest import MLXSUP, Daemon, make_model, start_daemon
+from tests.conftest import MLXSUP, Daemon, make_model, start_daemon, wait_for
 
 pytest.importorskip("mlx_audio", reason="the audio extra (mlx-audio, installed with --no-deps) is not installed")
 sf = pytest.importorskip("soundfile")
@@ -31,8 +34,8 @@ from protocol.messages import Transcribe  # noqa: E402
 from worker.audio_codec import decode_audio  # noqa: E402
 from worker.audio_engine import transcribe_all  # noqa: E402
 
-MAX_BYTES = 400_000  # the daemon's [server] audio_max_bytes here
-MAX_AUDIO_S = 20.0
+MAX_BYTES = 3_000_000  # the daemon's [server] audio_max_bytes here
+MAX_AUDIO_S = 70.0
 WINDOW_TOKENS = 8
 
 
@@ -188,3 +191,33 @@ def test_models_of_other_kinds_are_refused_on_each_route(client: openai.OpenAI) 
         client.audio.transcriptions.create(model="tiny", file=("a.wav", tone(0.5)))
     with pytest.raises(openai.BadRequestError, match="speech-to-text model"):
         client.chat.completions.create(model="whisper", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+
+
+def test_a_worker_killed_mid_transcription_is_a_clean_error_and_a_fresh_worker_answers_next(
+        audio_daemon: tuple[Daemon, Path], client: openai.OpenAI) -> None:
+    """Last in the file: it kills the module's Whisper worker. Word timestamps over three windows keep it busy for
+    seconds (a random-weight model's words come a few frames apart), long enough to be caught working."""
+    d, _ = audio_daemon
+    client.audio.transcriptions.create(model="whisper", file=("a.wav", tone(0.5)), language="en")
+    pid = d.model("whisper")["pid"]
+    outcome: dict = {}
+
+    def ask() -> None:
+        try:
+            outcome["reply"] = client.audio.transcriptions.create(
+                model="whisper", file=("long.wav", tone(65, rate=8000)), language="en",
+                response_format="verbose_json", timestamp_granularities=["word"])
+        except openai.APIStatusError as exc:
+            outcome["error"] = exc
+
+    asking = threading.Thread(target=ask)
+    asking.start()
+    wait_for(lambda: d.model("whisper")["worker_active"] > 0, 60, what="the worker to be transcribing")
+    os.kill(pid, signal.SIGKILL)
+    asking.join(120)
+    assert not asking.is_alive() and "reply" not in outcome
+    error = outcome["error"]
+    assert error.status_code == 502 and error.body["code"] == "worker_crashed", error.body
+    after = client.audio.transcriptions.create(model="whisper", file=("a.wav", tone(0.5)), language="en")
+    assert isinstance(after.text, str)
+    assert d.model("whisper")["pid"] not in (None, pid) and d.model("whisper")["crashes"] >= 1

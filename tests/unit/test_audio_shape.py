@@ -32,3 +32,28 @@ def test_stream_events_are_the_segments_then_done() -> None:
     assert [e["type"] for e in events] == ["transcript.text.delta"] * 2 + ["transcript.text.done"]
     assert events[-1]["text"] == " Hello there. Bye."
     assert [e["delta"] for e in transcription_events("x", [], 1.0)[:-1]] == ["x"]
+
+
+def test_multipart_passes_the_guard_only_on_the_upload_paths_and_never_from_a_foreign_page() -> None:
+    import asyncio
+
+    import httpx
+    from starlette.responses import PlainTextResponse
+
+    from supervisor.gateway.audio_routes import UPLOAD_PATHS
+    from supervisor.gateway.guard import WebGuard
+
+    async def ok(scope, receive, send) -> None:
+        await PlainTextResponse("ok")(scope, receive, send)
+
+    guard = WebGuard(ok, multipart=UPLOAD_PATHS)
+
+    async def post(path: str, **headers: str) -> int:
+        transport = httpx.ASGITransport(app=guard)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:8800") as c:
+            r = await c.post(path, files={"file": ("a.wav", b"RIFF")}, headers=headers)
+            return r.status_code
+
+    assert asyncio.run(post("/v1/audio/transcriptions")) == 200
+    assert asyncio.run(post("/v1/chat/completions")) == 415
+    assert asyncio.run(post("/v1/audio/transcriptions", origin="http://evil.example.com")) == 403
