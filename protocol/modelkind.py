@@ -60,11 +60,16 @@ def model_kind(path: Path) -> str:
         return EMBEDDING
     if isinstance(config.get("vision_config"), dict) and (path / "preprocessor_config.json").is_file():
         return VISION
+    return audio_kind(config) or CHAT
+
+
+def audio_kind(config: dict) -> str | None:
+    """STT or TTS for an audio model's config.json (see the module docstring), else None."""
     if config.get("model_type") == "whisper" or any(a.startswith("Whisper") for a in _architectures(config)):
         return STT
     if isinstance(config.get("istftnet"), dict) and isinstance(config.get("plbert"), dict):
         return TTS
-    return CHAT
+    return None
 
 
 def is_decoder(path: Path) -> bool:

@@ -4,7 +4,8 @@ mlx-lm loads a `model_type` by importing `mlx_lm.models.<type>` after its MODEL_
 supported types are the module names in that folder (found with importlib.util.find_spec, which
 imports nothing) and the remapping's keys (read from utils.py's source with ast); mlx-vlm's, for vision
 models, the same way when it is installed. Encoder models (embeddings, rerankers: protocol/modelkind.py)
-are served by the worker's own encoder and need no mlx-lm module.
+are served by the worker's own encoder and need no mlx-lm module; audio models (Whisper, Kokoro) by mlx-audio's
+classes, when it is installed.
 Invariant: when mlx-lm is not installed beside the supervisor, nothing is refused (None: unknown).
 """
 
@@ -15,7 +16,7 @@ import functools
 import importlib.util
 from pathlib import Path
 
-from protocol.modelkind import ENCODER_ARCHITECTURES
+from protocol.modelkind import ENCODER_ARCHITECTURES, audio_kind
 
 ENCODER_PREFIXES = ("Bert", "XLMRoberta", "Roberta", "ModernBert", "NomicBert")
 
@@ -59,6 +60,10 @@ def unsupported(config: dict) -> str | None:
     architectures = config.get("architectures") or []
     if isinstance(architectures, list) and any(isinstance(a, str) and (a in ENCODER_ARCHITECTURES or a.startswith(
             ENCODER_PREFIXES)) for a in architectures):  # the worker's own encoder serves these
+        return None
+    if audio_kind(config) is not None:  # Whisper, Kokoro: mlx-audio's classes serve them (issue 54)
+        if _package_types("mlx_audio") is None and supported_types() is not None:
+            return "it is an audio model (Whisper or Kokoro), served with mlx-audio, which is not installed"
         return None
     model_type = config.get("model_type")
     text = config.get("text_config")

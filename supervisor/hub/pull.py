@@ -155,6 +155,8 @@ def parse_ref(ref: str) -> tuple[str, str]:
 
 
 def wanted(name: str) -> bool:
+    if name.startswith("voices/") and name.count("/") == 1:  # a Kokoro repo's voice packs (issue 54)
+        return name.endswith(".safetensors")
     return ("/" not in name or name == "1_Pooling/config.json") and any(fnmatch(name, p) for p in WANTED)
 
 

@@ -183,3 +183,14 @@ def test_settle_drops_the_model_and_the_generation_side_stays_empty() -> None:
     engine = AudioEngine(FakeWhisper(), speaks=False, release=lambda: released.append(1))
     assert engine.step() == ([], []) and engine.plan_step().predicted_s == 0.0 and not engine.warm_step()
     assert engine.settle() > 0 and engine.model is None and released == [1]
+
+
+def test_audio_repos_can_be_pulled_with_their_voice_packs() -> None:
+    from supervisor.hub.arch import unsupported
+    from supervisor.hub.pull import wanted
+
+    assert unsupported({"model_type": "whisper", "n_mels": 80}) is None
+    assert unsupported({"architectures": ["WhisperForConditionalGeneration"], "model_type": "whisper"}) is None
+    assert unsupported({"istftnet": {}, "plbert": {}, "vocab": {}}) is None
+    assert wanted("voices/af_heart.safetensors") and not wanted("voices/af_heart.pt")
+    assert wanted("preprocessor_config.json") and wanted("merges.txt") and not wanted("samples/a.wav")
