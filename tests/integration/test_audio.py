@@ -221,3 +221,38 @@ def test_a_worker_killed_mid_transcription_is_a_clean_error_and_a_fresh_worker_a
     after = client.audio.transcriptions.create(model="whisper", file=("a.wav", tone(0.5)), language="en")
     assert isinstance(after.text, str)
     assert d.model("whisper")["pid"] not in (None, pid) and d.model("whisper")["crashes"] >= 1
+
+
+def test_chat_an_embedder_stt_and_tts_under_a_ceiling_for_one_take_turns(audio_daemon: tuple[Daemon, Path],
+                                                                          daemon_factory) -> None:
+    """Every kind in one daemon under a memory ceiling that holds the Kokoro worker alone: the audio workers are
+    evicted for the others (admission) and every request is answered; status names every kind. (The chat model and
+    the embedder, a few MB each, may share the room with Whisper: which ones go is admission's measure, not fixed.)"""
+    d, root = audio_daemon
+    subprocess.run([*MLXSUP, "make-model", str(root / "bert"), "--arch", "bert"], check=True, capture_output=True)
+    for m in ("whisper", "kokoro"):
+        assert httpx.post(f"{d.url}/api/models/{m}/load", json={}, timeout=600).status_code == 200
+    footprint = max(d.model(m)["memory_bytes"] for m in ("whisper", "kokoro"))
+    weights = max(d.model(m)["weights_bytes"] for m in ("whisper", "kokoro", "tiny"))
+    config = root / "one.toml"
+    config.write_text(f'[memory]\nceiling = {weights + footprint + 16 * 2**20}\nworker_overhead = {footprint}\n\n'
+                      f'[models.whisper]\npath = "{root / "whisper"}"\n'
+                      f'worker_args = ["--max-window-tokens", "{WINDOW_TOKENS}"]\n\n'
+                      f'[models.kokoro]\npath = "{root / "kokoro"}"\n\n[models.tiny]\npath = "{root / "tiny"}"\n\n'
+                      f'[models.bert]\npath = "{root / "bert"}"\n')
+    one = daemon_factory("--config", str(config), name="one")
+    c = openai.OpenAI(base_url=one.v1, api_key="x", timeout=600, max_retries=0)
+    assert {m["id"]: m["kind"] for m in one.status()["models"]} == \
+        {"whisper": "stt", "kokoro": "tts", "tiny": "chat", "bert": "embedding"}
+    asks = [lambda: c.audio.transcriptions.create(model="whisper", file=("a.wav", tone(0.5)), language="en").text,
+            lambda: len(c.audio.speech.create(model="kokoro", input="Hi.", voice="alloy", response_format="wav").content),
+            lambda: c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=2).choices[0].finish_reason,
+            lambda: len(c.embeddings.create(model="bert", input="hello").data[0].embedding),
+            lambda: c.audio.transcriptions.create(model="whisper", file=("a.wav", tone(0.5)), language="en").text]
+    answers = [ask() for ask in asks]
+    assert all(a is not None for a in answers) and answers[1] > 44 and answers[3] > 0
+    evicted = [e["model"] for e in one.status()["recent_evictions"] if e["reason"] == "admission"]
+    assert {"whisper", "kokoro"} <= set(evicted), evicted
+    ready = [m["id"] for m in one.status()["models"] if m["state"] == "ready"]
+    assert "whisper" in ready and "kokoro" not in ready, ready
