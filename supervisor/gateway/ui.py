@@ -41,7 +41,7 @@ class Dashboard:
         page = resources.files("supervisor.gateway").joinpath(PAGE_FILE).read_text(encoding="utf-8")
         self.body = page.encode()
         csp = (f"default-src 'none'; script-src {_hashes(page, 'script')}; style-src {_hashes(page, 'style')}; "
-               "connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+               "connect-src 'self'; img-src data:; media-src blob:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
         self.headers = {"Content-Security-Policy": csp, "X-Frame-Options": "DENY", "Cache-Control": "no-cache",
                         "Referrer-Policy": "no-referrer", "X-Content-Type-Options": "nosniff"}
 
