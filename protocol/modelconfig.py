@@ -65,7 +65,7 @@ class MemoryEstimate:
 
 
 def kv_bytes_at(kv_bytes_per_token: int, dtype_bytes: int, bits: int | None, group_size: int = 64) -> int:
-    """A token's K/V bytes in the running cache at `bits` (issue 53; None or 0: full precision): each element at
+    """A token's K/V bytes in the running cache at `bits` (None or 0: full precision): each element at
     `bits`, and each group of `group_size` elements a scale and a bias of the model's dtype (mlx-lm's
     QuantizedKVCache, worker/mlx_engine/quantized_kv.py)."""
     if not bits or kv_bytes_per_token <= 0:

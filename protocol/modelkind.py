@@ -8,7 +8,7 @@ architecture, so a decoder with last-token pooling is one too; or a config.json 
 "vision" (a generating decoder with a vision tower: config.json's `vision_config` and a preprocessor_config.json,
 served by mlx-vlm's classes, text-only requests included), "stt" (speech to text: a Whisper checkpoint, config.json's
 model_type "whisper" or a Whisper architecture), "tts" (text to speech: a Kokoro checkpoint, config.json with Kokoro's
-`istftnet` and `plbert` sections; issue 54) and "chat" (all else: a generating decoder, mlx-lm's). Rerank is asked first: a reranker's folder may carry
+`istftnet` and `plbert` sections) and "chat" (all else: a generating decoder, mlx-lm's). Rerank is asked first: a reranker's folder may carry
 sentence-transformers files too. Pure file reads, no MLX; an unreadable config reads as "chat", whose loader then
 says what is wrong. `is_decoder` says which engine a worker builds for an embedding or rerank model.
 """

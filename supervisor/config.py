@@ -94,7 +94,7 @@ class Settings:
     # an embedding or rerank request fails (504) once its worker has sent no heartbeat for this long: a silence
     # limit, not a deadline (the worker heartbeats between its batches, so long work on a slow host completes)
     embed_timeout_s: float = 600.0
-    # audio (issue 54): a transcription's multipart body at most this big (OpenAI's 25 MB), its audio this long
+    # audio: a transcription's multipart body at most this big (OpenAI's 25 MB), its audio this long
     audio_max_bytes: int = 25 * 1024 * 1024
     max_audio_s: float = 3600.0
     prefill_step_size: int = 2048  # the most prompt tokens of a sequence one engine step prefills

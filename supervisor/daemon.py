@@ -20,7 +20,7 @@ it) from before it touches anything there (a dead run's daemon file, stale worke
 end of its shutdown, and the kernel lets go of it when the process ends, however it ends. A second daemon, while
 the first starts, serves or shuts down, is refused (AlreadyRunning, exit 2) and touches nothing. At its exit a
 daemon removes only what is still its own: the daemon file while it names its pid, the socket file while it is
-the one it bound (transport.py), so a successor's are never lost (issue 48).
+the one it bound (transport.py), so a successor's are never lost.
 """
 
 from __future__ import annotations

@@ -178,7 +178,7 @@ class Lifecycle:
     def context_cap(self, spec: ModelSpec) -> int | None:
         """The context a new worker of `spec` may publish for this machine's memory (policy.context_cap); a group's
         is not capped here (its KV is spread over its ranks' machines). Its K/V counted at the model's `[cache]
-        kv_bits`, which quantizes the running cache (issue 53): 8 bits fit about twice the tokens of 16."""
+        kv_bits`, which quantizes the running cache: 8 bits fit about twice the tokens of 16."""
         if spec.group is not None:
             return None
         cache = self.settings.model_cache(spec)

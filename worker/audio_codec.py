@@ -1,4 +1,4 @@
-"""Audio files in and out of an audio model's worker (issue 54), with soundfile (libsndfile 1.2) and numpy; no MLX.
+"""Audio files in and out of an audio model's worker, with soundfile (libsndfile 1.2) and numpy; no MLX.
 
 `sniff` names a file's format from its first bytes, whatever content type the client claimed (a lying content type
 changes nothing: the bytes decide); `check_audio` reads only the header (cheap, on the loop's thread): its format,

@@ -1,4 +1,4 @@
-"""The engine of an audio model (issue 54): speech to text (Transcribe) or text to speech (Speak), one piece of work
+"""The engine of an audio model: speech to text (Transcribe) or text to speech (Speak), one piece of work
 per loop turn; no MLX here (the models are worker/mlx_engine/audio_models.py's), so tests drive it with fakes.
 
 worker/loop.py drives it as its EngineApi (a generation batch that stays empty: chat is refused, saying what this

@@ -164,7 +164,7 @@ class Decodes:
 
     def __init__(self, deadline_s: float = DECODE_DEADLINE_S, workers: int = DECODE_WORKERS,
                  max_stuck: int = MAX_STUCK, clock: Callable[[], float] = time.monotonic, what: str = "image") -> None:
-        self.what = what  # what a job decodes, for the refusals: an image, or an audio model's file (issue 54)
+        self.what = what  # what a job decodes, for the refusals: an image, or an audio model's file
         self.deadline_s = deadline_s
         self.workers = max(1, workers)
         self.max_stuck = max(1, max_stuck)

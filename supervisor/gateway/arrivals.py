@@ -4,7 +4,7 @@ Submit, so each Submit can say how many others are coming to the same worker (Su
 Clients that start together reach the daemon together, but its one event loop takes their requests one at a time
 (~2 ms of CPU each: the guard, the body, parsing, routing), so a worker hears of a burst of 32 over ~60 ms. Without
 a word of what is coming, it started the first request alone and took the others a few per step, each step a
-batch shape of its own (issue 30's 32-client ramp, bench/results/gpu/itl-s12/). Told more are coming, it waits a
+batch shape of its own (a 32-client ramp). Told more are coming, it waits a
 little for them (worker/loop.py, `--burst-wait-ms`) and prefills them together.
 
 `Arrivals` wraps the app and gives each POST to a generation endpoint a mark. The mark counts for a model only once
@@ -12,7 +12,7 @@ the request's body has been read and parsed and its Call is about to be routed t
 the gateway's Call as it starts), until its first Submit leaves (`still_coming`, called by the Call as it submits)
 or the request ends without one. So an upload still arriving, stalled or slow, counts for no model, nor does a
 request for another model (waiting on that one's load, say): either made every idle worker wait out its burst
-window when the count was of every request from its arrival (issue 48).
+window when the count was of every request from its arrival.
 Invariant: `coming[m]` is the number of requests between those two points for model m; the mark lives in the
 request's context, so a Call started in a task of its own (n choices) finds its request's mark, and a request
 counts once however many choices it has.

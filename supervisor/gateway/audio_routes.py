@@ -1,4 +1,4 @@
-"""OpenAI's audio API (issue 54): `POST /v1/audio/transcriptions` and `/v1/audio/translations` (multipart: file,
+"""OpenAI's audio API: `POST /v1/audio/transcriptions` and `/v1/audio/translations` (multipart: file,
 model, language, prompt, temperature, response_format, timestamp_granularities[], stream) answered by a speech-to-text
 model's worker (Transcribe), and `POST /v1/audio/speech` (JSON: model, input, voice, response_format, speed,
 stream_format) by a text-to-speech model's worker (Speak).
@@ -11,7 +11,7 @@ its reason (worker/audio_codec.py): every bad input is a 400 in OpenAI's error s
 a transcription's `stream=true` sends `transcript.text.delta` events, a segment each, then `transcript.text.done`;
 speech is sent chunked (`stream_format` audio) or as `speech.audio.delta` events of base64 audio
 (`stream_format` sse). Both come once the worker's whole answer is in: the worker answers a request once, so
-playback starts when synthesis ends, not before (issue 54 asks for earlier; not done).
+playback starts when synthesis ends, not before.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""OpenAI's audio shapes (issue 54), pure: a transcription as each response_format writes it, its stream's events, and
+"""OpenAI's audio shapes, pure: a transcription as each response_format writes it, its stream's events, and
 what a speech format's content type is.
 
 `transcription_body` answers json ({"text"}), text, srt, vtt and verbose_json (task, language, duration, text,

@@ -56,7 +56,7 @@ class WebGuard:
         self.app = app
         self.error_body = error_body  # a refusal's body, by path (Ollama's paths answer in Ollama's shape)
         self.untyped = frozenset(p for p in untyped if not p.endswith("/"))
-        self.multipart = frozenset(multipart)  # paths whose bodies are multipart/form-data (audio uploads, issue 54)
+        self.multipart = frozenset(multipart)  # paths whose bodies are multipart/form-data (audio uploads)
         self.untyped_under = tuple(p for p in untyped if p.endswith("/"))  # a path ending in "/": every path under it
         self.host_names = {h for h in map(host_name, hosts) if h is not None}
         self.origins: set[Origin] = set()

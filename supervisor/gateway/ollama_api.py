@@ -1,4 +1,4 @@
-"""Ollama's request bodies (issue 51) as the same API-neutral request the other APIs build (openai_api.Parsed, one
+"""Ollama's request bodies as the same API-neutral request the other APIs build (openai_api.Parsed, one
 protocol Submit). Pure: no I/O.
 
 `parse_chat` (`POST /api/chat`) and `parse_generate` (`POST /api/generate`) map Ollama's fields onto the Submit:

@@ -1,4 +1,4 @@
-"""Ollama's `/api/create` where it maps onto `mlxsup import` (issue 51): a model made from one GGUF file, and the
+"""Ollama's `/api/create` where it maps onto `mlxsup import`: a model made from one GGUF file, and the
 blobs its clients upload first (`HEAD`/`POST /api/blobs/sha256:<hex>`).
 
 A client (`ollama create -f Modelfile`, the Python and JavaScript clients' `create(files=...)`) uploads the file as a

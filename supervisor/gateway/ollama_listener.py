@@ -1,4 +1,4 @@
-"""The second listener, on Ollama's address (issue 51): apps that find a server only by probing 127.0.0.1:11434
+"""The second listener, on Ollama's address: apps that find a server only by probing 127.0.0.1:11434
 reach the same gateway there (the Ollama API and the OpenAI and Anthropic routes, as Ollama serves them, behind the
 same Host/Origin guard and API key: it is the same app, on one more socket of the same server).
 

@@ -1,4 +1,4 @@
-"""What Ollama's API says about a model (issue 51): its Ollama name, details, model_info, capabilities and the
+"""What Ollama's API says about a model: its Ollama name, details, model_info, capabilities and the
 entries of /api/tags, /api/show and /api/ps, read from the model's folder. Pure file reads, no MLX.
 
 Names: a model is listed as `ID:latest` (Ollama's clients split a name at its tag); a request may name it by its

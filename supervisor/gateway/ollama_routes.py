@@ -1,4 +1,4 @@
-"""HTTP routes of Ollama's API (issue 51): every app that speaks it (the `ollama` clients, Copilot's and JetBrains'
+"""HTTP routes of Ollama's API: every app that speaks it (the `ollama` clients, Copilot's and JetBrains'
 Ollama providers, Open WebUI, ...) works unmodified against mlxsup.
 
 A generation (`/api/chat`, `/api/generate`) runs on the one request path of the other APIs (sse.py: a `Calls` with

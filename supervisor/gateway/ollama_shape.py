@@ -1,4 +1,4 @@
-"""Ollama's response shapes for /api/chat and /api/generate (issue 51): the NDJSON lines of a stream and the
+"""Ollama's response shapes for /api/chat and /api/generate: the NDJSON lines of a stream and the
 whole response, from the worker's typed deltas. Pure.
 
 A chat line is `{"model", "created_at", "message": {"role": "assistant", "content", "thinking"?, "tool_calls"?},

@@ -61,7 +61,7 @@ def unsupported(config: dict) -> str | None:
     if isinstance(architectures, list) and any(isinstance(a, str) and (a in ENCODER_ARCHITECTURES or a.startswith(
             ENCODER_PREFIXES)) for a in architectures):  # the worker's own encoder serves these
         return None
-    if audio_kind(config) is not None:  # Whisper, Kokoro: mlx-audio's classes serve them (issue 54)
+    if audio_kind(config) is not None:  # Whisper, Kokoro: mlx-audio's classes serve them
         if _package_types("mlx_audio") is None and supported_types() is not None:
             return "it is an audio model (Whisper or Kokoro), served with mlx-audio, which is not installed"
         return None

@@ -155,7 +155,7 @@ def parse_ref(ref: str) -> tuple[str, str]:
 
 
 def wanted(name: str) -> bool:
-    if name.startswith("voices/") and name.count("/") == 1:  # a Kokoro repo's voice packs (issue 54)
+    if name.startswith("voices/") and name.count("/") == 1:  # a Kokoro repo's voice packs
         return name.endswith(".safetensors")
     return ("/" not in name or name == "1_Pooling/config.json") and any(fnmatch(name, p) for p in WANTED)
 

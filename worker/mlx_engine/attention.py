@@ -1,4 +1,4 @@
-"""Short prefills' attention outside cuDNN on MLX CUDA, so a new prompt shape builds nothing (issue 15).
+"""Short prefills' attention outside cuDNN on MLX CUDA, so a new prompt shape builds nothing.
 
 MLX CUDA runs the attention of a prefill (more than one query) through cuDNN, which builds a graph for every
 new combination of shapes and strides of q, k, v and the mask. On an H200 a build took ~60 ms

@@ -1,4 +1,4 @@
-"""The audio models (issue 54) on mlx-audio's classes: Whisper for speech to text, Kokoro for text to speech, each
+"""The audio models on mlx-audio's classes: Whisper for speech to text, Kokoro for text to speech, each
 behind worker/audio_engine.py's Transcriber or Speaker, and `load_engine`, which builds the engine for a folder.
 
 Why mlx-audio (installed with --no-deps, the `audio` extra): one package serves both kinds (its STT has Whisper,

@@ -1,4 +1,4 @@
-"""Speculative decoding inside the continuous batch (issue 30): every row drafts, one verification for all, each
+"""Speculative decoding inside the continuous batch: every row drafts, one verification for all, each
 row keeping its own count.
 
 The solo (solo.py) drafts for a request alone. When the batch is decoding (no prompt chunk pending), every row has

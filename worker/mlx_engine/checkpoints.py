@@ -45,7 +45,7 @@ def row_view(gen: BatchGenerator, uid: int, block_layers: tuple[int, ...] | list
         end = c._idx
         if end - pad != len(tokens):
             return None  # padding or tokens not as the generator's own extract would read them
-        if isinstance(c, BatchQuantizedKVCache):  # the running cache quantized (issue 53): views of each part
+        if isinstance(c, BatchQuantizedKVCache):  # the running cache quantized: views of each part
             q = QuantizedKV(c.group_size, c.bits)
             q.keys, q.values = (tuple(x[idx:idx + 1, :, pad:end] for x in t) for t in (c.keys, c.values))
             q.offset = end - pad

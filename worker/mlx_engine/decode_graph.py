@@ -1,4 +1,4 @@
-"""A solo's decode step as one compiled MLX graph (issue 15).
+"""A solo's decode step as one compiled MLX graph.
 
 One stream is bound by the CPU, not the GPU: each token rebuilds the model's graph op by op
 in Python and dispatches it (worker/mlx_engine/solo.py's SoloTimes: the GPU never makes a
@@ -15,7 +15,7 @@ over the buffer), and rejected drafts are undone by moving the fill back (`rollb
 it, masked, until overwritten; so a solo that drafts keeps its cache in the graph (one trace per n and capacity).
 
 Models whose caches are all KVCache and ArraysCache (Llama, Qwen3 dense and MoE, the Qwen3.5
-hybrids) use it, and so do their running caches quantized (QuantizedKV, `kv_bits`, issue 53: each of
+hybrids) use it, and so do their running caches quantized (QuantizedKV, `kv_bits`: each of
 keys and values a (weights, scales, biases) buffer, a token quantized as it is written at the fill, read
 by mlx-lm's quantized attention under the same mask); the rest (sliding windows) decode uncompiled. The graph is
 traced once per capacity per worker (the first token past a capacity pays it; the first capacity is

@@ -1,4 +1,4 @@
-"""What drafting costs on this machine, and the acceptance at which it pays (issue 30).
+"""What drafting costs on this machine, and the acceptance at which it pays.
 
 A verification of k drafts runs the model on k + 1 tokens. Where a token's forward pass is bound by reading the
 weights (a GPU at one stream) that costs little more than one token; where it is bound by compute (this CPU, or a

@@ -109,7 +109,7 @@ class Engine:
         t0 = time.perf_counter()
         self.attention_routed = attention_route(attention)  # short prefills unfused on CUDA (mlx_engine/attention.py)
         self.model, self.tokenizer = loader(model_path, report)  # a group's rank: its shard (mlx_engine/group.py)
-        # the running K/V quantized at the caches' kv_bits, before anything makes a cache (quantized_kv.py, issue 53);
+        # the running K/V quantized at the caches' kv_bits, before anything makes a cache (quantized_kv.py);
         # its group size, None: full precision
         self.kv_group = quantize_cache(self.model, cache.kv_bits, cache.kv_group_size) if cache is not None else None
         config = json.loads((model_path / "config.json").read_text())

@@ -13,7 +13,7 @@ A block holds the K/V of its tokens for the layers the model's `CacheLayout` cut
 (worker/mlx_engine/layer_state.py), stacked over those layers so that each block owns one
 exact-size buffer per array: keys (layers, kv_heads, block_tokens, k_dim) and values (same
 with v_dim), or their quantized form (`kv_bits`: weights, scales and biases of each). A model whose
-running cache is quantized (quantized_kv.py, issue 53) has its blocks cut from it as they are, rows
+running cache is quantized (quantized_kv.py) has its blocks cut from it as they are, rows
 of its (weights, scales, biases), and a hit restores them into a QuantizedKV with no dequantize or
 requantize: a prefix from either tier holds the bits a fresh prefill would. Its
 `nbytes` is the memory it pins, and evicting it frees exactly that. A block of a model with

@@ -24,7 +24,7 @@ branch: the end of its head of system prompt and tools, the parts of its first u
 last one its reply's decoding crosses (the engine's): its reusable prefix is
 the longest cached one that ends at a snapshot, and only blocks up to a snapshot are kept.
 
-`kv_bits` quantizes the running cache itself (quantized_kv.py, issue 53), and the blocks are its
+`kv_bits` quantizes the running cache itself (quantized_kv.py), and the blocks are its
 quantized rows as they are, restored as they are: one format from the running cache to both tiers. A
 model whose running cache stays full precision (quantized_kv.quantize_cache says why) stores its
 blocks quantized (affine, groups along each head's tokens x dim) and restores them dequantized.
@@ -279,7 +279,7 @@ class PromptCaches:
         """Keep a finished sequence's partial last block in the hot cache, under its chain: prompts shorter
         than a block (a chat template's head and a short question) share their start through it."""
         layout = self.layout
-        # a partial block is kept unquantized, or as the running cache's quantized rows (issue 53)
+        # a partial block is kept unquantized, or as the running cache's quantized rows
         quantized = running_quantized(layout)
         if layout.snapshots or (layout.kv_bits and not quantized) or not layout.block_layers or not self.hot.enabled:
             return

@@ -1,4 +1,4 @@
-"""The running K/V cache quantized (`kv_bits`, issue 53): a request's attention layers hold K/V at 8 or 4 bits.
+"""The running K/V cache quantized (`kv_bits`): a request's attention layers hold K/V at 8 or 4 bits.
 
 mlx-lm quantizes a single sequence's cache (`QuantizedKVCache`: each token's K and V per head, affine, in groups
 of `group_size` along the head dimension, stored as (weights, scales, biases)) and its attention reads it as it

@@ -1,4 +1,4 @@
-"""The hard unload's last step inside the worker: give back what MLX holds before the process ends (issue 48, item 9).
+"""The hard unload's last step inside the worker: give back what MLX holds before the process ends.
 
 On macOS a process that ends while the GPU still runs its work, or while MLX still holds its buffers, can leave its
 wired memory stranded until reboot (reports against peers on macOS 26: a killed MLX process, a launchd SIGKILL after

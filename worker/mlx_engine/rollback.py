@@ -1,4 +1,4 @@
-"""Undoing tokens fed to a cache: the rejected drafts of a verification (speculative decoding, issue 30).
+"""Undoing tokens fed to a cache: the rejected drafts of a verification (speculative decoding).
 
 A verification feeds the token in hand and k drafts in one forward pass, and keeps a prefix of them. Two ways back:
 

@@ -1,4 +1,4 @@
-"""One request alone, decoded the way mlx-lm's `generate_step` does it (issue 15).
+"""One request alone, decoded the way mlx-lm's `generate_step` does it.
 
 mlx-lm's BatchGenerator at batch 1 costs ~1.5x `stream_generate` per token on the GPU (its
 batched caches, masks and bookkeeping). A request that arrives to an empty engine, and needs

@@ -1,4 +1,4 @@
-"""Speculative decoding (issue 30): draft a few tokens, verify them in one forward pass (the solo here; batches in
+"""Speculative decoding: draft a few tokens, verify them in one forward pass (the solo here; batches in
 batch_drafting.py).
 
 A stream alone is bound by reading the weights once per token; verifying k drafted tokens reads them once for up

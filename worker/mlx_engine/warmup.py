@@ -1,4 +1,4 @@
-"""Batch shapes warmed while the worker is idle, so clients of a ramp do not pay for kernels built on demand (issue 15).
+"""Batch shapes warmed while the worker is idle, so clients of a ramp do not pay for kernels built on demand.
 
 On the GPU (MLX CUDA), a BatchGenerator step whose (generation batch, prefill batch) sizes are
 new takes ~6x a known one (44 ms against 7.4 ms on an H200), and requests reaching a worker a

@@ -12,7 +12,7 @@ a chat template in the family's real format.
 Layout: family.py (what a family is), one module per family (llama, qwen3 with qwen3_moe, qwen3_5,
 gemma3, gpt_oss; vlm.py: qwen3_vl, gemma3_vl; qwen3_pool.py: qwen3-embedding, qwen3-reranker;
 the encoders encoders.py: bert, xlm_roberta.py, modernbert.py, which write their folders themselves; the audio
-models whisper.py and kokoro.py, on mlx-audio's classes: issue 54),
+models whisper.py and kokoro.py, on mlx-audio's classes),
 chatml.py / harmony.py (chat templates), tokenizer.py, weights.py (MLX, imported only when weights are written). Importing this package does
 not import MLX.
 """

@@ -1,6 +1,6 @@
 """`python -m worker.mlx_engine.make_model DIR ...`: the command line of `mlxsup make-model`.
 
-`--draft-for TARGET` makes a draft model for speculative decoding (issue 30): the preset's shape with TARGET's
+`--draft-for TARGET` makes a draft model for speculative decoding: the preset's shape with TARGET's
 tokenizer files and vocabulary size, so the two share every token id (presets differ in vocabulary, so no preset
 can draft for another). The family is TARGET's own unless `--arch` names it.
 

@@ -1,4 +1,4 @@
-"""Kokoro (text to speech, issue 54): a random-weight checkpoint in hexgrad/Kokoro-82M's layout, as mlx-audio loads it
+"""Kokoro (text to speech): a random-weight checkpoint in hexgrad/Kokoro-82M's layout, as mlx-audio loads it
 (worker/audio/engines.py).
 
 config.json carries Kokoro's fields (istftnet, plbert, hidden_dim, n_token 178, style_dim, the phoneme `vocab`,

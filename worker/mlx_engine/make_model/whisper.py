@@ -1,4 +1,4 @@
-"""Whisper (speech to text, issue 54): a random-weight checkpoint in mlx-community's layout (`whisper-tiny-asr`), for
+"""Whisper (speech to text): a random-weight checkpoint in mlx-community's layout (`whisper-tiny-asr`), for
 worker/audio/engines.py, which serves it with mlx-audio's Whisper.
 
 config.json holds the MLX dimensions (n_mels, n_audio_ctx, ..., n_vocab) and model_type "whisper", as
