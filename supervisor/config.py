@@ -153,7 +153,7 @@ class Settings:
             ollama = None
         for host, setting in ((self.host, "host"), *([(ollama[0], "ollama_listen")] if ollama else [])):
             if not is_loopback(host_name(host) or host):
-                return (f"listening on {host} ([server] {setting}) without an API key: anyone who can reach this "
+                return (f"listening on {host} without an API key ([server] {setting}): anyone who can reach this "
                         "address can use every model and admin route (the Host check is not authentication); set "
                         "[server] api_key or MLXSUP_API_KEY, or listen on 127.0.0.1")
         return None
