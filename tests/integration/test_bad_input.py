@@ -216,11 +216,16 @@ def served(daemon: Daemon) -> Daemon:
     return daemon
 
 
-@pytest.mark.parametrize("name, method, path, body, status, expected", CASES, ids=[c[0] for c in CASES])
-def test_bad_request(served: Daemon, name, method, path, body, status, expected) -> None:
+def send(served: Daemon, method: str, path: str, body: object) -> httpx.Response:
+    """A case's request: raw bytes as JSON-typed content, else a JSON body (None: no body)."""
     kwargs = {"content": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, bytes) else (
         {"json": body} if body is not None else {})
-    r = httpx.request(method, served.url + path, timeout=60, **kwargs)
+    return httpx.request(method, served.url + path, timeout=60, **kwargs)
+
+
+@pytest.mark.parametrize("name, method, path, body, status, expected", CASES, ids=[c[0] for c in CASES])
+def test_bad_request(served: Daemon, name, method, path, body, status, expected) -> None:
+    r = send(served, method, path, body)
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert set(error) >= {"message", "type", "param", "code"} and error["message"]
@@ -229,9 +234,7 @@ def test_bad_request(served: Daemon, name, method, path, body, status, expected)
 
 @pytest.mark.parametrize("name, method, path, body, status, said", OLLAMA_CASES, ids=[c[0] for c in OLLAMA_CASES])
 def test_bad_ollama_request(served: Daemon, name, method, path, body, status, said) -> None:
-    kwargs = {"content": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, bytes) else (
-        {"json": body} if body is not None else {})
-    r = httpx.request(method, served.url + path, timeout=60, **kwargs)
+    r = send(served, method, path, body)
     assert r.status_code == status, r.text
     if method != "HEAD" and status != 405:  # (405: the router's own answer, before any route: mlxsup's body)
         error = r.json()["error"]
