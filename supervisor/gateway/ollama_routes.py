@@ -42,7 +42,7 @@ from supervisor.gateway.images import ImageLimits, attach
 from supervisor.gateway.ollama_api import OllamaRequest, bad, parse_chat, parse_embed, parse_generate
 from supervisor.gateway.ollama_create import Blobs, create
 from supervisor.gateway.ollama_keepalive import KeepAlive
-from supervisor.gateway.ollama_shape import NS, OllamaShaper, Timing, dumps
+from supervisor.gateway.ollama_shape import OllamaShaper, Timing, dumps
 from supervisor.gateway.openai_routes import _config_context
 from supervisor.gateway.pull_routes import PullRoutes, failure
 from supervisor.gateway.sampling import fill
@@ -354,18 +354,15 @@ class OllamaRoutes:
         return await self._embed(request, True)
 
     async def _embed(self, request: Request, old: bool) -> Response:
-        t0 = time.monotonic()
+        timing = Timing()
         req = parse_embed(await read_json(request, self.settings.max_body_bytes), old)
         spec = self._spec(req.model)
         if spec.kind != EMBEDDING:
             raise bad(f'"{req.model}" does not support embeddings', "model")
         if old and req.inputs == [""]:  # Ollama's answer to an empty prompt
             return JSONResponse({"embedding": []})
-        loaded = t0
-
         def leased() -> None:
-            nonlocal loaded
-            loaded = time.monotonic()
+            timing.loaded = time.monotonic()
 
         try:
             reply = await ask_worker(self.router, spec.id,
@@ -377,9 +374,8 @@ class OllamaRoutes:
         assert isinstance(reply, Embedded)
         if old:
             return JSONResponse({"embedding": reply.vectors[0]})
-        return JSONResponse({"model": req.model, "embeddings": reply.vectors,
-                             "total_duration": int((time.monotonic() - t0) * NS),
-                             "load_duration": int((loaded - t0) * NS), "prompt_eval_count": reply.tokens})
+        return JSONResponse({"model": req.model, "embeddings": reply.vectors, **timing.durations(None, None),
+                             "prompt_eval_count": reply.tokens})
 
 
 async def _pull_lines(p: Plan, events: asyncio.Queue[dict[str, Any]], done: asyncio.Future) -> AsyncIterator[bytes]:
@@ -411,7 +407,7 @@ def ollama_errors(handler: Callable[[Request], Awaitable[Response]]) -> Callable
         try:
             return await handler(request)
         except errors.MlxsupError as exc:
-            return JSONResponse(error_body(exc), status_code=exc.status)
+            return JSONResponse(error_body(exc), status_code=exc.status, headers=exc.headers())
 
     return handle
 

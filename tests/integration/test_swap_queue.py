@@ -77,10 +77,14 @@ def test_a_full_queue_refuses_at_once_with_retry_after_and_the_queued_ones_compl
                 "model": "tiny2", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]})
             assert anthropic.status_code == 429 and anthropic.json()["error"]["type"] == "rate_limit_error"
             assert "retry-after" in anthropic.headers
+            ollama = httpx.post(d.url + "/api/chat", timeout=30, json={
+                "model": "tiny2", "stream": False, "messages": [{"role": "user", "content": "x"}]})
+            assert ollama.status_code == 429 and "queue" in ollama.json()["error"], ollama.text
+            assert "retry-after" in ollama.headers
             busy.close()
             assert all(f.result(timeout=300).usage.completion_tokens for f in queued)
-    assert d.model("tiny2")["queue_refused"] == 2 and d.model("tiny2")["waiting"] == 0
-    assert 'mlxsup_queue_refused_total{model="tiny2",why="full"} 2.0' in httpx.get(d.url + "/metrics").text
+    assert d.model("tiny2")["queue_refused"] == 3 and d.model("tiny2")["waiting"] == 0
+    assert 'mlxsup_queue_refused_total{model="tiny2",why="full"} 3.0' in httpx.get(d.url + "/metrics").text
 
 
 def test_a_waiting_client_that_leaves_is_dropped_from_the_queue_at_once(daemon_factory, model_dir: Path,
@@ -93,6 +97,6 @@ def test_a_waiting_client_that_leaves_is_dropped_from_the_queue_at_once(daemon_f
                 "model": "tiny2", "prompt": "leaving", "max_tokens": 2, "stream": True}) as leaving:
             wait_for(lambda: d.model("tiny2")["waiting"] == 1, 60, what="the request to wait")
             leaving.close()
-        wait_for(lambda: d.model("tiny2")["waiting"] == 0, 10, what="the request to leave the queue")
+        wait_for(lambda: d.model("tiny2")["waiting"] == 0, 60, what="the request to leave the queue")
         assert d.model("tiny")["state"] == "ready" and d.model("tiny2")["state"] == "stopped"
         assert next(line for line in lines if text_line(line))  # tiny's stream goes on, unswapped

@@ -263,7 +263,7 @@ def test_keep_alive_is_said_to_the_router_and_zero_evicts() -> None:
 
     async def unload() -> None:
         keep.after("m", 0)
-        await asyncio.sleep(0)
+        await asyncio.gather(*keep._tasks)  # the unload it started
 
     asyncio.run(unload())
     assert evicted == [("m", "drain", None, {"reason": "keep_alive"})] and len(kept) == 2
