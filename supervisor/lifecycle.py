@@ -222,8 +222,10 @@ class Lifecycle:
         return worker.spec.pinned or (worker.keep_alive is not None and worker.keep_alive < 0)
 
     def views(self) -> list[policy.WorkerView]:
-        return [policy.WorkerView(w.spec.id, w.state.value, self._bytes(w), w.leases > 0, self.pinned(w), w.last_used)
-                for w in self.workers.values()]
+        """The workers as policy sees them; busy: leased, or owed to a request queued for it (ModelSlot.owed)."""
+        return [policy.WorkerView(w.spec.id, w.state.value, self._bytes(w), w.leases > 0 or slot.owed(),
+                                  self.pinned(w), w.last_used)
+                for slot in self.slots.values() if (w := slot.worker) is not None]
 
     # --- starting workers --------------------------------------------------------------
 

@@ -2,7 +2,8 @@
 
 Functions of plain values, no I/O, no logging, no clock: the router hands them a snapshot
 (`WorkerView`s) and acts on the answer in the same loop turn. Invariants:
-- a busy worker (leased: a request routed to it or waiting on its load) is never chosen by
+- a busy worker (leased: a request routed to it or waiting on its load; or owed: a request queued for it goes
+  before every other model's waiter for it, slot.ModelSlot.owed) is never chosen by
   admission, TTL or soft pressure; only hard pressure may take one, and then the least
   recently used unpinned one; admission may name busy unpinned ones to wait for (`wait_for`:
   once their requests are done they are idle, and chosen then);

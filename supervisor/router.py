@@ -158,8 +158,9 @@ class Router(Generic[MetricsT]):
         A request that cannot take a lease at once waits in the model's queue (slot.py) in arrival order, for a load,
         for room (busy models to idle, then their eviction), for a place on its worker (`running_limit`); `queued`
         bounds it (`max_queued_requests`: QueueFull at once, `queue_timeout_s`: QueueTimeout), else (an explicit
-        load) it waits unbounded. A request waiting on a load holds a lease on the loading worker too, so nothing
-        evicts it between its Ready and the request's submit.
+        load) it waits unbounded. A request waiting on a load holds a lease on the loading worker too, and the ready
+        worker is owed to the requests queued for it that go before every other model's waiter (ModelSlot.owed), so
+        nothing evicts it between its Ready and their leases, in whatever order the loop wakes them.
         """
         return (await self._acquire(name, 1, explicit, queued))[0]
 

@@ -12,6 +12,9 @@ A ModelSlot is made once per model id (Lifecycle.slot) and never replaced; the R
 - `yield_to`: the waiters of other models that wait for this model's worker to idle (admission chose it): from the
   first of them on, a request for this model that arrived later waits too instead of taking a lease, so a model
   that keeps getting requests cannot starve another's; those that came before it are served.
+- owed (`owed`): while a request queued for the model came before every waiter in `yield_to`, its worker is not idle
+  (Lifecycle.views): a Ready, or a place freed, reaches the model's own waiters before another model's waiter may
+  evict it, however the loop orders their wake-ups.
 """
 
 from __future__ import annotations
@@ -105,6 +108,12 @@ class ModelSlot:
         if self.yield_to and seq > min(w.seq for w in self.yield_to):
             return False
         return not any(queued.seq < seq for queued in self.queue if queued is not waiter)
+
+    def owed(self) -> bool:
+        """A request queued for the model goes before every other model's waiter for its worker (may_take's turn):
+        the worker is theirs to take, not idle, until they have their leases."""
+        first_other = min((w.seq for w in self.yield_to), default=math.inf)
+        return any(queued.seq < first_other for queued in self.queue)
 
     def waited(self, seconds: float) -> None:
         self.mean_wait_s += WAIT_EWMA * (seconds - self.mean_wait_s) if self.mean_wait_s else seconds

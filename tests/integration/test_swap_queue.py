@@ -9,6 +9,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 
 from tests.conftest import Daemon, text_line, wait_for
 
@@ -28,10 +29,15 @@ max_loaded_models = 1
     return daemon_factory("--config", str(config))
 
 
+@pytest.mark.parametrize("extra", ["", "max_running_requests = 1\nqueue_timeout_s = 240"],
+                         ids=["default", "one-running"])
 def test_requests_alternating_between_two_models_all_complete_in_order(daemon_factory, model_dir: Path,
-                                                                       tmp_path: Path) -> None:
-    """Each waits for the swap (none refused with 507), and each model's requests are served in their order."""
-    d = one_at_a_time(daemon_factory, model_dir, tmp_path)
+                                                                       tmp_path: Path, extra: str) -> None:
+    """Each waits for the swap (none refused with 507), and each model's requests are served in their order; with one
+    request running at a time too, where a model's waiters each take their turn after its load (a waiter that came
+    later for the other model must not evict it before they ran: the swaps would go round for ever, each wait ending
+    in queue_timeout_s's 503)."""
+    d = one_at_a_time(daemon_factory, model_dir, tmp_path, extra)
     client = openai.OpenAI(base_url=d.v1, api_key="unused", max_retries=0, timeout=300)
     models = ["tiny2", "tiny", "tiny2", "tiny", "tiny2", "tiny"]  # the first waits for the busy tiny: all do
     finished: list[tuple[str, int]] = []

@@ -247,3 +247,26 @@ async def test_a_client_that_leaves_as_its_wait_times_out_is_cancelled_not_refus
     assert waiting.cancelled()
     assert w.router.model_status("n").waiting == 0
     held.release()
+
+
+@scenario
+async def test_with_one_running_request_each_models_waiters_take_it_after_its_load_before_the_other_models(
+        tmp_path: Path) -> None:
+    """Catches: a model's earlier waiters, woken by its Ready and letting their load's leases go one by one (one place
+    each), finding it evicted by a later waiter of the other model that saw it idle in between: the swaps go round
+    for ever, neither model serving a request."""
+    w = one_at_a_time(tmp_path, max_running_requests=1)
+    streaming = await w.load("m")
+    asked = []
+    for model in ["n", "m", "n", "m"]:  # one at a time, each queued before the next: arrival order
+        asked.append(asyncio.ensure_future(w.router.acquire(model)))
+        await settle()
+    assert all(pending(t) for t in asked)
+    streaming.release()
+    for i, (gone, coming) in enumerate([("m", "n"), ("n", "m"), ("m", "n"), ("n", "m")]):
+        await swap(w, gone, coming)
+        assert w.worker(coming).state is State.READY, f"{coming}'s waiter lost its load to {gone}'s"
+        assert asked[i].done() and all(pending(t) for t in asked[i + 1:]), f"request {i} not served in its turn"
+        lease = asked[i].result()
+        assert lease.worker is w.worker(coming)
+        lease.release()
