@@ -14,13 +14,14 @@ import signal
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-PROTOCOL_VERSION = 11  # 2: prompt caches (ClearCache, CacheCleared, CacheStats); 3: StepStarted;
+PROTOCOL_VERSION = 12  # 2: prompt caches (ClearCache, CacheCleared, CacheStats); 3: StepStarted;
 # 4: resumed requests (Submit.resume_tokens, token ids in Tokens chunks and Finished); Submit's tools, template
 # kwargs, constraint, logprobs, seed, penalties, prompt_ids; typed chunk extras; 5: Tokenize/Tokenized,
 # Submit.reasoning_budget; 6: Embed/Embedded (embedding models); 7: Rerank/Reranked, Embed.input_type and
 # Embed.instruction, Finished.drafted_tokens and accepted_tokens (speculative decoding),
 # Submit.cache_mark and Finished.cache_written (prompt-cache breakpoints and usage); 8: Submit.branch_points;
-# 9: Submit.more; 10: Pulse (the worker's watchdog); 11: Transcribe/Transcribed, Speak/Spoken (audio models)
+# 9: Submit.more; 10: Pulse (the worker's watchdog); 11: Transcribe/Transcribed, Speak/Spoken (audio models);
+# 12: Submit.speculative, Ready.drafting, Heartbeat.priced (drafting by default)
 
 # Machine codes carried by Failed and surfaced to HTTP clients as the error "code".
 MODEL_EVICTED = "model_evicted"
@@ -125,6 +126,7 @@ class Submit(Message):
     cache_mark: list = field(default_factory=list)  # [[messages, ttl_s], ...]: prefixes to keep cached a while
     branch_points: list = field(default_factory=list)  # [[message, chars], ...]: the first user turn's block ends
     more: int = 0  # generation requests the gateway is still admitting, behind this one
+    speculative: bool = True  # False: it never drafts (the API's "speculative": false), whatever the model's mode
 
 
 @dataclass(slots=True)
@@ -254,6 +256,7 @@ class Ready(Message):
     weights_bytes: int
     memory_bytes: int
     load_s: float
+    drafting: str = ""  # what its requests draft with: "off", "prompt-lookup", "draft" ("": it generates no text)
 
 
 @dataclass(slots=True)
@@ -323,6 +326,7 @@ class Heartbeat(Message):
     max_batch_size: int
     generated_tokens: int
     memory_bytes: int
+    priced: bool = False  # what drafting costs on this machine is measured (its idle work, after Ready): it may draft
 
 
 @dataclass(slots=True)

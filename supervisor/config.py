@@ -19,6 +19,7 @@ from typing import cast
 
 from supervisor.cache_config import DEFAULTS as CACHE_DEFAULTS
 from supervisor.cache_config import CacheConfig, parse_cache
+from supervisor.draft_config import SERVER_MODES
 from supervisor.hosts import host_name, is_loopback, parse_origin
 from supervisor.registry import ModelSpec, from_config
 from supervisor.units import is_number, parse_size
@@ -99,6 +100,7 @@ class Settings:
     max_audio_s: float = 3600.0
     prefill_step_size: int = 2048  # the most prompt tokens of a sequence one engine step prefills
     step_target_s: float = 0.25  # an engine step's target duration: prefill chunks are sized to it
+    speculative: str = "auto"  # every model's drafting unless its entry says: auto (prompt lookup on a GPU), off, prompt-lookup
     warm_batch_shapes: str = "auto"  # idle workers run each batch size once (after Ready, a step at a time): auto (GPU only), on, off
     crash_limit: int = 3  # crashes within crash_window_s mark the model failed
     crash_window_s: float = 60.0
@@ -217,7 +219,7 @@ _SERVER_KEYS: dict[str, type | tuple[type, ...]] = {
     "crash_cooldown_s": (int, float), "restart_backoff_s": (int, float), "restart_backoff_max_s": (int, float),
     "api_key": str, "sse_keepalive_s": (int, float), "hf_cache": str, "spare_workers": int,
     "allowed_hosts": list, "allowed_origins": list, "step_target_s": (int, float),
-    "warm_batch_shapes": str,
+    "warm_batch_shapes": str, "speculative": str,
     "max_resumes": int, "resume_timeout_s": (int, float),
     "max_queued_requests": int, "queue_timeout_s": (int, float), "max_running_requests": int,
     "model_aliases": dict, "default_model": str, "response_store_count": int, "response_store_bytes": int,
@@ -281,6 +283,8 @@ def load_file(path: Path, settings: Settings) -> Settings:
             raise ConfigError(f"{path}: server.{key}: expected a positive number, got {value!r}")
         elif key == "warm_batch_shapes" and value not in ("auto", "on", "off"):
             raise ConfigError(f"{path}: server.warm_batch_shapes: expected 'auto', 'on' or 'off', got {value!r}")
+        elif key == "speculative" and value not in SERVER_MODES:
+            raise ConfigError(f"{path}: server.speculative: expected one of {', '.join(SERVER_MODES)}, got {value!r}")
         elif key == "model_aliases" and not all(isinstance(v, str) and v for v in cast(dict, value).values()):
             raise ConfigError(f"{path}: server.model_aliases: expected {{pattern = model id}}, got {value!r}")
         setattr(settings, key, value)

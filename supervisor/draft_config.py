@@ -2,12 +2,13 @@
 
     [models.coder]
     path = "..."
-    speculative = "prompt-lookup"   # or "draft" (the default when `draft` is given), or "off" (the default)
+    speculative = "prompt-lookup"   # or "draft" (the default when `draft` is given), "off", or "auto"
     draft = "../coder-0.5b"         # a smaller model with the same tokenizer, loaded in the same worker
     num_draft_tokens = 4
 
 They become the worker's `--speculative`, `--draft` and `--num-draft-tokens` (worker/__main__.py), placed before
-the model's own `worker_args`, which win. Invariant: a draft's weights are counted in the model's weights, so
+the model's own `worker_args`, which win. A model without them drafts as `[server] speculative` (`serve
+--speculative`) says: "auto" by default, the worker's choice (prompt lookup where MLX runs on a GPU, off on a CPU). Invariant: a draft's weights are counted in the model's weights, so
 admission sees them before the worker loads; a draft that is no model folder is a config error, not a failed load.
 """
 
@@ -15,14 +16,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-MODES = ("off", "prompt-lookup", "draft")  # worker/mlx_engine/speculative.py's
+MODES = ("auto", "off", "prompt-lookup", "draft")  # worker/mlx_engine/speculative.py's
+SERVER_MODES = MODES[:3]  # every model's: "draft" needs a model's own draft
 KEYS = frozenset({"speculative", "draft", "num_draft_tokens"})
 
 
 def speculative_args(entry: dict, where: str, base: Path) -> tuple[tuple[str, ...], int]:
     """(the worker's arguments, the draft's weights in bytes) of a model entry; ValueError naming the key."""
     draft = entry.get("draft")
-    mode = entry.get("speculative", "draft" if draft is not None else "off")
+    mode = entry.get("speculative", "draft" if draft is not None else "auto")
     if mode not in MODES:
         raise ValueError(f"{where}.speculative: expected one of {', '.join(MODES)}, got {mode!r}")
     args: list[str] = ["--speculative", mode] if set(entry) & KEYS else []

@@ -236,7 +236,7 @@ class Lifecycle:
         args = model_args(spec.path, spec.id, st.max_batch_size, st.prefill_step_size, spec.worker_args,
                           tuple(st.model_cache(spec).worker_args(st.state_dir)), step_target_s=st.step_target_s,
                           warm_batch_shapes=st.warm_batch_shapes, strict_context=st.strict_context,
-                          max_context=self.context_cap(spec))
+                          max_context=self.context_cap(spec), speculative=st.speculative)
         log_path = st.worker_log(spec.id)
         spare = self.spare if self.spare is not None and self.spare.standing_by and spec.group is None else None
         if spec.group is not None:  # a group's ranks start together, never on the spare

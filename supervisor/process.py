@@ -342,11 +342,12 @@ def worker_argv(endpoint: str, identity: str, heartbeat_s: float, model_args: li
 def model_args(model_path: Path, model_id: str, max_batch_size: int, prefill_step_size: int,
                extra: tuple[str, ...] = (), cache_args: tuple[str, ...] = (),
                step_target_s: float | None = None, warm_batch_shapes: str | None = None,
-               strict_context: bool = False, max_context: int | None = None) -> list[str]:
+               strict_context: bool = False, max_context: int | None = None, speculative: str = "auto") -> list[str]:
     """What makes a worker one model's worker: on its command line, or in a spare's Load message.
 
     `cache_args` come from CacheConfig.worker_args, `extra` (the model's worker_args) last; `max_context` caps the
-    context the worker publishes (policy.context_cap).
+    context the worker publishes (policy.context_cap); `speculative`: the server's drafting mode, which a model's own
+    (in `extra`) overrides.
     """
     pacing = ["--step-target-s", str(step_target_s)] if step_target_s is not None else []
     if warm_batch_shapes is not None:
@@ -355,6 +356,8 @@ def model_args(model_path: Path, model_id: str, max_batch_size: int, prefill_ste
         pacing.append("--strict-context")
     if max_context is not None:
         pacing += ["--max-context", str(max_context)]
+    if speculative != "auto":
+        pacing += ["--speculative", speculative]
     return ["--model-path", str(model_path), "--model-id", model_id, "--max-batch-size", str(max_batch_size),
             "--prefill-step-size", str(prefill_step_size), *pacing, *cache_args, *extra]
 

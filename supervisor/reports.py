@@ -103,6 +103,8 @@ class ModelStatus:
     context_length: int | None = None
     drafted_tokens: int = 0  # with generated_tokens: speculative decoding's tokens over the worker's life, drafted
     accepted_tokens: int = 0  # and kept; in JSON with `acceptance_rate`, their ratio (null: nothing drafted)
+    drafting: str = ""  # its worker's speculative decoding: "off", "prompt-lookup", "draft" ("": generates no text)
+    drafting_priced: bool = False  # and whether its costs are measured (its requests may draft from then on)
     progress: LoadProgress | None = None  # only while loading
     ranks: tuple[dict[str, Any], ...] = ()  # a worker group's ranks (rank, host, pid, memory_bytes); only then
     # a generating model's sampling for a request that sets none: {field: {"value", "source"}} (supervisor/sampling.py)
@@ -117,7 +119,8 @@ class ModelStatus:
         if self.generated_tokens is not None:
             out.update(generated_tokens=self.generated_tokens, context_length=self.context_length,
                        drafted_tokens=self.drafted_tokens, accepted_tokens=self.accepted_tokens,
-                       acceptance_rate=self.acceptance_rate)
+                       acceptance_rate=self.acceptance_rate, drafting=self.drafting,
+                       drafting_priced=self.drafting_priced)
         if self.progress is not None:
             out["progress"] = {"stage": self.progress.stage, "fraction": self.progress.fraction}
         if self.ranks:

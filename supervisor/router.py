@@ -559,6 +559,7 @@ class Router(Generic[MetricsT]):
             peak_batch_size=hb.max_batch_size if hb else 0, generated_tokens=hb.generated_tokens if hb else 0,
             context_length=worker.info.context_length if worker.info else None,
             drafted_tokens=worker.drafted, accepted_tokens=worker.accepted,
+            drafting=worker.info.drafting if worker.info else "", drafting_priced=hb.priced if hb else False,
             cache=cache_admin.stats_view(worker.cache),
             progress=LoadProgress(worker.progress.stage, worker.progress.fraction)
             if worker.state is State.LOADING else None,

@@ -82,11 +82,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-context", type=int, default=None,
                    help="the most context this worker publishes and serves, below its config's (the supervisor's: what"
                         " its memory ceiling leaves for the model's KV); never past protocol.modelconfig.MAX_CONTEXT")
-    p.add_argument("--speculative", choices=("off", "prompt-lookup", "draft"), default=None,
+    p.add_argument("--speculative", choices=("auto", "off", "prompt-lookup", "draft"), default="auto",
                    help="requests draft tokens and verify them in one pass (worker/mlx_engine/speculative.py; greedy"
                         " ones decoding together in lockstep):"
-                        " from its own prompt and output (prompt-lookup), or with --draft's model; default: draft"
-                        " with --draft, else off")
+                        " from its own prompt and output (prompt-lookup), or with --draft's model; auto (the default):"
+                        " draft with --draft, else prompt-lookup where MLX runs on a GPU, else off")
     p.add_argument("--draft", type=Path, default=None, help="the draft model's folder (the same tokenizer)")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="the most tokens drafted per verification")
     p.add_argument("--lifeline", action="store_true", help="exit when stdin reaches EOF")
@@ -129,8 +129,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not args.spare and (args.model_path is None or args.model_id is None):
         p.error("--model-path and --model-id are required (or --spare)")
-    if args.speculative is None:
-        args.speculative = "draft" if args.draft is not None else "off"
+    if args.speculative == "auto" and args.draft is not None:
+        args.speculative = "draft"
     if (args.speculative == "draft" and args.draft is None) or args.num_draft_tokens < 1:
         p.error("--speculative draft needs --draft, and --num-draft-tokens is at least 1")
     return args
@@ -290,7 +290,7 @@ def serve_model(args: argparse.Namespace, sock: zmq.Socket, shutdown: Shutdown, 
                             max_context=args.max_context, speculative=args.speculative,
                             num_draft_tokens=args.num_draft_tokens,
                             draft=args.draft if args.speculative == "draft" else None, defer_stores=True,
-                            text_thread=True)
+                            text_thread=True, idle_pricing=True)
     except Exception as exc:
         log.error("[load] model=%s path=%s failed: %s", args.model_id, args.model_path, exc)
         return EXIT_LOAD_FAILED

@@ -174,6 +174,7 @@ class AudioEngine:
         self.vocab_size = 0
         self.weights_bytes = weights_bytes
         self.load_s = load_s
+        self.drafting, self.priced = "", False
         self.generated_tokens = 0
         self.peak_batch_size = 0
         self.prefill_batch_size = 1

@@ -129,6 +129,7 @@ class EmbeddingEngine:
         self.vocab_size = model.vocab_size
         self.weights_bytes = weights_bytes
         self.load_s = load_s
+        self.drafting, self.priced = "", False
         self.generated_tokens = 0
         self.peak_batch_size = 0  # the most inputs one batch has held
         self.ceiling = BATCH_TOKENS  # padded tokens per batch at most: halved by each batch the device failed

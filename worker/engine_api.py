@@ -78,6 +78,16 @@ class EngineApi(Protocol):
     peak_batch_size: int  # the most sequences one step has produced tokens for
 
     @property
+    def drafting(self) -> str:
+        """Speculative decoding's mode, resolved ("off", "prompt-lookup", "draft"; "": no text generated)."""
+        ...
+
+    @property
+    def priced(self) -> bool:
+        """Whether what drafting costs here is measured, so that a request may draft (False: not yet, or never)."""
+        ...
+
+    @property
     def caches(self) -> PromptCacheApi | None: ...
 
     @property

@@ -134,7 +134,7 @@ class WorkerLoop:
         """Ready (and the caches' first stats): the model is loaded and the loop about to run."""
         e = self.engine
         ready = Ready(self.model_id, os.getpid(), e.context_length, e.vocab_size, e.weights_bytes,
-                      self.memory(), e.load_s)
+                      self.memory(), e.load_s, e.drafting)
         foreign = self.faults.foreign_ready_frame(encode(ready))
         if foreign is not None:
             self.channel.send(foreign)
@@ -338,7 +338,7 @@ class WorkerLoop:
         e = self.engine
         self.send(Heartbeat(active=len(e), waiting=e.waiting(), batch_size=e.batch_size(),
                             max_batch_size=e.peak_batch_size, generated_tokens=e.generated_tokens,
-                            memory_bytes=self.memory()))
+                            memory_bytes=self.memory(), priced=e.priced))
         self._send_cache_stats()
 
     def _send_cache_stats(self) -> None:

@@ -32,6 +32,7 @@ from supervisor.cli.service import add_service_parser
 from supervisor.cli.views import duration, evict_line, memory_line, ollama_line, size, status_table
 from supervisor.config import DEFAULT_PORT, ConfigError, Settings, parse_size, resolve
 from supervisor.config_view import effective, to_toml
+from supervisor.draft_config import SERVER_MODES
 from supervisor.reports import EvictReport, ModelStatus
 
 EVICT_PROGRESS_S = 0.5  # an evict that takes longer than this says what it is waiting for
@@ -229,7 +230,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "host": args.host, "port": args.port, "state_dir": Path(args.state_dir) if args.state_dir else None,
             "memory_ceiling_bytes": ceiling, "max_loaded_models": args.max_loaded_models,
             "default_ttl_s": args.ttl, "log_level": args.log_level, "demo": args.demo or None,
-            "insecure_no_key": args.insecure_no_key or None,
+            "insecure_no_key": args.insecure_no_key or None, "speculative": args.speculative,
         })
     except (ConfigError, ValueError) as exc:
         raise CliError(f"bad config: {exc}", EXIT_USAGE) from None
@@ -298,6 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-loaded-models", type=int, default=None,
                    help="the most models loaded at once (default: as many as memory allows)")
     s.add_argument("--ttl", type=float, default=None, help="default idle TTL in seconds (default: none)")
+    s.add_argument("--speculative", default=None, choices=SERVER_MODES,
+                   help="every model's speculative decoding unless its config entry says (default auto: prompt lookup"
+                        " where MLX runs on a GPU, off on a CPU; a request may still turn it off)")
     s.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"],
                    help="the daemon's and workers' log level (default info)")
     s.set_defaults(func=cmd_serve)

@@ -87,8 +87,19 @@ def memory_line(status: dict[str, Any]) -> str:
     return line
 
 
+def drafting(m: ModelStatus) -> str:
+    """Speculative decoding as the dashboard shows it: "-" where nothing drafts, else the worker's mode, "pricing"
+    while it measures what drafting costs, and the part of its drafted tokens kept."""
+    if not m.drafting or m.drafting == "off":
+        return "-"
+    if m.acceptance_rate is None:
+        return m.drafting if m.drafting_priced else f"{m.drafting} (pricing)"
+    return f"{m.drafting} {m.acceptance_rate:.0%}"
+
+
 def status_table(status: dict[str, Any]) -> list[str]:
-    rows = [("MODEL", "KIND", "STATE", "PID", "MEMORY", "SIZE", "CONTEXT", "IN-FLIGHT", "WAITING", "BATCH", "UNTIL",
+    rows = [("MODEL", "KIND", "STATE", "PID", "MEMORY", "SIZE", "CONTEXT", "DRAFTING", "IN-FLIGHT", "WAITING", "BATCH",
+             "UNTIL",
              "HOT CACHE", "SSD CACHE", "RESUMED", "LAST ERROR")]
     for m in map(ModelStatus.from_dict, status["models"]):
         cache = m.cache or {}
@@ -97,7 +108,7 @@ def status_table(status: dict[str, Any]) -> list[str]:
         waiting = f"{m.waiting} ({duration(m.oldest_wait_s)})" if m.waiting else "0"
         waiting += f", {m.queue_refused} refused" if m.queue_refused else ""
         rows.append((m.id, m.kind, m.state, str(m.pid or "-"), size(m.memory_bytes), size(m.weights_bytes or None),
-                     str(m.context_length or "-"), in_flight, waiting, str(m.batch_size), until(m),
+                     str(m.context_length or "-"), drafting(m), in_flight, waiting, str(m.batch_size), until(m),
                      _cache(cache.get("hot"), False), _cache(cache.get("ssd"), True), resumed,
                      (m.last_error or "")[:60]))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

@@ -36,7 +36,7 @@ from protocol.messages import Submit
 from supervisor.errors import MlxsupError
 from supervisor.gateway.images import base64_source, image_part, url_source
 from supervisor.gateway.images import content as content_of
-from supervisor.gateway.openai_api import MAX_STOP_LEN, MAX_TOKENS_LIMIT, Parsed, given, new_id, valid_name
+from supervisor.gateway.openai_api import MAX_STOP_LEN, MAX_TOKENS_LIMIT, Parsed, given, new_id, speculative, valid_name
 from supervisor.gateway.tools import ToolDialect, parse_tools
 from supervisor.units import is_number
 
@@ -433,6 +433,6 @@ def parse_messages(body: Any, counting: bool = False) -> Parsed:
                     temperature=1.0 if temperature is None else temperature, top_p=1.0 if top_p is None else top_p,
                     top_k=0 if top_k is None else _integer(top_k, "top_k", 0, MAX_TOKENS_LIMIT),
                     reasoning_budget=budget, cache_mark=_cache_marks(body, messages),
-                    branch_points=_branch_points(body, messages))
+                    branch_points=_branch_points(body, messages), speculative=speculative(body))
     return Parsed(model, submit, stream and not counting, False,
                   sampling_given=given(body, ("temperature", "top_p", "top_k")))  # unset: the model's defaults

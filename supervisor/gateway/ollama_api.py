@@ -45,7 +45,7 @@ THINK_LEVELS = ("low", "medium", "high")
 # options -> the openai parser's names for the same sampling fields (so both are checked by one rule)
 OPTION_NAMES = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "seed": "seed",
                 "repeat_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
-                "frequency_penalty": "frequency_penalty"}
+                "frequency_penalty": "frequency_penalty", "speculative": "speculative"}
 _DURATION = re.compile(r"([0-9]*\.?[0-9]+)(ns|us|µs|ms|s|m|h)")
 _UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 MAX_KEEP_ALIVE_S = 10 * 365 * 86400  # past ten years a duration is "for ever" (the negative values' meaning)

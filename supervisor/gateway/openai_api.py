@@ -53,7 +53,7 @@ IGNORED = {"user", "store", "metadata", "service_tier", "safety_identifier", "ve
            "web_search_options", "audio"}
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")  # unset: the model's defaults
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stream", "stream_options",
-           "n", "seed", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty",
+           "n", "seed", "ignore_eos", "speculative", "presence_penalty", "frequency_penalty", "repetition_penalty",
            "logit_bias", "logprobs"} | IGNORED
 CHAT_PARAMS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
                          "function_call", "response_format", "parallel_tool_calls", "chat_template_kwargs",
@@ -183,6 +183,15 @@ def _logit_bias(value: Any) -> list | None:
     return pairs or None
 
 
+def speculative(body: dict, where: str = "") -> bool:
+    """The request's `speculative` (false: it never drafts, whatever its model's mode; the default: as the model
+    does). `where`: the field's path before its name in errors ("options.")."""
+    value = body.get("speculative", True)
+    if not isinstance(value, bool):
+        raise InvalidRequest(f"'{where}speculative' must be a boolean", param=f"{where}speculative")
+    return value
+
+
 def _sampling(body: dict) -> dict:
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
@@ -194,6 +203,7 @@ def _sampling(body: dict) -> dict:
         "top_k": _integer(body, "top_k", 0, 0, MAX_TOKENS_LIMIT),
         "min_p": _number(body, "min_p", 0.0, 0.0, 1.0),
         "ignore_eos": ignore_eos,
+        "speculative": speculative(body),
         "seed": None if seed is None else seed % 2**64,  # one-to-one: -1 is 2**64 - 1, no other seed's
         "presence_penalty": _number(body, "presence_penalty", 0.0, -2.0, 2.0),
         "frequency_penalty": _number(body, "frequency_penalty", 0.0, -2.0, 2.0),

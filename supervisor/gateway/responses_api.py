@@ -34,7 +34,15 @@ from supervisor.errors import InvalidRequest
 from supervisor.gateway import unknown_fields
 from supervisor.gateway.images import content as content_of
 from supervisor.gateway.images import image_part, url_source
-from supervisor.gateway.openai_api import MAX_TOKENS_LIMIT, Parsed, given, new_id, prompt_cache_marks, valid_name
+from supervisor.gateway.openai_api import (
+    MAX_TOKENS_LIMIT,
+    Parsed,
+    given,
+    new_id,
+    prompt_cache_marks,
+    speculative,
+    valid_name,
+)
 from supervisor.gateway.tools import ToolDialect, parse_tool_choice, parse_tools
 from supervisor.units import is_number
 
@@ -46,7 +54,7 @@ IGNORED = {"user", "include", "truncation", "service_tier", "safety_identifier",
 UNSUPPORTED = ("background", "conversation", "prompt")  # accepted when unset (null or false)
 PARAMS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text", "reasoning",
           "max_output_tokens", "temperature", "top_p", "stream", "store", "previous_response_id",
-          "metadata", "prompt_cache_key", "prompt_cache_retention", *UNSUPPORTED} | IGNORED
+          "metadata", "prompt_cache_key", "prompt_cache_retention", "speculative", *UNSUPPORTED} | IGNORED
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal", "summary_text", "reasoning_text")
 MAX_METADATA_PAIRS = 16
@@ -257,7 +265,8 @@ def parse_responses(body: Any, history: Callable[[str], list[dict]], strict: boo
     submit = Submit(rid=new_id("resp"), max_tokens=max_tokens or 0, messages=messages, tools=tools,
                     constraint=constraint or json_format, template_kwargs=kwargs,
                     cache_mark=prompt_cache_marks(body, len(messages)),
-                    temperature=_number(body, "temperature", 1.0, 2.0), top_p=_number(body, "top_p", 1.0, 1.0))
+                    temperature=_number(body, "temperature", 1.0, 2.0), top_p=_number(body, "top_p", 1.0, 1.0),
+                    speculative=speculative(body))
     echo = {"instructions": instructions, "max_output_tokens": max_tokens, "previous_response_id": previous,
             "parallel_tool_calls": body.get("parallel_tool_calls", True), "tool_choice": body.get("tool_choice", "auto"),
             "tools": body.get("tools") or [], "temperature": submit.temperature, "top_p": submit.top_p,

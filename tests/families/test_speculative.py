@@ -379,3 +379,37 @@ def test_a_drafter_with_nothing_to_propose_is_asked_less_and_less(family_models:
     engine.submit(greedy("c", n=100))
     drive(engine, "b")
     assert 4 <= len(asked) <= 2 * 10  # both rows asked at each of the batch's drafting steps
+
+
+def test_a_worker_prices_drafting_in_its_idle_work_and_no_request_waits_for_it(family_models: Path,
+                                                                               plain: dict) -> None:
+    """With idle pricing (the worker's), a request before the costs are known decodes plainly and measures nothing;
+    the idle work (`warm_step`) measures them a forward pass at a time, not while a request is in flight, the
+    solo's and the batch's at each size, and then has nothing left to do."""
+    expected, _ = run(plain["llama"], greedy())
+    engine = Engine(family_models / "llama", speculative="prompt-lookup", idle_pricing=True, max_batch_size=2)
+    pricing = engine.speculation.pricing
+    got, fin = run(engine, greedy())
+    assert got == expected and fin is not None and fin.drafted_tokens == 0 and pricing.costs is None
+    engine.submit(greedy("busy", n=4))
+    assert engine.warm_step() and pricing.costs is None  # busy: nothing measured
+    drive(engine, "busy")
+    steps = 0
+    while engine.warm_step():
+        steps += 1
+        assert steps < 500
+    assert engine.priced and pricing.at(2).costs is not None and steps > 10
+    assert pricing._sizes.keys() == {1, 2}  # the batch sizes up to max_batch_size only
+    got, _ = run(engine, greedy())
+    assert got == expected
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_5"])
+def test_drafting_beside_graphs_built_ahead_gives_plain_decoding_s_ids(family_models: Path, plain: dict,
+                                                                      name: str) -> None:
+    """The solo's `ahead` mode (MLX CUDA's default) builds a plain step's graph ahead whenever the next step will
+    not draft (paused, or its drafter idle), and a step never drafts over a graph built ahead: the ids are plain's."""
+    expected, _ = run(plain[name], greedy())
+    engine = drafting(family_models / name, speculative="prompt-lookup", solo="ahead")
+    got, fin = run(engine, greedy())
+    assert got == expected and fin is not None and fin.accepted_tokens > 0

@@ -2,8 +2,10 @@
 
 One real daemon serves `tiny` (a llama) with `speculative = "prompt-lookup"` and `tiny2` plain; requests whose
 prompt repeats itself make prompt lookup draft. /metrics' draft counters must equal the sum of what the responses'
-usage reported (accepted and rejected prediction tokens), /api/status must show the worker's counts and their
-rate, and the dashboard's row that rate, "–" for the model that drafted nothing. Here, not in tests/integration:
+usage reported (accepted and rejected prediction tokens), /api/status must show the worker's mode, counts and their
+rate, and the dashboard's row the mode and that rate, "–" for the model that drafts nothing (`auto`: off on a CPU).
+The worker measures what drafting costs in its idle work after Ready (draft_pricing.py), so the requests wait for
+status to say it is priced; a request with "speculative": false never drafts. Here, not in tests/integration:
 the page's check shares the daemon (playwright is in the `test` extra, so the metrics test runs wherever it does).
 """
 
@@ -17,7 +19,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import Daemon, start_daemon
+from tests.conftest import Daemon, start_daemon, wait_for
 from tests.ui.test_dashboard import browser, page, playwright_api, row  # noqa: F401 (fixtures)
 
 BLOCK = " ".join(f"w{(i * 37) % 300}" for i in range(30))
@@ -47,6 +49,9 @@ def streamed_usage(d: Daemon, body: dict) -> dict:
 def usages(drafting: Daemon) -> dict[str, list[dict]]:
     """Each model's responses' usage: a whole completion and a streamed chat reply each."""
     out: dict[str, list[dict]] = {}
+    for model in ("tiny", "tiny2"):
+        assert httpx.post(f"{drafting.url}/api/models/{model}/load", json={}, timeout=120).status_code == 200
+    wait_for(lambda: drafting.model("tiny")["drafting_priced"], 120, what="tiny's drafting to be priced")
     for model in ("tiny", "tiny2"):
         whole = httpx.post(drafting.v1 + "/completions", timeout=120,
                            json={"model": model, "prompt": PROMPT, "max_tokens": 40, "temperature": 0})
@@ -83,6 +88,21 @@ def test_metrics_and_status_count_what_the_responses_reported(drafting: Daemon, 
     assert (tiny["drafted_tokens"], tiny["accepted_tokens"], tiny["acceptance_rate"]) == \
         (drafted, accepted, accepted / drafted)
     assert (tiny2["drafted_tokens"], tiny2["acceptance_rate"]) == (0, None)
+    assert (tiny["drafting"], tiny2["drafting"], tiny2["drafting_priced"]) == ("prompt-lookup", "off", False)
+
+
+def test_a_request_that_turns_speculative_decoding_off_drafts_nothing(drafting: Daemon, usages: dict) -> None:
+    """The same request drafts when it lets the model's mode decide (the usages above), and never with
+    "speculative": false; a value that is no boolean is the API's 400."""
+    assert drafts(usages["tiny"][0])[0] > 0
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 40, "temperature": 0}
+    off = httpx.post(drafting.v1 + "/completions", timeout=120, json={**body, "speculative": False})
+    assert off.status_code == 200, off.text
+    assert drafts(off.json()["usage"]) == (0, 0)
+    assert off.json()["choices"][0]["text"] == httpx.post(drafting.v1 + "/completions", timeout=120,
+                                                          json=body).json()["choices"][0]["text"]
+    bad = httpx.post(drafting.v1 + "/completions", timeout=30, json={**body, "speculative": "no"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "speculative"
 
 
 def test_the_dashboard_row_shows_the_acceptance_rate(drafting: Daemon, usages: dict, page) -> None:  # noqa: F811
@@ -92,5 +112,6 @@ def test_the_dashboard_row_shows_the_acceptance_rate(drafting: Daemon, usages: d
     cell = row(page, "tiny").locator(".drafts")
     playwright_api.expect(cell).to_have_attribute(
         "title", f"{tiny['accepted_tokens']} of {tiny['drafted_tokens']} drafted tokens kept by this worker")
-    playwright_api.expect(cell).to_have_text(page.evaluate("rate => pct(rate)", tiny["acceptance_rate"]))
+    playwright_api.expect(cell).to_have_text(
+        "prompt-lookup · " + page.evaluate("rate => pct(rate)", tiny["acceptance_rate"]))
     playwright_api.expect(row(page, "tiny2").locator(".drafts")).to_have_text("–")

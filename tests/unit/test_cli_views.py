@@ -38,13 +38,15 @@ def test_status_has_size_context_until_and_a_memory_line() -> None:
     ready = ModelStatus("chat", "ready", pid=7, memory_bytes=88 * 2**20, ttl_s=900, ttl_remaining_s=842.0,
                         idle_s=58.0, weights_bytes=899 * 1024, context_length=8192, generated_tokens=0,
                         cache={"block_tokens": 64, "hot": HOT, "ssd": SSD})
-    pinned = ModelStatus("pin", "ready", pid=8, pinned=True, generated_tokens=0, context_length=4096)
-    forever = ModelStatus("free", "ready", pid=10, generated_tokens=0, context_length=4096)
+    pinned = ModelStatus("pin", "ready", pid=8, pinned=True, generated_tokens=0, context_length=4096,
+                         drafting="prompt-lookup", drafting_priced=True, drafted_tokens=8, accepted_tokens=6)
+    forever = ModelStatus("free", "ready", pid=10, generated_tokens=0, context_length=4096, drafting="prompt-lookup")
     busy = ModelStatus("busy", "ready", pid=11, ttl_s=60, ttl_remaining_s=60, leases=1, in_flight=1,
                        generated_tokens=0, context_length=4096, suspended=1, resumed=3, resume_failed=1)
     stopped = ModelStatus("idle", "stopped", ttl_s=900, weights_bytes=2 * GiB, kind="embedding")
     header, *rows = status_table(status(ready, pinned, forever, busy, stopped))
-    assert header.split() == ["MODEL", "KIND", "STATE", "PID", "MEMORY", "SIZE", "CONTEXT", "IN-FLIGHT", "WAITING", "BATCH", "UNTIL",
+    assert header.split() == ["MODEL", "KIND", "STATE", "PID", "MEMORY", "SIZE", "CONTEXT", "DRAFTING", "IN-FLIGHT",
+                              "WAITING", "BATCH", "UNTIL",
                               "HOT", "CACHE", "SSD", "CACHE", "RESUMED", "LAST", "ERROR"]
     by_model = dict(zip(["chat", "pin", "free", "busy", "idle"], rows))
     assert "899 KiB" in by_model["chat"] and "8192" in by_model["chat"] and "in 14m02s" in by_model["chat"]
@@ -53,6 +55,10 @@ def test_status_has_size_context_until_and_a_memory_line() -> None:
     assert "1 (1 suspended)" in by_model["busy"] and "3 (1 failed)" in by_model["busy"]  # resumed requests (issue 18)
     assert "2 GiB" in by_model["idle"] and by_model["idle"].split()[1:3] == ["embedding", "stopped"]
     assert by_model["chat"].split()[1:3] == ["chat", "ready"]
+    # speculative decoding: nothing drafts ("-"), the worker still measuring its costs, and what was kept
+    col = header.index("DRAFTING")
+    assert [by_model[m][col:].split()[0] for m in ("chat", "free", "pin")] == ["-", "prompt-lookup", "prompt-lookup"]
+    assert "prompt-lookup (pricing)" in by_model["free"] and "prompt-lookup 75%" in by_model["pin"]
     line = memory_line(status(ready))
     assert line == ("memory: models 90 MiB of 20 GiB ceiling (0%); system 12 GiB of 24 GiB in use (50%); "
                     "at most 3 models; spare worker pid 9 standing by")

@@ -30,7 +30,8 @@ def test_model_status_keys_depend_on_the_state_as_the_api_always_had_them() -> N
     assert stopped.to_dict()["last_eviction"] == {"reason": "ttl", "mode": "drain", "duration_s": 0.5, "exit": 0}
     failed = ModelStatus("m", "failed", retry_in_s=12.5)
     assert list(failed.to_dict()) == [*ALWAYS, "retry_in_s"]
-    worker = ["generated_tokens", "context_length", "drafted_tokens", "accepted_tokens", "acceptance_rate"]
+    worker = ["generated_tokens", "context_length", "drafted_tokens", "accepted_tokens", "acceptance_rate",
+              "drafting", "drafting_priced"]
     ready = ModelStatus("m", "ready", pid=7, generated_tokens=0, context_length=None)
     assert list(ready.to_dict()) == [*ALWAYS, *worker] and ready.to_dict()["acceptance_rate"] is None
     drafting = ModelStatus("m", "ready", pid=7, generated_tokens=9, drafted_tokens=8, accepted_tokens=6)

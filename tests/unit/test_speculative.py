@@ -12,8 +12,9 @@ import pytest
 
 from protocol.messages import Submit
 from supervisor.draft_config import speculative_args
+from supervisor.process import model_args
 from worker.__main__ import parse_args
-from worker.mlx_engine.draft_pricing import Costs, Pricing, fastest
+from worker.mlx_engine.draft_pricing import REPEATS, WARMUPS, Costs, Pricing, fastest
 from worker.mlx_engine.guided import seeded_sampler
 from worker.mlx_engine.speculative import (
     FIRST_PAUSE,
@@ -24,6 +25,7 @@ from worker.mlx_engine.speculative import (
     Sampling,
     Speculation,
     accept_sampled,
+    default_mode,
     leading,
     lookup,
 )
@@ -281,7 +283,65 @@ def test_config_keys_become_worker_arguments(tmp_path: Path) -> None:
     parsed = parse_args(["--endpoint", "e", "--identity", "i", "--model-path", "m", "--model-id", "m", *args])
     assert parsed.speculative == "draft" and parsed.draft == draft and parsed.num_draft_tokens == 4
     plain = parse_args(["--endpoint", "e", "--identity", "i", "--model-path", "m", "--model-id", "m"])
-    assert plain.speculative == "off" and plain.draft is None
+    assert plain.speculative == "auto" and plain.draft is None
+
+
+def test_auto_drafts_with_prompt_lookup_on_a_gpu_and_not_on_a_cpu() -> None:
+    assert default_mode(draft=False, gpu=True) == "prompt-lookup"
+    assert default_mode(draft=False, gpu=False) == "off"
+    assert default_mode(draft=True, gpu=False) == default_mode(draft=True, gpu=True) == "draft"
+    assert Speculation("auto").mode == default_mode(False, mx.default_device() == mx.gpu)
+
+
+def test_the_server_s_mode_is_every_model_s_unless_its_own_says() -> None:
+    """`[server] speculative` (serve --speculative) goes on every worker's command line, before the model's own
+    arguments, which win; "auto", the worker's default, adds nothing."""
+    base = ["--endpoint", "e", "--identity", "i"]
+    assert "--speculative" not in model_args(Path("m"), "m", 8, 512)
+    args = model_args(Path("m"), "m", 8, 512, speculative="off")
+    assert parse_args([*base, *args]).speculative == "off"
+    own = model_args(Path("m"), "m", 8, 512, ("--speculative", "prompt-lookup"), speculative="off")
+    assert parse_args([*base, *own]).speculative == "prompt-lookup"
+
+
+def test_the_draft_length_follows_the_acceptance_seen() -> None:
+    """Where a verification costs more with each draft, the length that emits the most tokens a second grows with
+    the acceptance: 1 where drafts are mostly rejected, the most allowed where they are kept whole; free drafts
+    (a verification of any length a plain step's cost) and the oracle (no costs) always draft the most."""
+    d = priced(Costs(1.0, 1.2, 3.0, k=8), k=8)
+    assert d.length(8) in range(1, 9)
+    for _ in range(8):
+        d.observe(8, 0, 0)
+    low = d.length(8)
+    for _ in range(20):
+        d.observe(8, 8, 0)
+    assert low == 1 and d.length(8) == 8 and d.length(3) == 3
+    free = priced(Costs(1.0, 1.0, 1.0, k=8), k=8)
+    free.observe(8, 1, 0)
+    assert free.length(8) == 8
+    assert Drafting(PromptLookup(), 8, None, None, None).length(8) == 8
+
+
+def test_idle_pricing_measures_a_forward_pass_per_step_and_no_request_waits() -> None:
+    """An idle Pricing is never measured by a request (`get` says "not yet"), only by its steps: the solo's
+    costs, then a batch's at each size asked, each its own Pricing; then it has nothing left to do."""
+    from mlx_lm.models import llama
+
+    model = llama.Model(llama.ModelArgs(model_type="llama", hidden_size=32, num_hidden_layers=1, intermediate_size=64,
+                                        num_attention_heads=2, num_key_value_heads=2, rms_norm_eps=1e-5,
+                                        vocab_size=64))
+    pricing = Pricing(2, None, idle=True)
+    d = Drafting(PromptLookup(), 2, None, None, pricing)
+    assert pricing.get(model, None) is None and not d.priced(model, None, 0) and d.break_even is None
+    steps = 0
+    while pricing.step(model, None, (2,)):
+        steps += 1
+        assert steps < 200
+    assert pricing.costs is not None and pricing.at(2).costs is not None and pricing.at(2).rows == 2
+    assert steps > 2 * (WARMUPS + REPEATS)  # a forward pass per step, not a measurement
+    d.priced(model, None, 0)  # (whether drafting pays on this CPU is not this test's concern)
+    assert d.costs is pricing.costs and d.break_even is not None
+    assert not pricing.step(model, None, (2,))
 
 
 def test_usage_reports_drafted_and_accepted_tokens() -> None:

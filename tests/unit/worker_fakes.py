@@ -101,6 +101,8 @@ class FakeEngine:
     vocab_size: int = 100
     weights_bytes: int = 1 << 20
     load_s: float = 0.5
+    drafting: str = "off"
+    priced: bool = False
     generated_tokens: int = 0
     peak_batch_size: int = 0
     left: dict[str, int] = field(default_factory=dict)  # rid -> tokens still to produce

@@ -195,7 +195,7 @@ class BatchDrafting:
         proposes with its own); free, and always drafting, for the oracle."""
         key = (row.pricing, bucket(size))
         if (pace := self._paces.get(key)) is None:
-            pricing = None if row.pricing is None else Pricing(row.k, row.pricing.draft, self.costs, rows=key[1])
+            pricing = None if row.pricing is None else row.pricing.at(key[1], self.costs)
             pace = self._paces[key] = Drafting(Oracle([]), row.k, None, None, pricing)
         return pace
 

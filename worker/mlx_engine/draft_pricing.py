@@ -17,7 +17,13 @@ process, clocks ramping up) then slows a round of every shape, not one shape's w
 a verification of 2 tokens at 11.7 ms and one of 3 at 5.9 ms, each shape timed in one stretch). A forward pass of fewer tokens never costs more
 than one of more, so a cost that reads higher than a longer one's is that longer one's (`Costs.measured`).
 
-Invariants: `Pricing` measures once per worker (the first request that would draft), then its costs are fixed, so
+In the worker the measurement is idle work (`Pricing.step`, a forward pass per call while no request runs: the
+worker loop's, after Ready), the solo's costs first, then the batch's at each size: a request never waits for it,
+and one that comes before it is over decodes plainly (a slow host took over 30 s to price, on the first request's
+loop before).
+
+Invariants: `Pricing` measures once per worker (the first request that would draft, or its idle work), then its
+costs are fixed, so
 which steps draft depends on the tokens alone and a seeded request stays reproducible; measuring touches no
 request's cache and draws no random numbers.
 """
@@ -26,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -79,16 +85,27 @@ class Costs:
 
 def fastest(runs: dict[str, Callable[[], None]], clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
     """Each run's fastest time: all warmed first, then timed in turn, round after round (the module says why)."""
+    best: dict[str, float] = {}
+    for _ in timing(runs, best, clock):
+        pass
+    return best
+
+
+def timing(runs: dict[str, Callable[[], None]], best: dict[str, float],
+           clock: Callable[[], float] = time.perf_counter) -> Iterator[None]:
+    """`fastest`, a run per step: each run's fastest time lands in `best` once the steps are over."""
     for run in runs.values():
         for _ in range(WARMUPS):
             run()
-    best = dict.fromkeys(runs, float("inf"))
+            yield
+    times = dict.fromkeys(runs, float("inf"))
     for _ in range(REPEATS):
         for name, run in runs.items():
             t0 = clock()
             run()
-            best[name] = min(best[name], clock() - t0)
-    return best
+            times[name] = min(times[name], clock() - t0)
+            yield
+    best.update(times)
 
 
 def _one_by_one(model: nn.Module, n: int, rows: int = 1) -> Callable[[], None]:
@@ -125,14 +142,29 @@ def _compiled(graph: DecodeGraph, n: int) -> Callable[[], None]:
 def measure(model: nn.Module, graph: DecodeGraph | None, k: int, draft: nn.Module | None, rows: int = 1) -> Costs:
     """This machine's costs of drafting k tokens with `model` (through `graph` where the solo would), in a batch of
     `rows` (batch_drafting.py; uncompiled: `graph` None), whose rows each draft with the draft model alone."""
-    with mx.stream(generation_stream):
-        compiled = graph is not None and graph.fits(_filled(model))
-        step = ((lambda n: _compiled(graph, n)) if compiled and graph is not None
-                else (lambda n: _one_by_one(model, n, rows)))
-        runs = {str(n): step(n) for n in sorted({1, 2, k + 1})}
-        if draft is not None:
-            runs["draft"] = _one_by_one(draft, 1)
-        seconds = fastest(runs)
+    steps = measuring(model, graph, k, draft, rows)
+    while True:
+        try:
+            with mx.stream(generation_stream):
+                next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def measuring(model: nn.Module, graph: DecodeGraph | None, k: int, draft: nn.Module | None,
+              rows: int = 1) -> Generator[None, None, Costs]:
+    """`measure`, a forward pass per step (each step to be run on the generation stream); its return value (the
+    generator's StopIteration.value) is the Costs."""
+    compiled = graph is not None and graph.fits(_filled(model))
+    step = ((lambda n: _compiled(graph, n)) if compiled and graph is not None
+            else (lambda n: _one_by_one(model, n, rows)))
+    runs = {str(n): step(n) for n in sorted({1, 2, k + 1})}
+    if draft is not None:
+        runs["draft"] = _one_by_one(draft, 1)
+    yield
+    seconds: dict[str, float] = {}
+    yield from timing(runs, seconds)
+    runs.clear()
     mx.clear_cache()
     return Costs.measured({int(n): s for n, s in seconds.items() if n != "draft"}, k,
                           rows * seconds.get("draft", 0.0))
@@ -145,17 +177,55 @@ def _filled(model: nn.Module) -> list:
 
 
 class Pricing:
-    """A worker's costs of drafting, measured on first use (or given: tests, a known machine)."""
+    """A worker's costs of drafting: measured on first use, or (`idle`) a forward pass at a time in the worker's idle
+    work (`step`), the requests before that decoding plainly; or given (tests, a known machine). A batch's costs at
+    each size it is priced at (`at`) are Pricings of their own, measured the same way."""
 
-    def __init__(self, k: int, draft: nn.Module | None, costs: Costs | None = None, rows: int = 1) -> None:
+    def __init__(self, k: int, draft: nn.Module | None, costs: Costs | None = None, rows: int = 1,
+                 idle: bool = False) -> None:
         self.k, self.draft, self.rows = k, draft, rows  # rows: a batch's, verified together (batch_drafting.py)
         self.costs = costs
+        self.idle = idle  # measured in idle work only: no request waits for it
+        self._sizes: dict[int, Pricing] = {}
+        self._steps: Generator[None, None, Costs] | None = None
+        self._spent = 0.0  # seconds of steps so far
 
-    def get(self, model: nn.Module, graph: DecodeGraph | None) -> Costs:
-        if self.costs is None:
+    def at(self, rows: int, costs: Costs | None = None) -> Pricing:
+        """The costs of a batch of `rows` drafting together (given `costs`: those, for every size)."""
+        if costs is not None:
+            return Pricing(self.k, self.draft, costs, rows)
+        if (p := self._sizes.get(rows)) is None:
+            p = self._sizes[rows] = Pricing(self.k, self.draft, None, rows, self.idle)
+        return p
+
+    def get(self, model: nn.Module, graph: DecodeGraph | None) -> Costs | None:
+        """The costs (measured now where not `idle`); None: not measured yet."""
+        if self.costs is None and not self.idle:
             t0 = time.perf_counter()
-            self.costs = c = measure(model, graph, self.k, self.draft, self.rows)
-            log.info("[draft] phase=priced rows=%d k=%d plain_ms=%.3f verify2_ms=%.3f verify_ms=%.3f draft_ms=%.3f "
-                     "break_even=%.2f ms=%d", self.rows, c.k, c.plain_s * 1e3, c.verify2_s * 1e3, c.verify_s * 1e3,
-                     c.draft_s * 1e3, c.break_even(c.k), (time.perf_counter() - t0) * 1e3)
+            self._done(measure(model, graph, self.k, self.draft, self.rows), time.perf_counter() - t0)
         return self.costs
+
+    def step(self, model: nn.Module, graph: DecodeGraph | None, sizes: tuple[int, ...] = ()) -> bool:
+        """One forward pass of the measurement, this one's then each batch size's in `sizes`; False once all are
+        measured (nothing was run)."""
+        for p in (self, *(self.at(n) for n in sizes)):
+            if p.costs is not None:
+                continue
+            if p._steps is None:
+                p._steps = measuring(model, graph if p is self else None, p.k, p.draft, p.rows)
+            t0 = time.perf_counter()
+            try:
+                with mx.stream(generation_stream):
+                    next(p._steps)
+            except StopIteration as done:
+                p._done(done.value, p._spent + time.perf_counter() - t0)
+            else:
+                p._spent += time.perf_counter() - t0
+            return True
+        return False
+
+    def _done(self, c: Costs, seconds: float) -> None:
+        self.costs, self._steps = c, None
+        log.info("[draft] phase=priced rows=%d k=%d plain_ms=%.3f verify2_ms=%.3f verify_ms=%.3f draft_ms=%.3f "
+                 "break_even=%.2f ms=%d", self.rows, c.k, c.plain_s * 1e3, c.verify2_s * 1e3, c.verify_s * 1e3,
+                 c.draft_s * 1e3, c.break_even(c.k), seconds * 1e3)

@@ -50,7 +50,7 @@ from worker.chat_format import family_of
 from worker.engine_api import RequestRejected
 from worker.memory import process_memory_bytes
 from worker.mlx_engine.attention import install as attention_route
-from worker.mlx_engine.batch_drafting import BatchDrafting
+from worker.mlx_engine.batch_drafting import BUCKETS, BatchDrafting
 from worker.mlx_engine.batch_lane import BatchLane, Lane
 from worker.mlx_engine.checkpoints import crossed
 from worker.mlx_engine.decode_graph import DecodeGraph, solo_modes
@@ -104,6 +104,7 @@ class Engine:
                  strict_context: bool = False, max_context: int | None = None, speculative: str = "off",
                  draft: Path | None = None,
                  num_draft_tokens: int = DEFAULT_DRAFT_TOKENS, defer_stores: bool = False, text_thread: bool = False,
+                 idle_pricing: bool = False,
                  loader: Callable[[Path, Callable[[str, float], None]], tuple] = load_with_progress,
                  vision: VisionPart | None = None) -> None:
         t0 = time.perf_counter()
@@ -147,7 +148,8 @@ class Engine:
         self.graph = DecodeGraph(self.model) if compiled else None  # a solo's decode steps compiled
         draft_model, draft_bytes = load_draft(draft, self.tokenizer) if draft is not None else (None, 0)
         self.weights_bytes += draft_bytes  # admission counts the draft model's weights as the model's
-        speculation = Speculation(speculative, num_draft_tokens, draft_model, self.vocab_size)
+        # idle_pricing: what drafting costs here is measured in the idle work (`warm_step`), not on a request's step
+        speculation = Speculation(speculative, num_draft_tokens, draft_model, self.vocab_size, idle=idle_pricing)
         # the decode graph's first trace and the batch shapes are warmed after Ready, a step at a time while idle
         self.warmer = WarmUp(self.model, self.graph, max_batch_size, prefill_batch_size, prefill_step_size,
                              warm_budget_s, model_id) if wants_warm_up(warm) else None
@@ -202,6 +204,14 @@ class Engine:
     @property
     def _solo(self) -> Solo | None:  # the request alone, if any (tests read it by this name)
         return self.lane.solo
+
+    @property
+    def drafting(self) -> str:
+        return self.speculation.mode
+
+    @property
+    def priced(self) -> bool:
+        return self.speculation.mode != "off" and self.speculation.pricing.costs is not None
 
     @property
     def speculation(self) -> Speculation:  # the requests' drafting, as configured (tests swap it)
@@ -496,13 +506,15 @@ class Engine:
         return failed
 
     def warm_step(self) -> bool:
-        """One step of the warm-up (warmup.py), if nothing is in flight; False once it is over."""
-        if self.warmer is None:
-            return False
-        if len(self) or self.warmer.step():
+        """One step of the idle work, if nothing is in flight: the warm-up (warmup.py), then what drafting costs here
+        (draft_pricing.py: the solo's, then a batch's at each size it drafts at); False once it is all over."""
+        if len(self):
             return True  # busy: later, when idle
-        self.warmer = None
-        return False
+        if self.warmer is not None:
+            if self.warmer.step():
+                return True
+            self.warmer = None
+        return self.speculation.price_step(self.model, self.graph, tuple(b for b in BUCKETS if b <= self.max_batch_size))
 
     def close_caches(self) -> None:
         if self._stores:

@@ -216,9 +216,10 @@ class Solo:
         return (self.sampler or _greedy)(logprobs), logprobs.squeeze(0)
 
     def _ahead_ok(self) -> bool:
-        """Whether the next token's graph may be built ahead: plain steps (no compiled graph, no drafts, no reply
-        snapshots) with an Ahead thread (the caches allow it)."""
-        return self.ahead is not None and self.graph is None and self.drafting is None and not self.boundary
+        """Whether the next token's graph may be built ahead: plain steps (no compiled graph, no drafting step next,
+        no reply snapshots) with an Ahead thread (the caches allow it)."""
+        return self.ahead is not None and self.graph is None and not self.boundary and (
+            self.drafting is None or not self.drafting.soon(self.generated + 1))
 
     def _launch_with_build_ahead(self, built_too: tuple[mx.array, mx.array]) -> None:
         """Launch `built_too` (the graph that makes the next token) while the Ahead thread builds the graph that feeds
@@ -350,7 +351,7 @@ class Solo:
         now). The cache is rolled back to the tokens emitted, the target's token after them is the next in hand."""
         d = self.drafting
         assert d is not None and self._next is not None
-        if not d.wants(self.generated):
+        if not d.wants(self.generated) or self._saved is not None:  # (a graph built ahead feeds the token in hand)
             return None
         space = d.drafter.room() if undoable(self.cache) else 0  # the cache's kinds: the same in the graph
         if space < 2:  # no rollback possible (a draft model's window full...), for the rest of the request
@@ -360,7 +361,7 @@ class Solo:
             return None
         y_arr, y_logprobs = self._next
         y = cast(int, y_arr.item())
-        k = min(d.k, self.max_tokens - self.generated - 1, space - 1)
+        k = min(d.length(d.k), self.max_tokens - self.generated - 1, space - 1)
         if self.boundary:  # a step ends no further than the next reply-snapshot boundary, as plain steps meet each
             k = min(k, self.boundary - self.fed % self.boundary - 1)
         if k < 1 or (self.eos is not None and y in self.eos):

@@ -67,15 +67,24 @@ from worker.mlx_engine.decode_graph import DecodeGraph
 from worker.mlx_engine.draft_pricing import Costs, Pricing
 from worker.mlx_engine.rollback import mark, restore, room, trim, undoable
 
-MODES = ("off", "prompt-lookup", "draft")  # the config's and the worker's; "oracle" is a hook for tests and the bench
+MODES = ("auto", "off", "prompt-lookup", "draft")  # the config's and the worker's; "oracle": a test and bench hook
 DEFAULT_DRAFT_TOKENS = 4
 MAX_NGRAM = 3  # the longest suffix prompt lookup matches; then shorter ones, down to one token
 EMA_WEIGHT = 0.25  # each verification's weight in that average
+ACCEPTANCE_DECAY = 0.75  # the weight left to the earlier verifications' counts in the acceptance a draft length is chosen by
+MAX_ACCEPTANCE = 0.98  # the acceptance a draft length is chosen at, at most (a run of whole drafts is not a certainty)
 MIN_VERIFIES = 2  # verifications before the average may pause drafting (after a start or a pause)
 NEAR_WHOLE = 0.75  # a break-even above this part of k: drafting is not tried at all
 FIRST_PAUSE, MAX_PAUSE = 64, 1024  # tokens decoded plainly after the first pause, doubled per pause up to the max
 MAX_IDLE = 16  # tokens decoded plainly after a step whose drafter proposed nothing, doubled per such step up to this
 DRAFT_PREFILL = 512  # the draft model's catch-up (its prompt) in chunks of this many tokens
+
+
+def default_mode(draft: bool, gpu: bool) -> str:
+    """What `auto` drafts with: the draft model where one is given; else prompt lookup where MLX runs on a GPU (Metal,
+    CUDA: a verification of a few tokens costs about a plain step there, and the pricing stops what does not pay);
+    else nothing (a CPU, where a verification of k + 1 tokens costs about k + 1 plain steps)."""
+    return "draft" if draft else "prompt-lookup" if gpu else "off"
 
 
 def lookup(history: np.ndarray, k: int, max_n: int = MAX_NGRAM) -> list[int]:
@@ -347,6 +356,8 @@ class Drafting:
     pause: int = FIRST_PAUSE
     idle: int = 1  # tokens to wait after the next step whose drafter proposes nothing (`proposed`)
     idle_until: int = 0  # the generated count before which the drafter is not asked again
+    hits: float = 1.0  # drafts kept, and verifications that rejected one, decayed: the acceptance `length` goes by
+    misses: float = 1.0
 
     def __post_init__(self) -> None:
         if self.record is not None:
@@ -354,6 +365,11 @@ class Drafting:
 
     def wants(self, generated: int) -> bool:
         return generated >= self.resume_at and generated >= self.idle_until
+
+    def soon(self, generated: int) -> bool:
+        """Whether the step at `generated` may draft (else a plain step's graph may be built ahead for it)."""
+        p = self.pricing
+        return self.wants(generated) and (p is None or not p.idle or p.costs is not None)
 
     def proposed(self, anything: bool, generated: int) -> None:
         """Whether the drafter proposed anything at this step. Asking costs even when nothing comes (prompt lookup
@@ -369,12 +385,29 @@ class Drafting:
         """Whether to draft now, the worker's costs known (measured here the first time): never, where even a draft
         kept whole would not pay."""
         if self.break_even is None:
-            self.costs = None if self.pricing is None else self.pricing.get(model, graph)
+            if self.pricing is not None:
+                self.costs = self.pricing.get(model, graph)
+                if self.costs is None:  # priced in the worker's idle work, not yet: plain steps meanwhile
+                    return False
             self.break_even = -1.0 if self.costs is None else self.costs.break_even(self.k)
             self.surplus = 0.0  # neutral: MIN_VERIFIES verifications keeping nothing pause it
             if self.break_even > NEAR_WHOLE * self.k:
                 self.resume_at = sys.maxsize
         return self.wants(generated)
+
+    def length(self, most: int) -> int:
+        """The draft length, at most `most`, that emits the most tokens a second at the acceptance seen so far: each
+        draft is kept with probability a (drafts kept over those kept plus the verifications that rejected one), so j
+        drafts emit (1 - a^(j+1)) / (1 - a) tokens a verification, which costs a verification of j + 1 tokens and j
+        draft steps. Unpriced (the oracle): `most`."""
+        c = self.costs
+        if c is None or most <= 1:
+            return most
+        a = min(self.hits / (self.hits + self.misses), MAX_ACCEPTANCE)
+
+        def rate(j: int) -> float:
+            return (1 - a ** (j + 1)) / (1 - a) / (c.verify(j + 1) + j * c.draft_s)
+        return max(range(1, most + 1), key=rate)
 
     def draft_keys(self, k: int) -> list[mx.array] | None:
         """A seeded request's draws at the k drafted positions (the drafter's to draw with); None: unseeded."""
@@ -407,6 +440,8 @@ class Drafting:
         average surplus says it does not pay. (`kept`: a batch's mean over its rows, which count their own.)"""
         self.counts.drafted += drafted
         self.counts.accepted += round(kept)
+        self.hits = ACCEPTANCE_DECAY * self.hits + kept
+        self.misses = ACCEPTANCE_DECAY * self.misses + (kept < drafted)
         if self.costs is None or self.break_even is None:
             return
         self.surplus += EMA_WEIGHT * (kept - self.costs.break_even(drafted, refed) - self.surplus)
@@ -428,7 +463,9 @@ class Speculation:
     what drafting costs on this machine (measured once, on first use)."""
 
     def __init__(self, mode: str = "off", k: int = DEFAULT_DRAFT_TOKENS, draft: nn.Module | None = None,
-                 vocab: int = 0, oracle: list[int] | None = None) -> None:
+                 vocab: int = 0, oracle: list[int] | None = None, idle: bool = False) -> None:
+        if mode == "auto":
+            mode = default_mode(draft is not None, mx.default_device() == mx.gpu)
         if mode not in (*MODES, "oracle"):
             raise ValueError(f"speculative mode must be one of {MODES}, not {mode!r}")
         if mode == "draft" and draft is None:
@@ -438,13 +475,19 @@ class Speculation:
         if k < 1:
             raise ValueError(f"num_draft_tokens must be at least 1, not {k}")
         self.mode, self.k, self.draft, self.vocab, self.oracle = mode, k, draft, vocab, oracle
-        self.pricing = Pricing(k, draft)
+        self.pricing = Pricing(k, draft, idle=idle)  # idle: measured in the worker's idle work (`price_step`)
         self.record = Record()
+
+    def price_step(self, model: nn.Module, graph: DecodeGraph | None, sizes: tuple[int, ...]) -> bool:
+        """One forward pass of the idle pricing (the solo's costs, then a batch's at each of `sizes`); False once
+        there is none left (or nothing drafts)."""
+        return self.mode != "off" and self.oracle is None and self.pricing.idle and self.pricing.step(
+            model, graph, sizes)
 
     def drafting(self, msg: Submit) -> Drafting | None:
         """A request's drafting (None: the mode is off): the solo's (a request without logits processors), or a row's
         in the batch (batch_drafting.py: no logits processors but a grammar)."""
-        if self.mode == "off":
+        if self.mode == "off" or not msg.speculative:
             return None
         drafter: Drafter = (Oracle(self.oracle) if self.oracle is not None else PromptLookup() if self.draft is None
                             else ModelDrafter(self.draft, self.vocab))
