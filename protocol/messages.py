@@ -2,7 +2,7 @@
 
 Messages to the worker are imperative (Load, Submit, Abort, Evict, ClearCache, Tokenize, Embed, Rerank, Transcribe,
 Speak); messages from it are facts (Standby, Progress, Ready, Tokens, Finished, Failed, Heartbeat, StepStarted, Pulse,
-CacheStats, CacheCleared, Tokenized, Embedded, Reranked, Transcribed, Spoken, Bye).
+CacheStats, CacheCleared, Tokenized, Embedded, Reranked, Transcribed, SpokenPart, Spoken, Bye).
 Fields hold only msgpack-native types (str, int, float, bool, None, list, dict) so the codec can
 validate them without any custom serialisation; errors travel as data (a machine code and a message), never as
 serialised exceptions.
@@ -14,14 +14,15 @@ import signal
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-PROTOCOL_VERSION = 12  # 2: prompt caches (ClearCache, CacheCleared, CacheStats); 3: StepStarted;
+PROTOCOL_VERSION = 13  # 2: prompt caches (ClearCache, CacheCleared, CacheStats); 3: StepStarted;
 # 4: resumed requests (Submit.resume_tokens, token ids in Tokens chunks and Finished); Submit's tools, template
 # kwargs, constraint, logprobs, seed, penalties, prompt_ids; typed chunk extras; 5: Tokenize/Tokenized,
 # Submit.reasoning_budget; 6: Embed/Embedded (embedding models); 7: Rerank/Reranked, Embed.input_type and
 # Embed.instruction, Finished.drafted_tokens and accepted_tokens (speculative decoding),
 # Submit.cache_mark and Finished.cache_written (prompt-cache breakpoints and usage); 8: Submit.branch_points;
 # 9: Submit.more; 10: Pulse (the worker's watchdog); 11: Transcribe/Transcribed, Speak/Spoken (audio models);
-# 12: Submit.speculative, Ready.drafting, Heartbeat.priced (drafting by default)
+# 12: Submit.speculative, Ready.drafting, Heartbeat.priced (drafting by default); 13: SpokenPart (speech sent as it
+# is encoded)
 
 # Machine codes carried by Failed and surfaced to HTTP clients as the error "code".
 MODEL_EVICTED = "model_evicted"
@@ -456,9 +457,22 @@ class Transcribed(Message):
 
 
 @dataclass(slots=True)
+class SpokenPart(Message):
+    """Part of a Speak's answer, sent as soon as it is encoded, before the Spoken that ends it: the next bytes of the
+    response (`audio`: the encoded speech at `sample_rate`). The parts' bytes in order, then Spoken's, are the whole
+    response; a request withdrawn or failed after some parts ends with a Spoken with a code."""
+
+    KIND: ClassVar[str] = "spoken_part"
+    rid: str
+    audio: bytes
+    sample_rate: int
+
+
+@dataclass(slots=True)
 class Spoken(Message):
-    """The answer to Speak: the speech encoded as asked (msgpack bin), `samples` of it at `sample_rate`; or why not
-    (`code`, `message`: as Failed's)."""
+    """The end of a Speak's answer: the speech's last bytes, encoded as asked (msgpack bin; after its SpokenParts'
+    bytes, or the whole response when there were none), `samples` in all at `sample_rate`; or why not (`code`,
+    `message`: as Failed's)."""
 
     KIND: ClassVar[str] = "spoken"
     rid: str
@@ -507,6 +521,7 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     Embedded,
     Reranked,
     Transcribed,
+    SpokenPart,
     Spoken,
     Bye,
 )

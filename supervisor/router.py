@@ -46,6 +46,7 @@ from protocol.messages import (
     Ready,
     Reranked,
     Spoken,
+    SpokenPart,
     StepStarted,
     Submit,
     Tokenized,
@@ -349,7 +350,7 @@ class Router(Generic[MetricsT]):
     # --- requests with a reply ---------------------------------------------------------
 
     async def ask(self, model_id: str, build: Callable[[str], Message], timeout_s: float,
-                  silence: bool = False) -> Message | None:
+                  silence: bool = False, on_part: Callable[[Message], None] | None = None) -> Message | None:
         """Send `build(rid)` to the model's worker and return its reply; None when no worker runs.
 
         Waits out a load (the ready worker answers), an eviction and a refused worker's end (each
@@ -361,7 +362,8 @@ class Router(Generic[MetricsT]):
         worker's last Heartbeat since then (work the worker does over many loop turns, an embedding's batches: it
         heartbeats between them, so only a worker gone quiet runs out the limit, however long the work). A question
         left unanswered (timed out, or the caller cancelled: its client gone) is withdrawn with an Abort, so the
-        worker stops computing what nobody will read.
+        worker stops computing what nobody will read. `on_part` is given each part the worker sends before its
+        reply (SpokenPart), in order, from the message handler (it must not await).
         """
         while True:
             worker = self.lifecycle.workers.get(model_id)
@@ -380,13 +382,17 @@ class Router(Generic[MetricsT]):
             reply: asyncio.Future = asyncio.get_running_loop().create_future()
             reply.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved even if we stop waiting
             worker.replies[rid] = reply
+            if on_part is not None:
+                worker.parts[rid] = on_part
             try:
                 sent = self.transport.send(worker.identity, build(rid))
             except BaseException:  # a value the wire cannot carry (ProtocolError): the caller's to answer
                 worker.replies.pop(rid, None)
+                worker.parts.pop(rid, None)
                 raise
             if not sent:
                 worker.replies.pop(rid, None)
+                worker.parts.pop(rid, None)
                 raise errors.WorkerDied(f"the worker of '{model_id}' is not reachable")
             try:
                 return await self._reply_within(reply, timeout_s, worker if silence else None)
@@ -398,6 +404,7 @@ class Router(Generic[MetricsT]):
                 raise
             finally:
                 worker.replies.pop(rid, None)
+                worker.parts.pop(rid, None)
 
     async def _reply_within(self, reply: asyncio.Future, timeout_s: float, beating: Worker | None = None) -> Message:
         """The reply, or TimeoutError once `timeout_s` passed since the question was sent, or (`beating`) since the
@@ -474,6 +481,12 @@ class Router(Generic[MetricsT]):
         if pending is not None and not pending.done():
             pending.set_result(msg)
 
+    def _on_part(self, worker: Worker, msg: SpokenPart) -> None:
+        """A part of a reply still to come: to its `ask`'s listener."""
+        listener = worker.parts.get(msg.rid)
+        if listener is not None:
+            listener(msg)
+
     def _on_ready(self, worker: Worker, msg: Ready) -> None:
         self.lifecycle.loaded(worker, msg)
 
@@ -523,6 +536,7 @@ class Router(Generic[MetricsT]):
         Reranked.KIND: _on_reply,
         Transcribed.KIND: _on_reply,
         Spoken.KIND: _on_reply,
+        SpokenPart.KIND: _on_part,
         Bye.KIND: _on_bye,
     }
 

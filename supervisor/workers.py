@@ -14,6 +14,7 @@ import asyncio
 import enum
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,6 +100,7 @@ class Worker:
     info: Ready | None = None
     streams: dict[str, Stream] = field(default_factory=dict)
     replies: dict[str, asyncio.Future] = field(default_factory=dict)  # request rid -> its reply (router.ask)
+    parts: dict[str, Callable[[Any], None]] = field(default_factory=dict)  # rid -> its asker's parts (router.ask)
     leases: int = 0
     last_used: float = field(init=False)  # the end of its last lease, or its start
     last_seen: float = field(init=False)  # any message: the loop is turning

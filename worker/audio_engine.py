@@ -11,17 +11,26 @@ conditioned on the text before it, so a turn's work and the model's memory are b
 loop's heartbeat comes between windows), or one chunk of text of one synthesis (Kokoro's window is 510
 phonemes: text is spoken a sentence at a time). `withdraw` answers an Abort.
 
-Invariants: every enqueued request is answered exactly once (Transcribed or Spoken: its result, or a code); a
-model error fails that request alone (INTERNAL_ERROR) and the engine goes on.
+Speech streams: each chunk's samples go to the encoding thread (`Encodes`: worker/audio_codec.py's SpeechEncoder,
+one per request, fed in order), so no encoding runs on the loop's thread; the bytes it has encoded go out as a
+SpokenPart at the next turn, and a request's next chunk is spoken only once its last one's bytes are out (a turn
+waits at most IDLE_WAIT_S for them), so its first bytes leave while the rest is still to be spoken. Its encoder's
+last bytes end it (Spoken, with the samples' count).
+
+Invariants: every enqueued request is answered exactly once (Transcribed or Spoken: its result, or a code), a Speak
+after its SpokenParts; a model or encoder error fails that request alone (INTERNAL_ERROR) and the engine goes on.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import re
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol
 
 from protocol.messages import (
@@ -30,22 +39,23 @@ from protocol.messages import (
     Message,
     Speak,
     Spoken,
+    SpokenPart,
     Submit,
     Transcribe,
     Transcribed,
 )
-from worker.audio_codec import RESPONSE_FORMATS, check_audio, decode_audio, encode_audio
+from worker.audio_codec import SpeechEncoder, check_audio, check_format, decode_audio
 from worker.embedding_engine import EmbeddingEngine
 from worker.engine_api import PromptCacheApi, RequestRejected
 from worker.image_decode import DECODE_DEADLINE_S, Decodes
 
 log = logging.getLogger(__name__)
 
-Reply = Transcribed | Spoken
+Reply = Transcribed | Spoken | SpokenPart
 TASKS = ("transcribe", "translate")
 MAX_INPUT_CHARS = 4096  # OpenAI's limit on /v1/audio/speech's input
 SPEEDS = (0.25, 4.0)
-IDLE_WAIT_S = 0.05  # with only decodes in flight, a turn waits this long for one to end (not a busy loop)
+IDLE_WAIT_S = 0.05  # with only decodes or encodings in flight, a turn waits this long for one to end (not a busy loop)
 SENTENCE = re.compile(r"(?<=[.!?;:])\s+|\n+")
 
 
@@ -97,7 +107,7 @@ def shifted(segments: list[dict], offset_s: float, first_id: int) -> list[dict]:
     return out
 
 
-def transcribe_all(model: Transcriber, samples: Any, msg: Transcribe) -> Reply:
+def transcribe_all(model: Transcriber, samples: Any, msg: Transcribe) -> Transcribed:
     """The whole file window by window, as the engine does it over several turns: the in-process reference."""
     job = Job(msg, samples)
     while not job.step(model):
@@ -105,10 +115,20 @@ def transcribe_all(model: Transcriber, samples: Any, msg: Transcribe) -> Reply:
     return job.reply()
 
 
+def speak_all(model: Speaker, msg: Speak) -> Any:
+    """The whole speech's samples, chunk by chunk, as the engine speaks them over several turns: the in-process
+    reference (float32 at the model's rate)."""
+    import numpy as np
+
+    voice = msg.voice or model.voices[0]
+    pieces = [np.asarray(model.speak(p, voice, msg.speed), np.float32).reshape(-1) for p in chunks(msg.input)]
+    return np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
+
+
 @dataclass
 class Job:
     """One request past its decode: its samples (a transcription) or its text chunks (a synthesis), and the results
-    of the windows or chunks done."""
+    of the windows or chunks done (a synthesis: its last chunk's samples, for its encoder)."""
 
     msg: Transcribe | Speak
     samples: Any = None
@@ -117,14 +137,20 @@ class Job:
     text: list[str] = field(default_factory=list)
     segments: list[dict] = field(default_factory=list)
     language: str = ""
-    audio: list[Any] = field(default_factory=list)
     rate: int = 0
+    encoder: SpeechEncoder | None = None
+    piece: Any = None
+    spoken: int = 0  # samples spoken so far
+    encoding: int = 0  # pieces handed to the encoding thread and not yet back
+    closed: bool = False  # its encoder's close is handed over: nothing more goes to it
+    dropped: bool = False  # answered already (withdrawn or failed): what its encoder still yields is not sent
 
     def step(self, model: Any) -> bool:
         """Run the next window or chunk; True once none is left."""
         if isinstance(self.msg, Speak):
             self.rate = model.rate
-            self.audio.append(model.speak(self.pieces[self.at], self.msg.voice or model.voices[0], self.msg.speed))
+            self.piece = model.speak(self.pieces[self.at], self.msg.voice or model.voices[0], self.msg.speed)
+            self.spoken += len(self.piece)
             self.at += 1
             return self.at >= len(self.pieces)
         m: Transcriber = model
@@ -140,20 +166,65 @@ class Job:
         self.rate = m.rate
         return self.at * width >= len(self.samples)
 
-    def reply(self) -> Reply:
-        if isinstance(self.msg, Speak):
-            import numpy as np
-
-            samples = np.concatenate(self.audio) if self.audio else np.zeros(0, np.float32)
-            return Spoken(self.msg.rid, encode_audio(samples, self.rate, self.msg.response_format), self.rate,
-                          len(samples))
+    def reply(self) -> Transcribed:
+        assert isinstance(self.msg, Transcribe)
         return Transcribed(self.msg.rid, "".join(self.text), self.language, round(len(self.samples) / self.rate, 3),
                            self.segments)
 
 
-def refusal(msg: Transcribe | Speak, code: str, message: str) -> Reply:
+def refusal(msg: Transcribe | Speak, code: str, message: str) -> Transcribed | Spoken:
     return Transcribed(msg.rid, code=code, message=message) if isinstance(msg, Transcribe) else \
         Spoken(msg.rid, code=code, message=message)
+
+
+class Encodes:
+    """Speech encoded on a thread of its own ("audio-encode"), in the order it was handed over: the loop's thread
+    hands each piece over (`put`) and takes what has been encoded (`poll`), never waiting for an encoder (Ogg Opus
+    takes about a tenth of the audio's length here). Each outcome is (job, last, bytes or the exception raised)."""
+
+    def __init__(self) -> None:
+        self._todo: queue.SimpleQueue[tuple[Job, Callable[[], bytes], bool] | None] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[tuple[Job, bool, bytes | BaseException]] = queue.SimpleQueue()
+        self._ended = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.pending = 0  # handed over and not yet polled
+
+    def put(self, job: Job, work: Callable[[], bytes], last: bool = False) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="audio-encode", daemon=True)
+            self._thread.start()
+        job.encoding += 1
+        job.closed = job.closed or last
+        self.pending += 1
+        self._todo.put((job, work, last))
+
+    def poll(self) -> list[tuple[Job, bool, bytes | BaseException]]:
+        self._ended.clear()  # before looking: an encoding that ends after this wakes the next `wait`
+        out = []
+        while self.pending:
+            try:
+                job, last, outcome = self._done.get_nowait()
+            except queue.Empty:
+                break
+            job.encoding -= 1
+            self.pending -= 1
+            out.append((job, last, outcome))
+        return out
+
+    def wait(self, timeout_s: float) -> None:
+        """Wait up to `timeout_s` for an encoding to end (none in flight: at once)."""
+        if self.pending:
+            self._ended.wait(timeout_s)
+
+    def _run(self) -> None:
+        while (item := self._todo.get()) is not None:
+            job, work, last = item
+            try:
+                outcome: bytes | BaseException = work()
+            except Exception as exc:  # the request's failure, answered by the loop's thread
+                outcome = exc
+            self._done.put((job, last, outcome))
+            self._ended.set()
 
 
 class AudioEngine:
@@ -169,6 +240,8 @@ class AudioEngine:
         self.unload = unload
         self.decodes = Decodes(decode_deadline_s, what="audio file")
         self.jobs: list[Job] = []
+        self.encodes = Encodes()
+        self.closing: list[Job] = []  # syntheses spoken whole, their encoder's last bytes still to come
         self.max_input_chars = max_input_chars
         self.context_length = 0
         self.vocab_size = 0
@@ -184,7 +257,8 @@ class AudioEngine:
     def enqueue(self, msg: Message) -> None:
         """Check a request and start its work; RequestRejected for a bad one (nothing is started)."""
         if isinstance(msg, Speak) and self.speaks:
-            self.jobs.append(Job(msg, pieces=self._pieces(msg)))
+            pieces = self._pieces(msg)
+            self.jobs.append(Job(msg, pieces=pieces, encoder=SpeechEncoder(self.model.rate, msg.response_format)))
         elif isinstance(msg, Transcribe) and not self.speaks:
             if msg.task not in TASKS:
                 raise RequestRejected(INVALID_REQUEST, f"task must be one of {', '.join(TASKS)}")
@@ -206,12 +280,44 @@ class AudioEngine:
                                                    f"{', '.join(model.voices)}")
         if not SPEEDS[0] <= msg.speed <= SPEEDS[1]:
             raise RequestRejected(INVALID_REQUEST, f"speed must be between {SPEEDS[0]} and {SPEEDS[1]}")
-        if msg.response_format not in RESPONSE_FORMATS:
-            encode_audio([], model.rate, msg.response_format)  # raises, saying why (aac: no encoder)
+        check_format(msg.response_format)  # aac: no encoder, saying so
         return chunks(msg.input)
 
     def embed_step(self) -> list[Reply]:
-        """Take the ended decodes, then run one window or chunk of the oldest job; the replies of those done."""
+        """Take the ended decodes and encodings, and return them; with none, run one window or chunk of the oldest
+        job (a synthesis's next chunk once its last one's bytes are out); the replies and parts to send."""
+        replies = self._decoded() + self._encoded()
+        job = self.jobs[0] if self.jobs else None
+        if job is None or job.encoding or replies:  # what is done leaves before the next piece of work starts
+            if not replies:
+                self.encodes.wait(IDLE_WAIT_S) if self.encodes.pending else self.decodes.wait(IDLE_WAIT_S)
+            return replies
+        started = time.perf_counter()
+        try:
+            done = job.step(self.model)
+            if isinstance(job.msg, Speak):
+                assert job.encoder is not None
+                self.encodes.put(job, partial(job.encoder.write, job.piece))
+                if done:
+                    self.encodes.put(job, job.encoder.close, last=True)
+                    self.closing.append(job)
+            elif done:
+                replies.append(job.reply())
+        except RequestRejected as exc:
+            done = True
+            replies.append(self._drop(job, exc.code, str(exc)))
+        except Exception as exc:
+            log.exception("[audio] rid=%s failed", job.msg.rid)
+            done = True
+            replies.append(self._drop(job, INTERNAL_ERROR, f"the model failed on this request: {exc}"))
+        log.debug("[audio] rid=%s piece=%d %.2fs", job.msg.rid, job.at, time.perf_counter() - started)
+        if done:
+            if job in self.jobs:
+                self.jobs.remove(job)
+            self.release()
+        return replies
+
+    def _decoded(self) -> list[Reply]:
         replies: list[Reply] = []
         for payload, outcome in self.decodes.poll():
             if isinstance(outcome, RequestRejected):
@@ -220,42 +326,44 @@ class AudioEngine:
                 replies.append(refusal(payload, INTERNAL_ERROR, f"the audio could not be decoded: {outcome}"))
             else:
                 self.jobs.append(Job(payload, samples=outcome))
-        if not self.jobs:
-            if not replies:
-                self.decodes.wait(IDLE_WAIT_S)
-            return replies
-        job = self.jobs[0]
-        started = time.perf_counter()
-        try:
-            done = job.step(self.model)
-            if done:
-                replies.append(job.reply())
-        except RequestRejected as exc:
-            done = True
-            replies.append(refusal(job.msg, exc.code, str(exc)))
-        except Exception as exc:
-            log.exception("[audio] rid=%s failed", job.msg.rid)
-            done = True
-            replies.append(refusal(job.msg, INTERNAL_ERROR, f"the model failed on this request: {exc}"))
-        log.debug("[audio] rid=%s piece=%d %.2fs", job.msg.rid, job.at, time.perf_counter() - started)
-        if done:
-            self.jobs.pop(0)
-            self.release()
         return replies
 
-    def withdraw(self, rid: str, code: str, message: str) -> Reply | None:
-        for job in self.jobs:
+    def _encoded(self) -> list[Reply]:
+        replies: list[Reply] = []
+        for job, last, outcome in self.encodes.poll():
+            rid = job.msg.rid
+            if job.dropped:
+                continue
+            if isinstance(outcome, BaseException):
+                log.error("[audio] rid=%s encoding failed: %s", rid, outcome)
+                replies.append(self._drop(job, INTERNAL_ERROR, f"the speech could not be encoded: {outcome}"))
+            elif last:
+                self.closing.remove(job)
+                replies.append(Spoken(rid, outcome, job.rate, job.spoken))
+            elif outcome:
+                replies.append(SpokenPart(rid, outcome, job.rate))
+        return replies
+
+    def _drop(self, job: Job, code: str, message: str) -> Transcribed | Spoken:
+        """Answer a job with `code` now; its encoder, if it has one, is still closed on the encoding thread."""
+        job.dropped = True
+        self.jobs = [j for j in self.jobs if j is not job]
+        self.closing = [j for j in self.closing if j is not job]
+        if job.encoder is not None and not job.closed:
+            self.encodes.put(job, job.encoder.close, last=True)
+        return refusal(job.msg, code, message)
+
+    def withdraw(self, rid: str, code: str, message: str) -> Transcribed | Spoken | None:
+        for job in (*self.jobs, *self.closing):
             if job.msg.rid == rid:
-                self.jobs.remove(job)
-                return refusal(job.msg, code, message)
+                return self._drop(job, code, message)
         return None if not self.decodes.drop(rid) else Transcribed(rid, code=code, message=message)
 
     def fail_all(self, code: str, message: str) -> list[Reply]:
-        replies = [refusal(j.msg, code, message) for j in self.jobs]
+        replies: list[Reply] = [self._drop(j, code, message) for j in (*self.jobs, *self.closing)]
         replies += [Transcribed(rid, code=code, message=message) for rid in self.decodes.rids]
         for rid in self.decodes.rids:
             self.decodes.drop(rid)
-        self.jobs = []
         return replies
 
     def _serves(self, msg: Message) -> str:
@@ -271,10 +379,10 @@ class AudioEngine:
 
     @property
     def rids(self) -> list[str]:
-        return [j.msg.rid for j in self.jobs] + self.decodes.rids
+        return [j.msg.rid for j in (*self.jobs, *self.closing)] + self.decodes.rids
 
     def __len__(self) -> int:
-        return len(self.jobs) + len(self.decodes)
+        return len(self.jobs) + len(self.closing) + len(self.decodes)
 
     def batch_size(self) -> int:
         return 0

@@ -41,6 +41,7 @@ from protocol.messages import (
     Reranked,
     Speak,
     Spoken,
+    SpokenPart,
     Submit,
     Transcribe,
     Transcribed,
@@ -150,8 +151,9 @@ class EmbedderApi(Protocol):
         """Check, tokenize and queue a request; RequestRejected for a bad one (nothing is queued)."""
         ...
 
-    def embed_step(self) -> Sequence[Embedded | Reranked | Transcribed | Spoken]:
-        """One batch; the replies of the requests it completed (or failed: a code and no rows)."""
+    def embed_step(self) -> Sequence[Embedded | Reranked | Transcribed | Spoken | SpokenPart]:
+        """One batch; the replies of the requests it completed (or failed: a code and no rows), and the parts of
+        replies sent as they are made (SpokenPart: a request is answered by its reply, after its parts)."""
         ...
 
     def withdraw(self, rid: str, code: str, message: str) -> Embedded | Reranked | Transcribed | Spoken | None:

@@ -63,6 +63,7 @@ from protocol.messages import (
     Reranked,
     Speak,
     Spoken,
+    SpokenPart,
     StepStarted,
     Submit,
     Tokenize,
@@ -328,7 +329,7 @@ class WorkerLoop:
         replies = embedder.embed_step()
         for reply in replies:
             self.send(reply)
-        self.shutdown.note_finished(len(replies))
+        self.shutdown.note_finished(sum(not isinstance(r, SpokenPart) for r in replies))
 
     def _maybe_heartbeat(self) -> None:
         now = self.clock()

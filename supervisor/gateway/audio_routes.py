@@ -8,24 +8,32 @@ starts. The multipart body is read under `[server] audio_max_bytes` (OpenAI's 25
 with a 400 as soon as it passes (never buffered whole first); the file's bytes go to the worker as sent, which
 names their format from the bytes themselves (a lying content type changes nothing) and refuses a bad file with
 its reason (worker/audio_codec.py): every bad input is a 400 in OpenAI's error shape, the worker alive. Streams:
-a transcription's `stream=true` sends `transcript.text.delta` events, a segment each, then `transcript.text.done`;
-speech is sent chunked (`stream_format` audio) or as `speech.audio.delta` events of base64 audio
-(`stream_format` sse). Both come once the worker's whole answer is in: the worker answers a request once, so
-playback starts when synthesis ends, not before.
+a transcription's `stream=true` sends `transcript.text.delta` events, a segment each, then `transcript.text.done`,
+once the transcription is whole. Speech streams as it is spoken: the worker sends each sentence's bytes as soon as
+they are encoded (SpokenPart), and the response starts with the first of them, so playback starts while the rest
+is still being spoken; every refusal comes before it (a 400 or the worker's code, as a status). `stream_format`
+audio is the chunked body of the format (pcm, wav with a streaming header, mp3, opus stream; flac, whose header is
+written last, comes whole at the end with X-Audio-Samples), `sse` is OpenAI's `speech.audio.delta` events of base64
+audio (at most STREAM_CHUNK bytes each) and a closing `speech.audio.done` (usage counts no tokens: the model reads
+phonemes). A failure after the first bytes ends an audio body unfinished (the connection is cut, so a player can tell
+it from the end) and an SSE stream with an `error` event. A client that leaves withdraws the request from the
+worker (Router.ask's Abort) and lets its lease go.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.datastructures import UploadFile
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from protocol.messages import Speak, Spoken, Transcribe, Transcribed
+from protocol.messages import Message, Speak, Spoken, SpokenPart, Transcribe, Transcribed
 from protocol.modelkind import STT, TTS
 from supervisor import errors
 from supervisor.config import Settings
@@ -36,15 +44,17 @@ from supervisor.gateway.audio_shape import (
     transcription_body,
     transcription_events,
 )
-from supervisor.gateway.http import SSEResponse, read_body, read_json, sse
+from supervisor.gateway.http import SSEResponse, read_body, read_json, sse, unless_client_leaves
 from supervisor.gateway.worker_ask import ask_worker
 from supervisor.router import Router
 
+log = logging.getLogger(__name__)
 OPENAI_VOICES = frozenset({"alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "nova", "sage", "shimmer",
                            "verse", "marin", "cedar"})  # OpenAI's voices: a model's default voice speaks for each
 UPLOAD_PATHS = ("/v1/audio/transcriptions", "/v1/audio/translations")  # multipart bodies (supervisor/gateway/guard.py)
 STREAM_CHUNK = 16 * 1024
 MAX_FIELD_BYTES = 64 * 1024  # a multipart text field (prompt, language, ...)
+NO_USAGE = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}
 
 
 def _bad(message: str, param: str | None = None) -> errors.InvalidRequest:
@@ -168,26 +178,101 @@ class AudioRoutes:
         if stream_format not in ("audio", "sse"):
             raise _bad("stream_format must be audio or sse", param="stream_format")
         own_voice = None if voice is None or voice in OPENAI_VOICES else voice
-        reply = await ask_worker(self.router, model, lambda rid: Speak(rid, text, own_voice, float(speed), fmt),
-                                 self.settings.embed_timeout_s, "speak the input", param="input", request=request,
-                                 silence=True)
-        assert isinstance(reply, Spoken)
+        speech = SpeechParts()
+        asking = asyncio.ensure_future(ask_worker(
+            self.router, model, lambda rid: Speak(rid, text, own_voice, float(speed), fmt),
+            self.settings.embed_timeout_s, "speak the input", param="input", silence=True, on_part=speech.part))
+        asking.add_done_callback(speech.ended)
+        try:
+            first = await unless_client_leaves(speech.next(), request.receive, "speech-first-part")
+        except BaseException:
+            await _settle(asking)
+            raise
         if stream_format == "sse":
-            events: list[dict[str, Any]] = [
-                {"type": "speech.audio.delta", "audio": base64.b64encode(reply.audio[i:i + STREAM_CHUNK]).decode()}
-                for i in range(0, len(reply.audio), STREAM_CHUNK)]
-            events.append({"type": "speech.audio.done", "usage": {"input_tokens": 0, "output_tokens": 0,
-                                                                  "total_tokens": 0}})
-            return SSEResponse(_frames([sse(e) for e in events]), lambda: None)
-        chunks = [reply.audio[i:i + STREAM_CHUNK] for i in range(0, len(reply.audio), STREAM_CHUNK)]
-        return StreamingResponse(_frames(chunks), media_type=SPEECH_TYPES[fmt],
-                                 headers={"X-Audio-Sample-Rate": str(reply.sample_rate),
-                                          "X-Audio-Samples": str(reply.samples)})
+            return SSEResponse(_speech_events(first, speech, asking), lambda: None)
+        if isinstance(first, Spoken):  # nothing came before the end (flac): the whole file
+            return Response(first.audio, media_type=SPEECH_TYPES[fmt],
+                            headers={"X-Audio-Sample-Rate": str(first.sample_rate),
+                                     "X-Audio-Samples": str(first.samples)})
+        return AudioStream(_speech_bytes(first, speech, asking), SPEECH_TYPES[fmt], first.sample_rate)
 
 
 async def _frames(frames: list[bytes]) -> AsyncIterator[bytes]:
     for frame in frames:
         yield frame
+
+
+class SpeechParts:
+    """A Speak's parts as the worker sends them (Router.ask's `on_part`), then its ask's outcome: `next` returns each
+    SpokenPart in order, then the closing Spoken, or raises the error the ask ended with."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[SpokenPart | asyncio.Future] = asyncio.Queue()
+
+    def part(self, msg: Message) -> None:
+        assert isinstance(msg, SpokenPart)
+        self.queue.put_nowait(msg)
+
+    def ended(self, asking: asyncio.Future) -> None:
+        self.queue.put_nowait(asking)
+
+    async def next(self) -> SpokenPart | Spoken:
+        item = await self.queue.get()
+        if isinstance(item, SpokenPart):
+            return item
+        reply = item.result()
+        assert isinstance(reply, Spoken)
+        return reply
+
+
+class AudioStream(SSEResponse):
+    """A chunked audio body, raced against its client's disconnect as SSEResponse's events are (the body's `finally`
+    runs the moment the client leaves, not at the next write)."""
+
+    def __init__(self, body: AsyncIterator[bytes], media_type: str, rate: int) -> None:
+        self.media_type = media_type
+        super().__init__(body, lambda: None)
+        self.raw_headers.append((b"x-audio-sample-rate", str(rate).encode()))
+
+
+async def _settle(asking: asyncio.Future) -> None:
+    """The ask ended: cancelled if it still runs (Router.ask withdraws it from the worker), its lease let go."""
+    asking.cancel()
+    await asyncio.gather(asking, return_exceptions=True)
+
+
+async def _speech_bytes(first: SpokenPart, speech: SpeechParts, asking: asyncio.Future) -> AsyncIterator[bytes]:
+    try:
+        item: SpokenPart | Spoken = first
+        while isinstance(item, SpokenPart):
+            yield item.audio
+            try:
+                item = await speech.next()
+            except errors.MlxsupError as exc:  # after the first bytes: the body ends unfinished (the connection cut)
+                log.warning("[speech] failed mid-stream: %s", exc.message)
+                raise
+        yield item.audio
+    finally:
+        await _settle(asking)
+
+
+async def _speech_events(first: SpokenPart | Spoken, speech: SpeechParts,
+                         asking: asyncio.Future) -> AsyncIterator[bytes]:
+    try:
+        item = first
+        while True:
+            for i in range(0, len(item.audio), STREAM_CHUNK):
+                audio = base64.b64encode(item.audio[i:i + STREAM_CHUNK]).decode()
+                yield sse({"type": "speech.audio.delta", "audio": audio})
+            if isinstance(item, Spoken):
+                break
+            item = await speech.next()
+        yield sse({"type": "speech.audio.done", "usage": NO_USAGE})
+    except errors.MlxsupError as exc:
+        log.warning("[speech] failed mid-stream: %s", exc.message)
+        yield sse({"type": "error", **exc.body()})
+    finally:
+        await _settle(asking)
 
 
 def audio_routes(router: Router, settings: Settings) -> list[Route]:

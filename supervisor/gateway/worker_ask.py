@@ -23,15 +23,17 @@ from supervisor.router import Router
 
 async def ask_worker(router: Router, model: str, build: Callable[[str], Message], timeout_s: float, doing: str,
                      param: str | None = None, request: Request | None = None, silence: bool = False,
-                     on_lease: Callable[[], None] | None = None) -> Message:
+                     on_lease: Callable[[], None] | None = None,
+                     on_part: Callable[[Message], None] | None = None) -> Message:
     """`build(rid)` sent to `model`'s worker, and its reply; `doing` names the work in errors ("count the prompt").
     With `request` (its body already read), the question is withdrawn when that client disconnects. With `silence`,
-    `timeout_s` counts from the worker's last heartbeat, not from the asking (Router.ask): work of many batches."""
+    `timeout_s` counts from the worker's last heartbeat, not from the asking (Router.ask): work of many batches.
+    `on_part` is given the parts the worker sends before its reply (Router.ask)."""
     lease = await router.acquire(model)
     if on_lease is not None:  # the caller's clock: the worker is had (a load's end)
         on_lease()
     try:
-        asking = asyncio.ensure_future(router.ask(lease.worker.spec.id, build, timeout_s, silence))
+        asking = asyncio.ensure_future(router.ask(lease.worker.spec.id, build, timeout_s, silence, on_part))
         if request is not None:
             gone = asyncio.ensure_future(_disconnected(request))
             try:

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from protocol.messages import INVALID_REQUEST, Embed, Speak, Spoken, Submit, Transcribe, Transcribed
+from protocol.messages import INVALID_REQUEST, Embed, Speak, Spoken, SpokenPart, Submit, Transcribe, Transcribed
 from protocol.modelkind import CHAT, STT, TTS, model_kind
-from worker.audio_codec import check_audio, decode_audio, encode_audio, sniff
-from worker.audio_engine import AudioEngine, chunks, shifted, transcribe_all
+from worker.audio_codec import SpeechEncoder, check_audio, decode_audio, encode_audio, sniff
+from worker.audio_engine import AudioEngine, chunks, shifted, speak_all, transcribe_all
 from worker.engine_api import EmbedderApi, RequestRejected
 
 
@@ -77,6 +77,31 @@ def test_each_response_format_decodes_back_to_the_length(fmt: str) -> None:
         assert np.max(np.abs(back - x)) < 1e-4
 
 
+@pytest.mark.parametrize("fmt", ["wav", "flac", "mp3", "opus", "pcm"])
+def test_a_response_encoded_piece_by_piece_is_the_one_encoded_at_once(fmt: str) -> None:
+    """The pieces' bytes in order are the response whatever the cut (the stateful encoders see one stream of samples),
+    and each format but flac has bytes to send before its end."""
+    rate = 24000
+    x = (np.sin(np.arange(3 * rate) / 5) * 0.5 * np.linspace(0, 1, 3 * rate)).astype(np.float32)
+    encoder = SpeechEncoder(rate, fmt)
+    pieces = [encoder.write(x[i:i + 7001]) for i in range(0, len(x), 7001)] + [encoder.close()]
+    whole = encode_audio(x, rate, fmt)
+    streamed = b"".join(pieces)
+    if fmt == "opus":  # an Ogg stream's serial number is drawn at random: the same audio in other bytes
+        assert np.array_equal(sf.read(io.BytesIO(streamed))[0], sf.read(io.BytesIO(whole))[0])
+    else:
+        assert streamed == whole
+    early = sum(len(p) for p in pieces[:2])
+    assert early == 0 if fmt == "flac" else early > 0, [len(p) for p in pieces]
+
+
+def test_a_streamed_wav_says_its_sizes_are_unknown_and_reads_to_its_end() -> None:
+    data = encode_audio(np.full(100, 0.5, np.float32), 24000, "wav")
+    assert data[4:8] == data[40:44] == b"\xff\xff\xff\xff" and len(data) == 44 + 200
+    back, rate = sf.read(io.BytesIO(data), dtype="int16")
+    assert rate == 24000 and back.tolist() == [16384] * 100
+
+
 def test_aac_is_refused_naming_what_is_served() -> None:
     with pytest.raises(RequestRejected, match="no AAC encoder"):
         encode_audio(np.zeros(10), 24000, "aac")
@@ -112,17 +137,25 @@ class FakeKokoro:
     rate = 24000
     voices = ["af_heart", "am_adam"]
 
+    def __init__(self) -> None:
+        self.spoken: list[str] = []
+
     def speak(self, text, voice, speed):
-        return np.full(int(len(text) * 100 / speed), 0.25, np.float32)
+        self.spoken.append(text)
+        return np.full(int(len(text) * 100 / speed), 0.25, np.float32) * (1 + len(self.spoken) % 3)
 
 
-def run(engine: AudioEngine, msg) -> Transcribed | Spoken:
+def run(engine: AudioEngine, msg, parts: list[SpokenPart] | None = None) -> Transcribed | Spoken:
+    """The request's reply, its parts (SpokenPart) gathered in `parts` on the way."""
     engine.enqueue(msg)
     for _ in range(1000):
-        replies = engine.embed_step()
-        if replies:
-            assert len(replies) == 1 and len(engine) == 0
-            return replies[0]
+        for reply in engine.embed_step():
+            if isinstance(reply, SpokenPart):
+                assert parts is not None, reply
+                parts.append(reply)
+                continue
+            assert len(engine) == 0
+            return reply
     raise AssertionError("no reply")
 
 
@@ -141,10 +174,54 @@ def test_long_audio_is_transcribed_window_by_window_each_conditioned_on_the_text
 
 def test_speech_is_encoded_as_asked() -> None:
     engine = AudioEngine(FakeKokoro(), speaks=True)
-    reply = run(engine, Speak("s1", "Hi there. Bye.", "am_adam", 2.0, "wav"))
+    parts: list[SpokenPart] = []
+    reply = run(engine, Speak("s1", "Hi there. Bye.", "am_adam", 2.0, "wav"), parts)
     assert isinstance(reply, Spoken) and reply.code is None and reply.sample_rate == 24000
     assert reply.samples == (9 + 4) * 50
-    assert len(sf.read(io.BytesIO(reply.audio))[0]) == reply.samples
+    assert len(sf.read(io.BytesIO(b"".join(p.audio for p in parts) + reply.audio))[0]) == reply.samples
+
+
+@pytest.mark.parametrize("fmt", ["pcm", "mp3", "flac"])
+def test_speech_streams_each_sentence_before_the_next_is_spoken(fmt: str) -> None:
+    """Catches: parts held back to the end, or a sentence spoken before the last one's bytes were sent (the first
+    bytes would wait for the second sentence). The parts and the reply are the whole speech encoded at once."""
+    model = FakeKokoro()
+    engine = AudioEngine(model, speaks=True)
+    msg = Speak("s1", "One. Two two. Three three three.", response_format=fmt)
+    engine.enqueue(msg)
+    sent: list[tuple[int, SpokenPart | Spoken]] = []  # (sentences spoken when it was sent, what)
+    while not sent or not isinstance(sent[-1][1], Spoken):
+        sent += [(len(model.spoken), r) for r in engine.embed_step()]
+    parts = [(n, r) for n, r in sent if isinstance(r, SpokenPart)]
+    whole = encode_audio(speak_all(FakeKokoro(), msg), 24000, fmt)
+    assert b"".join(r.audio for _, r in sent) == whole and len(engine) == 0
+    if fmt == "flac":  # written whole at its end
+        assert parts == []
+    else:
+        assert [n for n, _ in parts] == [1, 2, 3] and all(r.sample_rate == 24000 for _, r in parts)
+
+
+def test_speech_withdrawn_mid_stream_is_answered_once_and_sends_nothing_more() -> None:
+    engine = AudioEngine(FakeKokoro(), speaks=True)
+    engine.enqueue(Speak("s1", "One. Two. Three.", response_format="mp3"))
+    while not (out := engine.embed_step()):
+        pass
+    assert isinstance(out[0], SpokenPart)
+    gone = engine.withdraw("s1", "aborted", "the request was aborted")
+    assert isinstance(gone, Spoken) and gone.code == "aborted" and len(engine) == 0 and engine.rids == []
+    engine.encodes.wait(5.0)
+    assert engine.embed_step() == [] and engine.withdraw("s1", "aborted", "") is None
+
+
+def test_an_encoder_that_fails_fails_its_request_alone() -> None:
+    engine = AudioEngine(FakeKokoro(), speaks=True)
+    engine.enqueue(Speak("bad", "One. Two.", response_format="pcm"))
+    engine.jobs[0].encoder.write = lambda samples: 1 / 0  # type: ignore[method-assign, union-attr]
+    replies: list = []
+    while not any(isinstance(r, Spoken) for r in replies):
+        replies += engine.embed_step()
+    assert [(type(r), r.code) for r in replies] == [(Spoken, "internal_error")] and "encoded" in replies[0].message
+    assert isinstance(run(engine, Speak("good", "Hi.", response_format="pcm"), []), Spoken)
 
 
 @pytest.mark.parametrize("msg, says", [

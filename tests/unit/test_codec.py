@@ -30,6 +30,7 @@ from protocol.messages import (
     Reranked,
     Speak,
     Spoken,
+    SpokenPart,
     Standby,
     StepStarted,
     Submit,
@@ -86,6 +87,7 @@ SAMPLES = [
                 segments=[{"id": 0, "start": 0.0, "end": 1.5, "text": " hi",
                            "words": [{"word": " hi", "start": 0.1, "end": 0.4, "probability": 0.9}]}]),
     Speak(rid="s1", input="héllo", voice="af_heart", speed=1.25, response_format="flac"),
+    SpokenPart(rid="s1", audio=b"ID3\x04", sample_rate=24000),
     Spoken(rid="s1", audio=b"fLaC\x00", sample_rate=24000, samples=2),
     Bye(reason="evict", aborted=1, drained=2, phases={"settle": 0.01}, memory_bytes=5),
 ]

@@ -973,3 +973,26 @@ async def test_a_question_with_a_silence_limit_waits_while_its_worker_heartbeats
         await settle()
     with pytest.raises(TimeoutError):
         await now(absolute)
+
+
+@scenario
+async def test_a_questions_parts_reach_its_asker_in_order_before_its_reply(tmp_path: Path) -> None:
+    """Catches: a SpokenPart dropped (no handler, or no listener), or one for another question delivered here; and a
+    listener left in the worker's table once its question is over."""
+    from protocol.messages import Speak, Spoken, SpokenPart
+
+    w = World(tmp_path)
+    (await w.load("m")).release()
+    worker = w.worker("m")
+    got: list = []
+    asking = asyncio.ensure_future(w.router.ask("m", lambda rid: Speak(rid, "Hi. Yo."), 10.0, silence=True,
+                                                on_part=got.append))
+    await settle()
+    (request,) = w.transport.to(worker, Speak)
+    for audio in (b"one", b"two"):
+        w.transport.deliver(worker.identity, SpokenPart(request.rid, audio, 24000))
+    w.transport.deliver(worker.identity, SpokenPart("someone-else", b"x", 24000))
+    await settle()
+    assert [p.audio for p in got] == [b"one", b"two"] and pending(asking)
+    w.transport.deliver(worker.identity, Spoken(request.rid, b"end", 24000, 3))
+    assert (await now(asking)).audio == b"end" and worker.parts == {} and worker.replies == {}
