@@ -30,9 +30,11 @@ def chat_body(model: str, messages: list, max_tokens: int, extra: dict | None = 
     return body
 
 
-def new_record() -> dict:
-    return {"start": None, "times": [], "mono_ns": [], "rid": None, "usage": None, "error": None, "events": 0,
-            "chars": 0, "done": False}
+def new_record(text: bool = False) -> dict:
+    """An empty timeline; `text`: it also keeps the content's pieces, in order, in "parts"."""
+    rec = {"start": None, "times": [], "mono_ns": [], "rid": None, "usage": None, "error": None, "events": 0,
+           "chars": 0, "done": False}
+    return rec | {"parts": []} if text else rec
 
 
 async def _connect(url: str, timeout: float = 10.0):
@@ -157,6 +159,8 @@ def _event(event: bytes, t: float, tn: int, rec: dict, first_token) -> None:
                 rec["times"].append(t - rec["start"])
                 rec["mono_ns"].append(tn)
                 rec["chars"] += len(text)
+                if "parts" in rec:
+                    rec["parts"].append(text)
                 if first_token is not None and len(rec["times"]) == 1:
                     first_token.set()
 

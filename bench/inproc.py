@@ -4,7 +4,8 @@
     python -m bench.inproc --model DIR --cold M   # one cold start: load + first token for messages M, then exit
 
 Commands: {"op": "run", "mode": "stream"|"batch", "messages": [[...], ...], "max_tokens": N}
-  stream: mlx_lm.stream_generate, one request (the single-stream ceiling)
+  stream: mlx_lm.stream_generate, one request (the single-stream ceiling); its record also has the text and the
+          finish_reason
   batch:  mlx_lm BatchGenerator (completion_batch_size 32, prefill_batch_size 8, as mlxsup's worker), all
           requests inserted at once, stepped until every one has max_tokens tokens.
 Each request's record holds token arrival times relative to its start (the tokenizer call included, as a
@@ -87,10 +88,14 @@ def run_stream(model, tok, cmd: dict, sampler, stream_generate) -> dict:
     for messages in cmd["messages"]:
         t0 = time.perf_counter()
         prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
-        times = []
-        for _ in stream_generate(model, tok, prompt, max_tokens=cmd["max_tokens"], sampler=sampler):
+        times, text, finish = [], [], None
+        for r in stream_generate(model, tok, prompt, max_tokens=cmd["max_tokens"], sampler=sampler):
             times.append(time.perf_counter() - t0)
-        records.append({"start": 0.0, "times": times, "completion_tokens": len(times), "prompt_tokens": len(prompt)})
+            text.append(r.text)
+            finish = r.finish_reason
+        # an EOS ends the stream with one more yield (its time, no token of the text): "finish_reason" says so
+        records.append({"start": 0.0, "times": times, "completion_tokens": len(times), "prompt_tokens": len(prompt),
+                        "text": "".join(text), "finish_reason": finish})
     return {"records": records}
 
 
