@@ -19,6 +19,10 @@ its blocks while unpinned ones are left to take, so a marked prefix outlives a b
 disk for a worker that restarts mid-session. Pins are by key (a block pinned before it is written is kept once
 it is) and live in memory only: a restarted worker has none until the client's next request pins again.
 
+A finished sequence's partial last block (a tail: fewer tokens than a block, under a key no chain walk
+reaches) is indexed by its parent as well, with its tokens in memory, so that a prompt which ends inside a
+block finds the tail that starts the same way (`best_tail`) without a read, as in the hot cache.
+
 Blocks of models with snapshot layers may carry a snapshot (worker/mlx_engine/layer_state.py);
 the index knows which do, so a lookup reads only the one snapshot it uses, and a block first
 written without a snapshot is written again when one comes for it.
@@ -49,7 +53,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,6 +102,8 @@ class SsdCache:
         self.dropped_blocks = 0
         self._index: OrderedDict[bytes, int] = OrderedDict()
         self._snapshots: set[bytes] = set()  # indexed keys whose file carries a snapshot
+        self._tails: dict[bytes, dict[bytes, tuple[int, ...]]] = {}  # parent -> indexed tails under it: their tokens
+        self._tail_parent: dict[bytes, bytes] = {}  # an indexed tail's key -> its parent
         self._pins: dict[bytes, float] = {}  # key -> time.monotonic() deadline of its pin
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -189,7 +195,7 @@ class SsdCache:
     def _rebuild(self) -> None:
         """Index the directory's complete blocks, oldest first; remove everything else."""
         t0 = time.monotonic()
-        found: list[tuple[int, bytes, int, bool]] = []
+        found: list[tuple[int, bytes, int, bool, tuple[bytes, tuple[int, ...]] | None]] = []
         removed = 0
         for entry in os.scandir(self.dir):
             name = entry.name
@@ -210,12 +216,15 @@ class SsdCache:
                 log.info("[cache] model=%s ssd=rebuild removed=%s reason=%r", self.model_id, name, str(exc))
                 removed += self._remove(Path(entry.path))
                 continue
-            found.append((st.st_mtime_ns, key, st.st_size, header["snapshot"] is not None))
-        for _, key, size, snapshot in sorted(found, key=lambda f: f[0]):
+            tail = (bytes.fromhex(header["parent"]), tuple(header["tokens"])) if header.get("tail") else None
+            found.append((st.st_mtime_ns, key, st.st_size, header["snapshot"] is not None, tail))
+        for _, key, size, snapshot, tail in sorted(found, key=lambda f: f[0]):
             self._index[key] = size
             self.nbytes += size
             if snapshot:
                 self._snapshots.add(key)
+            if tail is not None:
+                self._index_tail(key, *tail)
         self._evict_to_cap()
         log.info("[cache] model=%s ssd=rebuild dir=%s entries=%d bytes=%d removed=%d s=%.3f", self.model_id,
                  self.dir, len(self._index), self.nbytes, removed, time.monotonic() - t0)
@@ -233,7 +242,13 @@ class SsdCache:
     def load_chain(self, keys: list[bytes], tokens: list[tuple[int, ...]],
                    snapshot_at: int | None = None) -> list[BlockData]:
         """The blocks of the longest prefix of `keys` on disk, verified, touched as used; only the
-        block at index `snapshot_at` (if any) comes with its snapshot.
+        block at index `snapshot_at` (if any) comes with its snapshot."""
+        return list(self.read_chain(keys, tokens, snapshot_at))
+
+    def read_chain(self, keys: list[bytes], tokens: list[tuple[int, ...]],
+                   snapshot_at: int | None = None) -> Iterator[BlockData]:
+        """`load_chain`'s blocks one by one, root first, each as soon as it is read: the caller's work on a block
+        overlaps the reads of the ones after it. The chain is touched once the caller is done with it.
 
         The blocks are read and checked by a pool of reader threads at once (file reads and zlib's
         CRC-32 let go of the GIL): a hit's cost is the disk's and memory's speed, not one core's CRC.
@@ -243,22 +258,51 @@ class SsdCache:
             while n < min(len(keys), len(tokens)) and self.enabled and keys[n] in self._index:
                 n += 1
         if n == 0:
-            return []
+            return
         pool = self._readers()
         reads = [pool.submit(read_block, self.path(keys[i]), self.fingerprint, keys[i], tokens[i], self.layout,
                              i == snapshot_at) for i in range(n)]
-        found: list[BlockData] = []
-        for key, read in zip(keys, reads):
-            try:
-                found.append(read.result())
-            except (OSError, BadBlock) as exc:
-                log.warning("[cache] model=%s ssd=read dropped=%s reason=%r", self.model_id, key.hex(), str(exc))
-                self._forget(key, unlink=not isinstance(exc, FileNotFoundError))
-                for later in reads:
-                    later.cancel()
-                break
-        self._touch([b.key for b in found])
-        return found
+        found: list[bytes] = []
+        try:
+            for key, read in zip(keys, reads):
+                try:
+                    block = read.result()
+                except (OSError, BadBlock) as exc:
+                    log.warning("[cache] model=%s ssd=read dropped=%s reason=%r", self.model_id, key.hex(), str(exc))
+                    self._forget(key, unlink=not isinstance(exc, FileNotFoundError))
+                    break
+                found.append(key)
+                yield block
+        finally:
+            for later in reads:
+                later.cancel()
+            self._touch(found)
+
+    def best_tail(self, parent: bytes, tokens: list[int]) -> tuple[bytes | None, tuple[int, ...], int]:
+        """The indexed tail under `parent` whose tokens start with the longest run of `tokens`: (its key, its tokens,
+        that run's length); (None, (), 0) when none shares a first token. Nothing is read."""
+        best: tuple[bytes | None, tuple[int, ...], int] = (None, (), 0)
+        with self._lock:
+            for key, held in self._tails.get(parent, {}).items():
+                n = 0
+                for a, b in zip(held, tokens):
+                    if a != b:
+                        break
+                    n += 1
+                if n > best[2]:
+                    best = (key, held, n)
+        return best
+
+    def load_tail(self, key: bytes, tokens: tuple[int, ...]) -> BlockData | None:
+        """The tail `key` (holding `tokens`, as `best_tail` said), verified and touched; None if it is gone or bad."""
+        try:
+            data = read_block(self.path(key), self.fingerprint, key, tokens, self.layout)
+        except (OSError, BadBlock) as exc:
+            log.warning("[cache] model=%s ssd=read dropped=%s reason=%r", self.model_id, key.hex(), str(exc))
+            self._forget(key, unlink=not isinstance(exc, FileNotFoundError))
+            return None
+        self._touch([key])
+        return data
 
     def _readers(self) -> ThreadPoolExecutor:
         """The reader threads, started at the first read; `close` ends them."""
@@ -269,10 +313,7 @@ class SsdCache:
 
     def _forget(self, key: bytes, unlink: bool) -> None:
         with self._lock:
-            size = self._index.pop(key, None)
-            self._snapshots.discard(key)
-            if size is not None:
-                self.nbytes -= size
+            self._unindex(key)
         if unlink:
             self._remove(self.path(key))
 
@@ -359,6 +400,8 @@ class SsdCache:
                     self._index[block.key] = size
                     if block.snapshot is not None:
                         self._snapshots.add(block.key)
+                    if block.tail:
+                        self._index_tail(block.key, block.parent, block.tokens)
                     victims = self._over_cap()  # in the same hold of the lock: nbytes is never seen over the cap
             for key in victims:
                 self._remove(self.path(key))
@@ -394,11 +437,27 @@ class SsdCache:
                 self._index.move_to_end(key)
                 passed += 1
                 continue
-            size = self._index.pop(key)
-            self._snapshots.discard(key)
-            self.nbytes -= size
+            self._unindex(key)
             victims.append(key)
         return victims
+
+    def _unindex(self, key: bytes) -> None:
+        """Forget an entry (with `_lock` held): its size, its snapshot, its place among its parent's tails."""
+        size = self._index.pop(key, None)
+        if size is not None:
+            self.nbytes -= size
+        self._snapshots.discard(key)
+        parent = self._tail_parent.pop(key, None)
+        if parent is not None:
+            tails = self._tails[parent]
+            del tails[key]
+            if not tails:
+                del self._tails[parent]
+
+    def _index_tail(self, key: bytes, parent: bytes, tokens: tuple[int, ...]) -> None:
+        """Know a tail by its parent (with `_lock` held, or before the writer starts)."""
+        self._tails.setdefault(parent, {})[key] = tokens
+        self._tail_parent[key] = parent
 
     def usage(self) -> tuple[int, int]:
         """(entries, bytes), read together."""
@@ -415,6 +474,8 @@ class SsdCache:
             keys = list(self._index)
             self._index.clear()
             self._snapshots.clear()
+            self._tails.clear()
+            self._tail_parent.clear()
             self._pins.clear()
             self.nbytes = 0
         entries = reclaimed = 0

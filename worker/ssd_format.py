@@ -5,19 +5,21 @@
     offset 12  u32 LE    header length H
     offset 16  H bytes   header, UTF-8 JSON: fingerprint, layout, key, parent, depth, tokens,
                          arrays [{name, dtype, shape, crc32}], snapshot (its JSON meta or null),
-                         payload_bytes
+                         payload_bytes, tail (true: a partial last block, fewer tokens; absent: false)
     16 + H     payload   each array's bytes in the header's order, C order, nothing else
 
 An array named "kv:..." is the block's K/V (or their quantized parts); one named "snap:..." is
 part of the snapshot of the layers that cannot be cut into blocks (worker/mlx_engine/layer_state.py).
-A block is exactly `block_tokens` tokens, so the payload is only the used part of the buffers.
+A block is exactly `block_tokens` tokens, so the payload is only the used part of the buffers; a tail
+(a finished sequence's partial last block, found by its parent: worker/mlx_engine/kv_blocks.py) has fewer.
 bfloat16 travels as its raw 16-bit pattern (numpy has no bfloat16). No pickle: the header is JSON
 and the payload raw bytes. Version 1 (keys and values only) files are dropped at rebuild, as is a
 file written under another `layout` (another cache class list or `kv_bits`).
 
 `read_header` checks what is cheap to check at start-up (magic, version, fingerprint, layout, key
 and the file's size against the header: a partial file fails it); `read_block` also checks each
-array's CRC-32 before it is used, and can leave a snapshot it does not need unread. Both open only
+array's CRC-32 before it is used, and can leave a snapshot it does not need unread: it opens the file
+once and reads the header and the payload it uses in one read each. Both open only
 regular files, never through a symlink nor waiting on a FIFO (`open_block`), and raise BadBlock on
 anything wrong.
 
@@ -63,6 +65,7 @@ class BlockData:
     arrays: dict[str, np.ndarray]  # "kv:k", "kv:v" (or quantized parts), "snap:<path>" for a snapshot
     dtypes: dict[str, str]  # each array's MLX dtype name (bfloat16 is stored as uint16)
     snapshot: dict | None = field(default=None)  # the snapshot's meta (JSON); None: no snapshot
+    tail: bool = False  # a finished sequence's partial last block (fewer tokens; found by its parent)
 
     @property
     def nbytes(self) -> int:
@@ -80,7 +83,7 @@ def _header(block: BlockData, fingerprint: str, layout: str) -> bytes:
     return json.dumps({
         "fingerprint": fingerprint, "layout": layout, "key": block.key.hex(), "parent": block.parent.hex(),
         "depth": block.depth, "tokens": list(block.tokens), "arrays": arrays, "snapshot": block.snapshot,
-        "payload_bytes": block.nbytes,
+        "payload_bytes": block.nbytes, **({"tail": True} if block.tail else {}),
     }, separators=(",", ":")).encode()
 
 
@@ -94,19 +97,26 @@ def write_block(f: BinaryIO, block: BlockData, fingerprint: str, layout: str = "
     return _PREFIX.size + len(header) + block.nbytes
 
 
+HEAD_READ = 64 * 2**10  # the first read of a file: its prefix and, mostly, its whole header
+
+
 def _parse_prefix(f: BinaryIO) -> dict:
-    raw = f.read(_PREFIX.size)
-    if len(raw) != _PREFIX.size:
+    """The header at the start of `f`, its payload's offset in "_data_offset"; `f` is left just after the header."""
+    head = f.read(HEAD_READ)
+    if len(head) < _PREFIX.size:
         raise BadBlock("truncated before the header")
-    magic, version, header_len = _PREFIX.unpack(raw)
+    magic, version, header_len = _PREFIX.unpack_from(head)
     if magic != MAGIC:
         raise BadBlock("not a KV block file")
     if version != FORMAT_VERSION:
         raise BadBlock(f"format version {version}, this worker reads {FORMAT_VERSION}")
     if header_len > MAX_HEADER_BYTES:
         raise BadBlock("header too large")
+    end = _PREFIX.size + header_len
+    raw = head[_PREFIX.size:end] + (f.read(end - len(head)) if end > len(head) else b"")
+    f.seek(end)
     try:
-        header = json.loads(f.read(header_len))
+        header = json.loads(raw)
     except ValueError:
         raise BadBlock("unreadable header") from None
     if not isinstance(header, dict):
@@ -134,8 +144,12 @@ def open_block(path: Path) -> BinaryIO:
 def read_header(path: Path, fingerprint: str, key: bytes, layout: str = "") -> dict:
     """The validated header of the block file at `path` (see the module docstring)."""
     with open_block(path) as f:
-        header = _parse_prefix(f)
-        size = f.seek(0, 2)
+        return _checked_header(f, fingerprint, key, layout)
+
+
+def _checked_header(f: BinaryIO, fingerprint: str, key: bytes, layout: str) -> dict:
+    header = _parse_prefix(f)
+    size = os.fstat(f.fileno()).st_size
     try:
         if header["fingerprint"] != fingerprint:
             raise BadBlock("written for another model")
@@ -164,26 +178,36 @@ def read_block(path: Path, fingerprint: str, key: bytes, tokens: tuple[int, ...]
 
     With `snapshot` False a snapshot's arrays are skipped, unread (the block comes without one).
     """
-    header = read_header(path, fingerprint, key, layout)
-    if tuple(header.get("tokens", ())) != tokens:
-        raise BadBlock("holds other tokens")
     arrays: dict[str, np.ndarray] = {}
     dtypes: dict[str, str] = {}
+    with open_block(path) as f:
+        header = _checked_header(f, fingerprint, key, layout)
+        if tuple(header.get("tokens", ())) != tokens:
+            raise BadBlock("holds other tokens")
+        try:
+            wanted = [snapshot or not e["name"].startswith(SNAPSHOT_PREFIX) for e in header["arrays"]]
+            sizes = [_array_bytes(e) for e in header["arrays"]]
+            used = sum(sizes[:max((i + 1 for i, w in enumerate(wanted) if w), default=0)])
+            payload = memoryview(f.read(used))  # one read: the arrays it uses lie first (a snapshot's after the K/V)
+            if len(payload) != used:
+                raise BadBlock("truncated payload")
+        except (KeyError, TypeError, ValueError) as exc:
+            if isinstance(exc, BadBlock):
+                raise
+            raise BadBlock(f"payload does not match the header: {exc}") from None
     try:
-        with open_block(path) as f:
-            offset = header["_data_offset"]
-            for entry in header["arrays"]:
-                name, n = entry["name"], _array_bytes(entry)
-                if snapshot or not name.startswith(SNAPSHOT_PREFIX):
-                    f.seek(offset)
-                    raw = f.read(n)
-                    if zlib.crc32(raw) != entry["crc32"]:
-                        raise BadBlock(f"checksum mismatch in {name}")
-                    arrays[name] = np.frombuffer(raw, STORED_DTYPES[entry["dtype"]]).reshape(entry["shape"])
-                    dtypes[name] = entry["dtype"]
-                offset += n
+        offset = 0
+        for entry, n, want in zip(header["arrays"], sizes, wanted, strict=True):
+            if want:
+                name, raw = entry["name"], payload[offset:offset + n]
+                if zlib.crc32(raw) != entry["crc32"]:
+                    raise BadBlock(f"checksum mismatch in {name}")
+                arrays[name] = np.frombuffer(raw, STORED_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+                dtypes[name] = entry["dtype"]
+            offset += n
         meta = header["snapshot"] if snapshot else None
-        return BlockData(key, bytes.fromhex(header["parent"]), int(header["depth"]), tokens, arrays, dtypes, meta)
+        return BlockData(key, bytes.fromhex(header["parent"]), int(header["depth"]), tokens, arrays, dtypes, meta,
+                         bool(header.get("tail", False)))
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, BadBlock):
             raise

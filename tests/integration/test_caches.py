@@ -53,6 +53,12 @@ def expected_hit(prompt_tokens: int, repeat: bool = False) -> int:
     return prompt_tokens - 1 if repeat and prompt_tokens - 1 - whole >= 8 else whole
 
 
+def stored_blocks(fed: int) -> int:
+    """The blocks a finished sequence of `fed` tokens leaves to each tier: its whole blocks, and its partial last
+    block when that is worth a pick-up (8 tokens)."""
+    return fed // BLOCK + (fed % BLOCK >= 8)
+
+
 def cache(d: Daemon, model: str = "tiny") -> dict:
     return d.model(model)["cache"] or {}
 
@@ -115,7 +121,8 @@ def test_a_shared_start_shorter_than_a_block_is_picked_up(daemon_factory: Factor
 
     cold_text, n, cached = chat("Where is the lighthouse?", 8)
     assert cached == 0 and n < BLOCK
-    post(d, "/api/hot-cache/clear", {"model": "tiny"})  # the same question's answer, computed whole
+    post(d, "/api/hot-cache/clear", {"model": "tiny"})  # the same question's answer, computed whole: both tiers
+    post(d, "/api/ssd-cache/clear", {"model": "tiny"})  # held its partial block
     chat("How tall is the old mill by the river?", 8)  # less than a block: kept as a partial block
     hot_text, n2, cached = chat("Where is the lighthouse?", 8)
     assert n2 == n and 8 <= cached < n - 4  # the shared head, not the different question
@@ -156,11 +163,11 @@ def test_ssd_hit_after_evict_and_reload_is_the_same(daemon_factory: Factory, mod
     c = wait_for(lambda: cache(d), 10, what="cache stats of the new worker")
     assert c["hot"]["entries"] == 0 and c["ssd"]["entries"] >= n // BLOCK
     text, _, cached = complete(d, prompt)
-    assert cached == expected_hit(n)
+    assert cached == expected_hit(n, repeat=True)  # the partial last block is on disk too
     assert text == cold_text
     c = wait_for(lambda: (c := cache(d))["ssd"]["hits"] and c, 10, what="cache stats")
-    assert c["ssd"]["hit_tokens"] == expected_hit(n) and c["hot"]["hit_tokens"] == 0
-    again, _, cached = complete(d, prompt)  # promoted: now from memory, with the partial block the hit kept
+    assert c["ssd"]["hit_tokens"] == expected_hit(n, repeat=True) and c["hot"]["hit_tokens"] == 0
+    again, _, cached = complete(d, prompt)  # promoted: now from memory
     assert again == cold_text and cached == expected_hit(n, repeat=True)
     assert wait_for(lambda: cache(d)["hot"]["hits"] == 1, 10, what="a hot hit")
 
@@ -169,13 +176,12 @@ def test_clear_endpoints_reclaim_what_they_say(daemon_factory: Factory, model_di
     d = daemon_factory("--config", str(write_config(tmp_path / "c.toml", model_dir)), "--model-dir", str(model_dir))
     prompt = long_prompt(6)
     _, n, _ = complete(d, prompt)
-    blocks = (n + 23) // BLOCK  # the sequence's whole blocks (its last token is never fed back)
-    hot_blocks = blocks + ((n + 23) % BLOCK >= 8)  # and in memory, its partial last block
-    c = wait_for(lambda: (c := cache(d))["ssd"]["entries"] == blocks and c["hot"]["entries"] == hot_blocks and c,
+    blocks = stored_blocks(n + 23)  # its last token is never fed back
+    c = wait_for(lambda: (c := cache(d))["ssd"]["entries"] == blocks and c["hot"]["entries"] == blocks and c,
                  15, what="both tiers to hold the blocks")
     hot = post(d, "/api/hot-cache/clear", {"model": "tiny"})
-    assert hot["reclaimed_bytes"] == c["hot"]["bytes"] > 0 and hot["entries"] == hot_blocks
-    assert complete(d, prompt)[2] == expected_hit(n)  # the SSD tier still has it
+    assert hot["reclaimed_bytes"] == c["hot"]["bytes"] > 0 and hot["entries"] == blocks
+    assert complete(d, prompt)[2] == expected_hit(n, repeat=True)  # the SSD tier still has it
     assert wait_for(lambda: cache(d)["ssd"]["hits"] == 1, 10, what="an SSD hit")
 
     on_disk = sum(p.stat().st_size for p in ssd_files(d))
@@ -244,7 +250,7 @@ def test_models_that_differ_between_the_old_samples_never_share_k_v_and_clear_co
     for model in ("alpha", "beta"):
         _, n, cached = complete(d, prompt, model=model)
         assert cached == 0, f"{model} was served K/V it did not compute"  # beta: not alpha's blocks
-        blocks = (n + 23) // BLOCK
+        blocks = stored_blocks(n + 23)
         wait_for(lambda m=model, b=blocks: cache(d, m)["ssd"]["entries"] == b, 15, what=f"{model}'s SSD writes")
         dirs[model] = Path(cache(d, model)["ssd"]["dir"])
         files[model] = ssd_files(d, model)

@@ -17,7 +17,7 @@ from mlx_lm.models.cache import KVCache
 
 from worker.faults import Faults
 from worker.mlx_engine.kv_blocks import chain_keys
-from worker.mlx_engine.prompt_cache import CacheOptions, PromptCaches
+from worker.mlx_engine.prompt_cache import MIN_PARTIAL_TOKENS, CacheOptions, PromptCaches
 from worker.ssd_format import BlockData
 
 B = 8  # block tokens
@@ -40,9 +40,9 @@ def finished_cache(tokens: int, seed: int) -> list:
     return layers
 
 
-def caches(root: Path, hot: int = 1 << 30, faults: tuple[str, ...] = ()) -> PromptCaches:
-    return PromptCaches(TwoLayerModel(), root, CacheOptions(hot_bytes=hot, ssd_root=root, block_tokens=B, close_s=30,
-                                                            faults=Faults(faults)))
+def caches(root: Path, hot: int = 1 << 30, faults: tuple[str, ...] = (), block: int = B) -> PromptCaches:
+    return PromptCaches(TwoLayerModel(), root, CacheOptions(hot_bytes=hot, ssd_root=root, block_tokens=block,
+                                                            close_s=30, faults=Faults(faults)))
 
 
 def spy_on_enqueue(pc: PromptCaches) -> list[list[BlockData]]:
@@ -109,3 +109,27 @@ def test_close_flushes_what_was_lent_and_keeps_the_writers_order(tmp_path: Path)
     assert pc.to_disk.held == 0
     written = {p.stem: p.stat().st_mtime_ns for p in tmp_path.rglob("*.kvb")}
     assert max(written[k.hex()] for k in chain_keys(first, B)) < min(written[k.hex()] for k in chain_keys(second, B))
+
+
+def test_a_whole_prompt_comes_back_from_disk_its_partial_last_block_too(tmp_path: Path) -> None:
+    """The same prompt again after a restart is cached whole, less its last token: the tail is on disk too."""
+    block = 2 * B  # a tail of at least MIN_PARTIAL_TOKENS fits in it
+    pc = caches(tmp_path, block=block)
+    handed = spy_on_enqueue(pc)
+    tokens = list(range(2 * block + 12))  # 2 full blocks and a tail of 12 tokens
+    cache = finished_cache(len(tokens), seed=4)
+    pc.store(tokens, cache)
+    pc.hand_off()
+    assert [[(b.depth, b.tail) for b in chain] for chain in handed] == [[(0, False), (1, False)], [(2, True)]]
+    pc.close()
+
+    again = caches(tmp_path, block=block)  # a new worker: its hot cache empty, the disk's index rebuilt
+    prompt = tokens[:2 * block + MIN_PARTIAL_TOKENS + 1]
+    n, joined = again.lookup(prompt)
+    assert n == len(prompt) - 1 and joined is not None
+    assert again.stats().ssd_hit_tokens == n and again.stats().hot_hit_tokens == 0
+    for layer in range(2):
+        assert mx.array_equal(joined[layer].keys[..., :n, :], cache[layer].keys[..., :n, :]).item()
+        assert mx.array_equal(joined[layer].values[..., :n, :], cache[layer].values[..., :n, :]).item()
+    assert again.lookup(prompt)[0] == n and again.stats().hot_hit_tokens == n  # promoted: the next hit is memory's
+    again.close()

@@ -16,6 +16,7 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
+from worker.mlx_engine.decode_graph import DecodeGraph, capacity_for
 from worker.mlx_engine.kv_blocks import chain_keys, cut_blocks, join_blocks
 from worker.mlx_engine.layer_state import CacheLayout, restore_snapshot, take_snapshot
 from worker.mlx_engine.prompt_cache import CacheOptions, PromptCaches
@@ -114,12 +115,40 @@ def test_joining_copies_each_block_once_not_once_per_layer(monkeypatch: pytest.M
         return concatenate(arrays, *args, **kwargs)
 
     monkeypatch.setattr(mx, "concatenate", counting)
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))  # the GPU's way (a kernel per copy)
     joined = join_blocks(blocks, 3 * B - 2, layout, B)
     assert len(copied) == 2 * len(blocks)  # each block's K and V, all its layers at once
     for got, want in zip(joined, cache, strict=True):
         assert got.offset == 3 * B - 2 and got.keys.shape == (1, 2, 3 * B, 16)
         assert mx.array_equal(got.keys, want.keys[..., :3 * B, :]).item()
         assert mx.array_equal(got.values, want.values[..., :3 * B, :]).item()
+
+
+class KVModel(nn.Module):
+    """Only what DecodeGraph asks of a model to start: its cache classes (two plain KV layers)."""
+
+    def make_cache(self) -> list:
+        return [KVCache(), KVCache()]
+
+
+def test_on_a_cpu_a_hit_is_one_buffer_a_layer_at_the_graphs_capacity_which_it_takes_without_a_copy() -> None:
+    """A hit copies its prefix once: into each layer's own buffer, with room for the rest of the prompt, which the
+    compiled decode step writes into (a buffer shared by the layers, or too small, is copied again at its start)."""
+    layers = 2
+    layout = CacheLayout(("KVCache",) * layers, tuple(range(layers)), (), None)
+    cache = [filled_kv(3 * B, seed=i) for i in range(layers)]
+    tokens = list(range(3 * B))
+    blocks = cut_blocks(cache, layout, tokens, chain_keys(tokens, B), [0, 1, 2], B)
+    capacity = capacity_for(3 * B + 1)
+    joined = join_blocks(blocks, 3 * B - 1, layout, B, capacity)
+    for got, want in zip(joined, cache, strict=True):
+        assert got.offset == 3 * B - 1 and got.keys.shape == (1, 2, capacity, 16)
+        assert mx.array_equal(got.keys[..., :3 * B, :], want.keys[..., :3 * B, :]).item()
+        assert not mx.any(got.values[..., 3 * B:, :]).item()
+    buffers = [c.keys for c in joined]
+    state = DecodeGraph(KVModel()).start(joined)
+    assert all(a is b for a, b in zip(state.keys, buffers, strict=True))  # taken, not copied
+    assert all(c.keys is None for c in joined)  # and let go of by the cache, so the first write lands in place
 
 
 class HybridModel(nn.Module):

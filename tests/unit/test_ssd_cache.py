@@ -165,6 +165,38 @@ def test_the_index_knows_which_blocks_carry_snapshots_and_takes_one_that_was_mis
     other_layout.close(1)
 
 
+def partial(parent: BlockData, tokens: tuple[int, ...], seed: int) -> BlockData:
+    """A finished sequence's partial last block under `parent` (fewer tokens than a block)."""
+    rng = np.random.default_rng(seed)
+    arrays = {name: rng.standard_normal((2, 2, len(tokens), 8)).astype(np.float32) for name in ("kv:k", "kv:v")}
+    return BlockData(bytes([200, seed]) + b"t" * 14, parent.key, parent.depth + 1, tokens, arrays,
+                     dict.fromkeys(arrays, "float32"), tail=True)
+
+
+def test_tails_are_found_by_their_parent_across_a_rebuild_and_leave_with_their_files(tmp_path: Path) -> None:
+    head = chain(2)
+    short, long = partial(head[-1], (5, 6, 7), seed=1), partial(head[-1], (5, 6, 9, 9), seed=2)
+    ssd = SsdCache(tmp_path, FP, 1 << 30)
+    ssd.enqueue([*head, short])
+    ssd.enqueue([long])
+    wait_for(lambda: len(ssd) == 4, 10)
+    assert ssd.best_tail(head[-1].key, [5, 6, 9, 1]) == (long.key, long.tokens, 3)
+    assert ssd.best_tail(head[-1].key, [5, 6, 7, 1]) == (short.key, short.tokens, 3)
+    assert ssd.best_tail(head[0].key, [5, 6, 7]) == (None, (), 0)  # found only under its own parent
+    ssd.close(10)
+
+    again = SsdCache(tmp_path, FP, 1 << 30)  # a restart: the tails are known from their headers
+    assert again.best_tail(head[-1].key, [5, 6, 9]) == (long.key, long.tokens, 3)
+    got = again.load_tail(long.key, long.tokens)
+    assert got is not None and got.tail and np.array_equal(got.arrays["kv:v"], long.arrays["kv:v"])
+    again.path(long.key).write_bytes(b"garbage")
+    assert again.load_tail(long.key, long.tokens) is None  # a bad file is a miss, and the tail is forgotten
+    assert again.best_tail(head[-1].key, [5, 6, 9]) == (short.key, short.tokens, 2)
+    again.clear()
+    assert again.best_tail(head[-1].key, [5, 6, 7]) == (None, (), 0)
+    again.close(1)
+
+
 def test_cap_evicts_least_recent_tails_first(tmp_path: Path) -> None:
     a, b = chain(3, seed=1), chain(3, seed=2)
     size = len(write(tmp_path, a[0]).read_bytes())

@@ -136,6 +136,12 @@ def _upto(a: Any, n: int) -> Any:
     return tuple(x[..., :n, :] for x in a) if isinstance(a, tuple) else a[..., :n, :]
 
 
+def _taken(a: Any, n: int, capacity: int) -> Any:
+    """A cache's buffer for the graph: itself at `capacity` positions (past n: never read unmasked), else its first n
+    positions grown to it."""
+    return a if _positions(a) == capacity else _grown(_upto(a, n), capacity)
+
+
 def _positions(a: Any) -> int:
     return (a[0] if isinstance(a, tuple) else a).shape[2]
 
@@ -172,14 +178,18 @@ class DecodeGraph:
                 and all(a is not None for c in cache if type(c) is ArraysCache for a in c.cache))
 
     def start(self, cache: list) -> DecodeState:
-        """The graph's state for a prefilled cache (which `fits`)."""
+        """The graph's state for a prefilled cache (which `fits`). A KV buffer already at the graph's capacity (a
+        prefill's, or a hit's: kv_blocks.join_blocks) is taken as it is, and the cache lets go of it, so that the
+        graph's first write lands in it instead of a copy; `write_back` gives the cache its K/V again."""
         kv: list[Any] = [c for c in cache if type(c) in KV]  # filled (fits): keys and values are arrays (triples)
         recurrent: list[Any] = [c for c in cache if type(c) is ArraysCache]
         n = kv[0].offset
         capacity = capacity_for(n + 1)
-        return DecodeState(n, mx.array([n], mx.int32), [_grown(_upto(c.keys, n), capacity) for c in kv],
-                           [_grown(_upto(c.values, n), capacity) for c in kv],
-                           [list(c.cache) for c in recurrent])
+        keys = [_taken(c.keys, n, capacity) for c in kv]
+        values = [_taken(c.values, n, capacity) for c in kv]
+        for c in kv:
+            c.keys = c.values = None  # the graph's now: a reference left here would make its first write a copy
+        return DecodeState(n, mx.array([n], mx.int32), keys, values, [list(c.cache) for c in recurrent])
 
     def feed(self, state: DecodeState, token: mx.array) -> mx.array:
         """Schedule one token into the state; the next token's logprobs (not evaluated), shape (1, vocab)."""

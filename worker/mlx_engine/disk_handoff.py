@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from worker.mlx_engine.kv_blocks import Block, parent_of
+from worker.mlx_engine.kv_blocks import Block
 from worker.mlx_engine.layer_state import dtype_name
 from worker.ssd_cache import SsdCache
 from worker.ssd_format import SNAPSHOT_PREFIX, BlockData
@@ -38,7 +38,7 @@ KV_PREFIX = "kv:"
 class _Lent:
     """One chain's blocks for the disk: as MLX arrays (being evaluated) until handed off."""
 
-    blocks: list[tuple[Block, bytes, int]]  # (block, parent key, depth)
+    blocks: list[Block]
     arrays: list[dict[str, mx.array]]  # per block, by file name: what the writer gets views of
     dtypes: list[dict[str, str]]
 
@@ -58,14 +58,15 @@ class DiskHandoff:
         """Chains handed off whose arrays the writer may still read (kept alive here till then)."""
         return len(self._held)
 
-    def lend(self, blocks: list[Block], keys: list[bytes], depths: list[int]) -> None:
-        """Schedule blocks `depths` of a chain (`blocks` in the same order) for the disk; nothing waits."""
+    def lend(self, blocks: list[Block]) -> None:
+        """Schedule a chain's blocks (root side first; a tail, fewer tokens than a block, last) for the disk;
+        nothing waits."""
         lent = _Lent([], [], [])
-        for block, i in zip(blocks, depths, strict=True):
+        for block in blocks:
             named = {KV_PREFIX + n: a for n, a in block.kv.items()}
             if block.snapshot is not None:
                 named.update({SNAPSHOT_PREFIX + n: a for n, a in block.snapshot.arrays.items()})
-            lent.blocks.append((block, parent_of(keys, i, self.block), i))
+            lent.blocks.append(block)
             lent.dtypes.append({n: dtype_name(a) for n, a in named.items()})
             lent.arrays.append({n: a.view(mx.uint16) if a.dtype == mx.bfloat16 else a for n, a in named.items()})
         mx.async_eval([a for arrays in lent.arrays for a in arrays.values()])
@@ -80,12 +81,13 @@ class DiskHandoff:
         mx.eval([a for lent in lent_now for arrays in lent.arrays for a in arrays.values()])
         taken = 0
         for lent in lent_now:
-            data = [BlockData(block.key, parent, depth, block.tokens, {n: np.asarray(a) for n, a in arrays.items()},
-                              dtypes, block.snapshot.meta if block.snapshot is not None else None)
-                    for (block, parent, depth), arrays, dtypes in zip(lent.blocks, lent.arrays, lent.dtypes,
-                                                                      strict=True)]
+            data = [BlockData(block.key, block.parent, block.depth, block.tokens,
+                              {n: np.asarray(a) for n, a in arrays.items()}, dtypes,
+                              block.snapshot.meta if block.snapshot is not None else None,
+                              tail=len(block.tokens) < self.block)
+                    for block, arrays, dtypes in zip(lent.blocks, lent.arrays, lent.dtypes, strict=True)]
             taken += self.ssd.enqueue(data)
-            self._held.append(([b.key for b, _, _ in lent.blocks], [a for d in lent.arrays for a in d.values()]))
+            self._held.append(([b.key for b in lent.blocks], [a for d in lent.arrays for a in d.values()]))
         return taken
 
     def _release_written(self) -> None:

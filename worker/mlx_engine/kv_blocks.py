@@ -161,11 +161,15 @@ def _block_kv(block: Block, layout: CacheLayout, block_tokens: int) -> tuple[mx.
             _dequantize(kv["v.q"], kv["v.s"], kv["v.b"], layout.kv_bits, block_tokens))
 
 
-def join_blocks(blocks: list[Block], n_tokens: int, layout: CacheLayout, block_tokens: int) -> list:
+def join_blocks(blocks: list[Block], n_tokens: int, layout: CacheLayout, block_tokens: int,
+                capacity: int = 0) -> list:
     """A whole prompt cache (every layer) holding the first `n_tokens` tokens of the consecutive `blocks`.
 
     With snapshot layers, `n_tokens` must be the end of the last block, and that block must carry
-    the snapshot: the other layers' state comes from it.
+    the snapshot: the other layers' state comes from it. On a CPU each plain KV layer gets a buffer of its
+    own of at least `capacity` positions (the rest zeros), which the compiled decode step takes as it is
+    (decode_graph.py): a hit copies its prefix once. On a GPU every layer is one view of a single
+    concatenation, whose kernels are one per block, not one per block and layer.
     """
     cache: list = [None] * len(layout.classes)
     if running_quantized(layout):
@@ -178,6 +182,19 @@ def join_blocks(blocks: list[Block], n_tokens: int, layout: CacheLayout, block_t
             q.keys, q.values = (tuple(joined[f"{name}.{part}"][j:j + 1] for part in "qsb") for name in "kv")
             q.offset = n_tokens  # <= the blocks' length: the rest is overwritten by the next tokens
             cache[layer] = q
+    elif layout.block_layers and mx.default_device() == mx.cpu:
+        parts = [_block_kv(b, layout, block_tokens) for b in blocks]
+        room = capacity - sum(k.shape[2] for k, _ in parts)
+
+        def padding(a: mx.array) -> list[mx.array]:
+            return [mx.zeros((1, a.shape[1], room, a.shape[3]), a.dtype)] if room > 0 else []
+
+        for j, layer in enumerate(layout.block_layers):
+            c = KVCache()
+            c.keys = mx.concatenate([k[j:j + 1] for k, _ in parts] + padding(parts[0][0]), axis=2)
+            c.values = mx.concatenate([v[j:j + 1] for _, v in parts] + padding(parts[0][1]), axis=2)
+            c.offset = n_tokens
+            cache[layer] = c
     elif layout.block_layers:
         parts = [_block_kv(b, layout, block_tokens) for b in blocks]
         # one concatenation over all layers, cut into per-layer views: a copy per block, not per block and layer

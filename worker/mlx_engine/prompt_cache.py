@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -49,6 +50,7 @@ from protocol.cachedir import legacy_cache_dir, model_cache_dir, retire
 from protocol.messages import CacheStats
 from worker.faults import NO_FAULTS, Faults
 from worker.hot_cache import HotCache
+from worker.mlx_engine.decode_graph import capacity_for
 from worker.mlx_engine.disk_handoff import KV_PREFIX, DiskHandoff
 from worker.mlx_engine.kv_blocks import (
     Block,
@@ -64,7 +66,7 @@ from worker.mlx_engine.layer_state import CacheLayout, Snapshot, from_numpy, tak
 from worker.mlx_engine.quantized_kv import QuantizedKV
 from worker.shutdown import run_best_effort
 from worker.ssd_cache import SsdCache
-from worker.ssd_format import SNAPSHOT_PREFIX
+from worker.ssd_format import SNAPSHOT_PREFIX, BlockData
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +94,7 @@ class PromptCaches:
         self.every_blocks = options.snapshot_every // self.block if options.snapshot_every >= self.block else 0
         self.hits_ssd = self.misses_ssd = self.hit_tokens_ssd = 0
         self.matched = 0  # tokens of the last looked-up prompt in the hot tier's blocks, with a snapshot or not
+        self.read_bytes, self.read_s = 0, 0.0  # what the last lookup read from the SSD tier, and how long (made MLX too)
         self.clears = 0  # tiers cleared so far: a store deferred from before a clear is dropped (engine.py)
         self.layout = CacheLayout.of(make_prompt_cache(model), options.kv_bits)
         self.hot = HotCache(options.hot_bytes)
@@ -124,7 +127,8 @@ class PromptCaches:
     def lookup(self, tokens: list[int]) -> tuple[int, list | None]:
         """(n, cache): a prompt cache holding the first n tokens of `tokens`, n < len(tokens); (0, None)."""
         partial = not self.layout.snapshots and self.hot.enabled  # a snapshot cannot be cut inside a block
-        self.matched = 0
+        self.matched = self.read_bytes = 0
+        self.read_s = 0.0
         if not self.enabled or len(tokens) < (MIN_PARTIAL_TOKENS + 1 if partial else self.block):
             return 0, None
         t0 = time.perf_counter()
@@ -145,11 +149,12 @@ class PromptCaches:
         from_ssd = n - min(n_hot * self.block, n)
         if partial and n < len(tokens) - 1:  # the next block, cut short: a cached one that starts the same way
             j = len(blocks)
-            child, m = self.hot.best_child(parent_of(keys, j, self.block),
-                                           tokens[j * self.block:min((j + 1) * self.block, len(tokens) - 1)])
+            child, m, on_disk = self._partial(parent_of(keys, j, self.block),
+                                              tokens[j * self.block:min((j + 1) * self.block, len(tokens) - 1)])
             if child is not None and m >= MIN_PARTIAL_TOKENS:
                 blocks.append(child)
                 n = j * self.block + m
+                from_ssd += m if on_disk else 0
         if self.hot.enabled:
             self.hot.hits += n - from_ssd > 0
             self.hot.misses += n - from_ssd == 0
@@ -162,10 +167,33 @@ class PromptCaches:
         self.hot.hit_tokens += from_hot
         self.hit_tokens_ssd += n - from_hot
         t1 = time.perf_counter()
-        cache = join_blocks(blocks, n, self.layout, self.block)
-        log.info("[cache] model=%s hit tokens=%d hot_tokens=%d ssd_tokens=%d find_s=%.4f join_s=%.4f", self.model_id, n,
-                 from_hot, n - from_hot, t1 - t0, time.perf_counter() - t1)
+        # room for the rest of the prompt at the compiled decode step's capacity: its first token copies nothing
+        cache = join_blocks(blocks, n, self.layout, self.block, capacity_for(len(tokens)))
+        hot_bytes = sum(b.nbytes for b in blocks) - self.read_bytes
+        log.info("[cache] model=%s hit tokens=%d hot_tokens=%d ssd_tokens=%d bytes=%d ssd_bytes=%d find_s=%.4f "
+                 "read_s=%.4f join_s=%.4f", self.model_id, n, from_hot, n - from_hot, hot_bytes, self.read_bytes,
+                 t1 - t0, self.read_s, time.perf_counter() - t1)
         return n, cache
+
+    def _partial(self, parent: bytes, tokens: list[int]) -> tuple[Block | None, int, bool]:
+        """The cached block under `parent` (a tail, or a full block of another prompt) that starts with the longest
+        run of `tokens`: (it, that run's length, whether it came from disk). The disk is read only for a tail that
+        shares more than the hot cache's best, and it is promoted into the hot cache."""
+        child, m = self.hot.best_child(parent, tokens)
+        if self.ssd is None or not self.ssd.enabled or m == len(tokens):
+            return child, m, False
+        key, held, n = self.ssd.best_tail(parent, tokens)
+        if key is None or n <= m or n < MIN_PARTIAL_TOKENS:
+            return child, m, False
+        t0 = time.perf_counter()
+        data = self.ssd.load_tail(key, held)
+        self.read_s += time.perf_counter() - t0
+        if data is None:
+            return child, m, False
+        self.read_bytes += data.nbytes
+        tail = self._block_of(data)
+        self.hot.put([tail])
+        return tail, n, True
 
     def _to_a_snapshot(self, tokens: list[int], keys: list[bytes], hot: list[Block]) -> tuple[list[Block], int]:
         """The blocks up to the deepest one that has a snapshot, from memory or disk; and how many came from memory."""
@@ -187,16 +215,23 @@ class PromptCaches:
         block at `snapshot_at` with its snapshot."""
         wanted = [tuple(tokens[i * self.block:(i + 1) * self.block]) for i in range(start, end)]
         at = None if snapshot_at is None else snapshot_at - start
-        found = []
-        for data in ssd.load_chain(keys[start:end], wanted, snapshot_at=at):
-            kv = {n[len(KV_PREFIX):]: from_numpy(a, data.dtypes[n]) for n, a in data.arrays.items()
-                  if n.startswith(KV_PREFIX)}
-            snapshot = None
-            if data.snapshot is not None:
-                snapshot = Snapshot({n[len(SNAPSHOT_PREFIX):]: from_numpy(a, data.dtypes[n])
-                                     for n, a in data.arrays.items() if n.startswith(SNAPSHOT_PREFIX)}, data.snapshot)
-            found.append(Block(data.key, data.parent, data.depth, data.tokens, kv, snapshot))
+        found, t0 = [], time.perf_counter()
+        for data in ssd.read_chain(keys[start:end], wanted, snapshot_at=at):  # each made MLX as the next are read
+            self.read_bytes += data.nbytes
+            found.append(self._block_of(data))
+        self.read_s += time.perf_counter() - t0
         return found
+
+    @staticmethod
+    def _block_of(data: BlockData) -> Block:
+        """A block read from disk, as MLX arrays."""
+        kv = {n[len(KV_PREFIX):]: from_numpy(a, data.dtypes[n]) for n, a in data.arrays.items()
+              if n.startswith(KV_PREFIX)}
+        snapshot = None
+        if data.snapshot is not None:
+            snapshot = Snapshot({n[len(SNAPSHOT_PREFIX):]: from_numpy(a, data.dtypes[n])
+                                 for n, a in data.arrays.items() if n.startswith(SNAPSHOT_PREFIX)}, data.snapshot)
+        return Block(data.key, data.parent, data.depth, data.tokens, kv, snapshot)
 
     def keep(self, tokens: list[int], ttl_s: float) -> None:
         """Pin the whole blocks of `tokens` (a marked prefix) in the hot and SSD tiers for `ttl_s` seconds."""
@@ -271,13 +306,14 @@ class PromptCaches:
             chain[i] = block.with_snapshot(snapshot) if snapshot is not None and block.snapshot is None else block
         self.hot.put([chain[i] for i in range(hot_n)])
         if self.to_disk is not None and to_disk:
-            self.to_disk.lend([chain[i] for i in to_disk], keys, to_disk)
+            self.to_disk.lend([chain[i] for i in to_disk])
         if tail:
             self._store_tail(tokens, cache, keys)
 
     def _store_tail(self, tokens: list[int], cache: list, keys: list[bytes]) -> None:
-        """Keep a finished sequence's partial last block in the hot cache, under its chain: prompts shorter
-        than a block (a chat template's head and a short question) share their start through it."""
+        """Keep a finished sequence's partial last block in the hot cache and on disk, under its chain: prompts
+        shorter than a block (a chat template's head and a short question) share their start through it, and the
+        same prompt again is cached whole, from either tier."""
         layout = self.layout
         # a partial block is kept unquantized, or as the running cache's quantized rows
         quantized = running_quantized(layout)
@@ -286,8 +322,13 @@ class PromptCaches:
         if len(tokens) - len(keys) * self.block < MIN_PARTIAL_TOKENS:
             return
         parent = keys[-1] if keys else root_key(self.block)
-        if not keys or parent in self.hot:
-            self.hot.put([cut_tail(cache, layout, tokens, parent, self.block)])
+        to_disk = self.to_disk is not None and self.ssd_on  # its chain is on disk or lent with it (store's)
+        if not keys or parent in self.hot or to_disk:
+            block = cut_tail(cache, layout, tokens, parent, self.block)
+            if not keys or parent in self.hot:
+                self.hot.put([block])
+            if to_disk and not cast(SsdCache, self.ssd).has(block.key):
+                cast(DiskHandoff, self.to_disk).lend([block])
 
     def hand_off(self) -> None:
         """Once a step: the blocks stored at earlier steps go to the SSD writer (see disk_handoff.py)."""
