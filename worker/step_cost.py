@@ -30,6 +30,18 @@ fit with one size can stay stuck on it (a 4-token step of 45 ms reads as 11 ms a
 are all that fit again): after EXPLORE_AFTER steps of one size the planner takes another one, half
 of it (shorter, so never over the target), or twice it when it is min_chunk already.
 
+A step that no stream waits for (nothing decoding, no decode in flight: a lone long prompt, or prompts that
+arrived together) is not held to the target: its chunk grows past the target's to the smallest one whose tokens a
+second the fit puts within FAST_ENOUGH of the fastest chunk's (a fixed cost p0 favours large chunks, the
+attention's c / 2 small ones), so a lone prompt goes in at the engine's best speed, up to max_chunk (mlx-lm's own
+prefill_step_size by default), and chunks shrink to the target only while other streams decode. Where p0 is small
+against a chunk's per-token work (a CPU), the target's chunk is already within FAST_ENOUGH and stays; while p0
+cannot be told from a, the fit reads no fixed cost and nothing grows; and once a grown chunk's step measures
+GROWN_MISS over its prediction, no chunk grows again (on this CPU a tiny model's 384-token chunks 5k tokens in took
+1.5x the 128-token ones' time a token, which the fit's c / 2 did not foresee). A request arriving meanwhile waits
+for that step, as it would for mlx-lm's prefill; the worker's watchdog tells the supervisor a long step computes
+(worker/watchdog.py).
+
 Invariants: pure and MLX-free (unit-tested with synthetic machines); the chunk is always within
 [min_chunk, max_chunk]; before a measurement the per-token cost is the seed (one token's forward
 pass at load, more than a token of a prefill costs), so the first chunk is conservatively small;
@@ -58,6 +70,8 @@ GROWTH = 4.0  # a chunk is at most this many times the largest chunk measured so
 FORGETTING = 0.9  # weight of an observation one step older
 EXPLORE_AFTER = 4  # prefilling steps of one size in a row, the fit unable to split their cost, before another size
 OUTLIER = 3.0  # a step is learned as at most this many times its prediction (the rest: one-time work)
+FAST_ENOUGH = 0.05  # a lone prefill's chunk: the smallest within this fraction of the fastest one's tokens a second
+GROWN_MISS = 0.5  # a grown chunk's step measured this much over its prediction ends the growing, for good
 MIN_SPREAD = 1e-3  # how much the sizes measured must differ (1 - cos^2 of tokens vs 1) to fit a fixed cost
 _SCALE_CONTEXT = 1024.0  # the attention feature in units of 1k tokens, so both features are O(tokens)
 
@@ -203,6 +217,8 @@ class StepCostModel:
         self.largest_measured = 0
         self.last_measured = 0  # the chunk of the last prefilling step measured,
         self.repeats = 0  # and how many prefilling steps in a row measured it
+        self.grown = 0  # the largest chunk a step no stream waited for grew to, since a step shared with decoding
+        self.grows = True  # such steps grow past the target's chunk: until one measures GROWN_MISS over its prediction
 
     # --- predictions -------------------------------------------------------------------
 
@@ -266,9 +282,41 @@ class StepCostModel:
                 hi = mid - 1
         if lo < longest and lo < self.max_chunk:
             lo = max(self.min_chunk, bucket(lo))
+        if not work.decoding and not work.in_flight:  # no stream waits for this step's end
+            lo = self._alone(work, lo, cap)
+        else:
+            self.grown = 0
         if lo < cap and lo == self.last_measured and self.repeats >= EXPLORE_AFTER and not self.intercept_known():
             lo = self._explore(lo, cap)
         return self.predict(work, lo)
+
+    def _alone(self, work: StepWork, chunk: int, cap: int) -> int:
+        """A step no stream waits for: the target's `chunk` grown while a larger one is fast enough
+        (`_fast_enough`), and never below the chunk an earlier such step grew to (kept until a step is shared with
+        decoding streams): the best chunk does not move with the position (the attention's p_i is per-token work),
+        while a run of one chunk size lets the fit drift between p0 and a, and read small chunks as fast again."""
+        if chunk < cap and self.grows:
+            grown = self._fast_enough(work, chunk, cap)
+            if grown > chunk:
+                self.grown = max(self.grown, grown)
+            chunk = max(grown, min(self.grown, cap))
+        return chunk
+
+    def _fast_enough(self, work: StepWork, chunk: int, cap: int) -> int:
+        """The smallest chunk in [chunk, cap] (`chunk`, a bucket, or cap) that the fit says prefills `work` within
+        FAST_ENOUGH of the most tokens a second any chunk there does; `chunk` while the fit cannot tell a step's
+        fixed cost from its per-token cost (it reads none then: no larger chunk could look faster)."""
+        if not self.intercept_known():
+            return chunk
+        sizes = sorted({chunk, cap, *(n for k in range(2, cap.bit_length() + 1) for n in (1 << k, 3 << (k - 1))
+                                      if chunk < n < cap)})
+        rates = []
+        for n in sizes:
+            tokens, attention, _ = _features(work, n)
+            seconds = self.prefill_s(tokens, attention)
+            rates.append(tokens / seconds if seconds > 0 else float("inf"))
+        best = max(rates)
+        return next(n for n, rate in zip(sizes, rates) if rate >= best * (1 - FAST_ENOUGH))
 
     def _explore(self, chunk: int, cap: int) -> int:
         """Another size than the one chunk the fit has seen, so it can tell fixed from per-token cost:
@@ -287,6 +335,8 @@ class StepCostModel:
                 self.decode_fit.add(1.0, float(plan.in_flight),
                                     min(elapsed_s, OUTLIER * plan.predicted_s) if fitted else elapsed_s)
             return
+        if self.grown and plan.chunk >= self.grown and elapsed_s > (1 + GROWN_MISS) * plan.predicted_s:
+            self.grows, self.grown = False, 0  # the fit cannot say what larger chunks cost here: the target's again
         decode = self.decode_s(plan.in_flight)
         prefill = max(0.0, elapsed_s - (decode if fitted else 0.0))
         if self.prefill_fit.n > 0:

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from worker.step_cost import GROWTH, OUTLIER, NonNegativeFit, PrefillSeq, StepCostModel, StepWork, bucket
+from worker.step_cost import GROWN_MISS, GROWTH, OUTLIER, NonNegativeFit, PrefillSeq, StepCostModel, StepWork, bucket
 
 
 class Machine:
@@ -266,3 +266,39 @@ def test_a_machine_that_really_slowed_down_is_still_learned() -> None:
         left -= plan.chunk
     assert plan.predicted_s == pytest.approx(measured, rel=0.15)
     assert OUTLIER * 0.004 < 0.04  # a single step could not have taught it this
+
+
+def test_a_lone_prefill_takes_the_fastest_chunks_and_shrinks_only_while_streams_decode() -> None:
+    """A 30k-token prompt with a 0.05 s target on a GPU-like machine (45 ms fixed a step): alone, no stream waits
+    for its steps, so once the fit knows the fixed cost they go in at max_chunk to the end (mlx-lm's own chunking);
+    with 8 streams decoding, the same prompt late in its prefill is held to the target's smaller chunks."""
+    gpu = gpu_like()
+    alone = StepCostModel(target_s=0.05, max_chunk=2048, seed_token_s=0.03)
+    decode_steps(alone, gpu, 8, 5)
+    steps = prefill_prompt(alone, gpu, prompt=30_000)
+    chunks = [c for c, _ in steps]
+    assert alone.intercept_known() and chunks[-2] == 2048
+    assert chunks.index(2048) <= 8 and set(chunks[chunks.index(2048):-1]) == {2048}  # GROWTH-bound ramp, then 2048
+    shared = StepCostModel(target_s=0.05, max_chunk=2048, seed_token_s=0.03)
+    decode_steps(shared, gpu, 8, 5)
+    late = [c for c, _ in prefill_prompt(shared, gpu, prompt=30_000, decoding=8)][-6:-1]
+    assert max(late) < 2048
+    rate = {n: n / gpu.step_s(StepWork(0, (PrefillSeq(n, 28_000),)), n) for n in (1024, 2048)}
+    assert rate[2048] > 1.05 * rate[1024]  # what the lone prompt's larger chunks buy late in its prefill
+
+
+def test_a_grown_chunk_that_measures_slower_than_its_prediction_ends_the_growing() -> None:
+    """Where larger chunks cost more than the fit foresees (a CPU's caches overflow), the first grown step that
+    measures over GROWN_MISS of its prediction sends a lone prompt back to the target's chunks, for good."""
+    gpu = gpu_like()
+    model = StepCostModel(target_s=0.05, max_chunk=2048, seed_token_s=0.03)
+    decode_steps(model, gpu, 8, 5)
+    prefill_prompt(model, gpu, prompt=30_000)
+    assert model.grown == 2048
+    work = StepWork(0, (PrefillSeq(4000, 26_000),), 0)
+    plan = model.plan(work)
+    assert plan.chunk == 2048
+    model.observe(plan, (1 + GROWN_MISS) * 1.01 * plan.predicted_s)
+    assert not model.grows and model.plan(work).chunk < 2048
+    steps = prefill_prompt(model, gpu, prompt=30_000)
+    assert max(c for c, _ in steps[len(steps) // 2:]) < 2048
