@@ -413,3 +413,19 @@ def test_drafting_beside_graphs_built_ahead_gives_plain_decoding_s_ids(family_mo
     engine = drafting(family_models / name, speculative="prompt-lookup", solo="ahead")
     got, fin = run(engine, greedy())
     assert got == expected and fin is not None and fin.accepted_tokens > 0
+
+
+def test_prompt_lookup_s_drafting_depends_on_its_own_request_only(family_models: Path, plain: dict) -> None:
+    """A draft model's pauses carry over to the worker's next request (its Record: random weights keep nothing,
+    whatever the prompt); prompt lookup's do not: a code edit after a chat finds its drafts in its own prompt, so a
+    request drafts exactly as it would as the worker's first, whatever came before."""
+    costs = Costs(1.0, 1.2, 1.5, k=4)
+    fresh = drafting(family_models / "llama", speculative="prompt-lookup")
+    fresh.speculation.pricing.costs = costs
+    _, first = run(fresh, greedy("b"))
+    engine = drafting(family_models / "llama", speculative="prompt-lookup")
+    engine.speculation.pricing.costs = costs
+    engine.speculation.record.wait = engine.speculation.record.pause = 1024  # as after a chat's rejected drafts
+    _, after = run(engine, greedy("b"))
+    assert first is not None and after is not None and first.accepted_tokens > 0
+    assert (after.drafted_tokens, after.accepted_tokens) == (first.drafted_tokens, first.accepted_tokens)

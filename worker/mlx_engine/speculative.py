@@ -327,7 +327,8 @@ class DraftCounts:
 
 @dataclass(slots=True)
 class Record:
-    """What drafting has paid in this worker so far, across its requests: a request starts paused for the last pause
+    """What a draft model's drafting has paid in this worker so far, across its requests (prompt lookup's requests
+    each start afresh: what it finds is in each request's own prompt): a request starts paused for the last pause
     taken (`wait` tokens decoded plainly first, then `pause` for its own first pause), so a drafter that keeps nothing
     (a draft model on random weights) is tried a few times per worker, not a few times per request; drafting that pays
     resets it. (Which steps draft so depends on earlier requests too: never what they emit, the verification being
@@ -496,7 +497,10 @@ class Speculation:
         draws = None if msg.seed is None or sampling is None else Draws(msg.seed, len(msg.resume_tokens), sampling)
         if self.oracle is not None:
             return Drafting(drafter, self.k, sampling, draws, None)
-        return Drafting(drafter, self.k, sampling, draws, self.pricing, self.record)
+        # a draft model's pauses carry over to the next request (Record); prompt lookup's acceptance is its request's
+        # prompt's (a code edit after a chat), so each request starts drafting
+        return Drafting(drafter, self.k, sampling, draws, self.pricing,
+                        self.record if isinstance(drafter, ModelDrafter) else None)
 
 
 def load_draft(path: Path, tokenizer: Any) -> tuple[nn.Module, int]:
