@@ -137,7 +137,8 @@ def markdown(result: dict) -> str:
 
     m = result["machine"]
     lines = [f"`{result['command']}`", "",
-             f"mlxsup {m['git']['commit']}{' (dirty)' if m['git']['dirty'] else ''}; MLX device {result['device']}; "
+             f"mlxsup {m['git']['commit'] or m.get('tree') or '(no git here)'}{' (dirty)' if m['git']['dirty'] else ''}; "
+             f"MLX device {result['device']}; "
              f"{m['cpu_model']}, {m['logical_cores']} cores{'; ' + ', '.join(m['gpus']) if m['gpus'] else ''}; "
              f"{result['rounds_run']} interleaved rounds, max_tokens {result['max_tokens']}, greedy; "
              f"model {result['model']}", ""]
