@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -63,8 +64,10 @@ def _inproc_main(model: str) -> None:
 
 
 def daemon(model: Path, prompt: str, state: Path) -> dict:
-    """A fresh daemon: the load timed, then the prompt's first token; its worker's step lines read back."""
-    state.mkdir(parents=True, exist_ok=True)
+    """A fresh daemon on an empty state folder (no cache holds anything): the load timed, then the prompt's first
+    token; its worker's step lines read back."""
+    shutil.rmtree(state, ignore_errors=True)
+    state.mkdir(parents=True)
     config = state / "bench.toml"
     config.write_text(f'[server]\nlog_level = "debug"\n\n[models.m]\npath = "{model}"\n')
     d = Daemon(state, config)
@@ -77,6 +80,8 @@ def daemon(model: Path, prompt: str, state: Path) -> dict:
         sent = time.perf_counter()
         r = d.ttft("m", prompt, 1)
         first = sent + r["ttft_s"]
+        if r["cached_tokens"]:
+            raise SystemExit(f"the cold prompt found {r['cached_tokens']} tokens cached; see {state}")
     finally:
         d.stop()
     gone = not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in seen)
