@@ -194,7 +194,8 @@ class AudioRoutes:
             return Response(first.audio, media_type=SPEECH_TYPES[fmt],
                             headers={"X-Audio-Sample-Rate": str(first.sample_rate),
                                      "X-Audio-Samples": str(first.samples)})
-        return AudioStream(_speech_bytes(first, speech, asking), SPEECH_TYPES[fmt], first.sample_rate)
+        return SSEResponse(_speech_bytes(first, speech, asking), lambda: None, SPEECH_TYPES[fmt],
+                           {"X-Audio-Sample-Rate": str(first.sample_rate)})
 
 
 async def _frames(frames: list[bytes]) -> AsyncIterator[bytes]:
@@ -223,16 +224,6 @@ class SpeechParts:
         reply = item.result()
         assert isinstance(reply, Spoken)
         return reply
-
-
-class AudioStream(SSEResponse):
-    """A chunked audio body, raced against its client's disconnect as SSEResponse's events are (the body's `finally`
-    runs the moment the client leaves, not at the next write)."""
-
-    def __init__(self, body: AsyncIterator[bytes], media_type: str, rate: int) -> None:
-        self.media_type = media_type
-        super().__init__(body, lambda: None)
-        self.raw_headers.append((b"x-audio-sample-rate", str(rate).encode()))
 
 
 async def _settle(asking: asyncio.Future) -> None:

@@ -137,7 +137,8 @@ async def unless_client_leaves(work: Coroutine[Any, Any, T], receive: Receive, n
 
 
 class SSEResponse(Response):
-    """Streams `body` as text/event-stream, racing it against the client's disconnect.
+    """Streams `body` as text/event-stream (or as `media_type`: a chunked audio body), racing it against the
+    client's disconnect.
 
     `on_close` runs exactly once, whether the body finished, failed, or the client left
     (even before the first byte); the body is closed first, so its own `finally` runs before.
@@ -145,12 +146,15 @@ class SSEResponse(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, body: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+    def __init__(self, body: AsyncIterator[bytes], on_close: Callable[[], None], media_type: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         self.body_iterator = body
         self.on_close = on_close
         self.status_code = 200
         self.background = None
-        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        if media_type is not None:
+            self.media_type = media_type
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def stream() -> None:
