@@ -354,3 +354,22 @@ def test_usage_reports_drafted_and_accepted_tokens() -> None:
                        drafted_tokens=8, accepted_tokens=5)
     assert usage([drafted])["completion_tokens_details"] == {"accepted_prediction_tokens": 5,
                                                              "rejected_prediction_tokens": 3}
+
+
+def test_serve_s_flag_and_the_server_key_set_every_model_s_mode(tmp_path: Path) -> None:
+    """`mlxsup serve --speculative MODE` and `[server] speculative`: auto, off or prompt-lookup ("draft" needs a
+    model's own draft: a config error, as is a mode that does not exist); the default is auto."""
+    from supervisor.cli.commands import build_parser
+    from supervisor.config import ConfigError, Settings, load_file
+
+    assert build_parser().parse_args(["serve", "--speculative", "off"]).speculative == "off"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--speculative", "draft"])
+    assert Settings().speculative == "auto"
+    path = tmp_path / "c.toml"
+    path.write_text('[server]\nspeculative = "prompt-lookup"\n')
+    assert load_file(path, Settings()).speculative == "prompt-lookup"
+    for bad in ("draft", "fast"):
+        path.write_text(f'[server]\nspeculative = "{bad}"\n')
+        with pytest.raises(ConfigError, match="server.speculative"):
+            load_file(path, Settings())
