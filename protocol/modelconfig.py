@@ -11,7 +11,7 @@ it read a weight (the worker grew past 6 GB, unbounded, while its client waited)
   that each `*.safetensors` header lists). A refusal is a ConfigError naming the field and its value.
 - `memory_estimate(config)` (the supervisor's admission): a generating model's KV bytes per token (every
   attention layer's K and V in the model's dtype) and what a first request costs on top of the weights: the KV of
-  ESTIMATE_TOKENS tokens and one prefill chunk's logits.
+  ESTIMATE_TOKENS tokens and one prefill chunk's logits; `runtime_bytes_at` counts that KV at a `[cache] kv_bits`.
 - `context_length(config)`: max_position_embeddings (4096 when absent), never past MAX_CONTEXT.
 
 Pure standard library, bounded reads: no MLX, no imports from either side.
@@ -60,8 +60,9 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class MemoryEstimate:
     kv_bytes_per_token: int = 0  # every attention layer's K and V of one token
-    runtime_bytes: int = 0  # a first request's KV (ESTIMATE_TOKENS) and one prefill chunk's logits
+    runtime_bytes: int = 0  # a first request's KV (kv_tokens, at full precision) and one prefill chunk's logits
     kv_dtype_bytes: int = 2  # the width of a K/V element (and of a quantized group's scale and bias)
+    kv_tokens: int = 0  # the tokens whose KV runtime_bytes counts: ESTIMATE_TOKENS, or the context where shorter
 
 
 def kv_bytes_at(kv_bytes_per_token: int, dtype_bytes: int, bits: int | None, group_size: int = 64) -> int:
@@ -72,6 +73,14 @@ def kv_bytes_at(kv_bytes_per_token: int, dtype_bytes: int, bits: int | None, gro
         return kv_bytes_per_token
     elements = kv_bytes_per_token // dtype_bytes
     return elements * bits // 8 + elements // group_size * 2 * dtype_bytes
+
+
+def runtime_bytes_at(runtime_bytes: int, kv_bytes_per_token: int, kv_tokens: int, dtype_bytes: int,
+                     bits: int | None, group_size: int = 64) -> int:
+    """`runtime_bytes` (MemoryEstimate's) with its first request's `kv_tokens` of K/V counted at `bits`
+    (kv_bytes_at) instead of full precision: what a worker whose running cache is quantized needs past its weights."""
+    saved = kv_bytes_per_token - kv_bytes_at(kv_bytes_per_token, dtype_bytes, bits, group_size)
+    return runtime_bytes - kv_tokens * saved
 
 
 def read_config(path: Path) -> dict:
@@ -271,7 +280,7 @@ def memory_estimate(config: dict) -> MemoryEstimate:
     per_token = min(layers, _LAYERS) * 2 * kv_heads * min(head_dim, LIMITS["head_dim"][1]) * width
     tokens = min(ESTIMATE_TOKENS, context_length(config))
     logits = min(_int(tc, "vocab_size"), LIMITS["vocab_size"][1]) * tokens * width
-    return MemoryEstimate(per_token, per_token * tokens + logits, width)
+    return MemoryEstimate(per_token, per_token * tokens + logits, width, tokens if per_token else 0)
 
 
 def model_estimate(path: Path) -> MemoryEstimate:

@@ -26,7 +26,7 @@ import logging
 import signal
 
 from protocol.messages import EXIT_LOAD_FAILED, Evict, Load, Message, Ready, Standby
-from protocol.modelconfig import kv_bytes_at
+from protocol.modelconfig import kv_bytes_at, runtime_bytes_at
 from supervisor import errors, policy
 from supervisor.config import Settings
 from supervisor.core_api import LifecycleEvents, NoEvents
@@ -168,8 +168,11 @@ class Lifecycle:
 
     def estimate(self, spec: ModelSpec) -> int:
         """A loading worker's bytes on this machine: its weights, what a first request needs past them (its KV and
-        logits, from the config: registry.memory_facts) and the overhead; a group's ranks here hold their share."""
-        model = spec.weights_bytes + spec.runtime_bytes
+        logits, from the config: registry.memory_facts; the KV at the model's `[cache] kv_bits`, as its running cache
+        holds it) and the overhead; a group's ranks here hold their share."""
+        cache = self.settings.model_cache(spec)
+        model = spec.weights_bytes + runtime_bytes_at(spec.runtime_bytes, spec.kv_bytes_per_token, spec.kv_tokens,
+                                                      spec.kv_dtype_bytes, cache.kv_bits, cache.kv_group_size or 64)
         if spec.group is not None:
             local = spec.group.local_ranks
             return model * local // spec.group.ranks + self.settings.worker_overhead_bytes * local

@@ -60,6 +60,7 @@ class ModelSpec:
     runtime_bytes: int = 0
     kv_bytes_per_token: int = 0
     kv_dtype_bytes: int = 2  # its K/V's element width: the cap at [cache] kv_bits counts quantized K/V from it
+    kv_tokens: int = 0  # the first request's tokens whose KV runtime_bytes counts (the estimate recounts it at kv_bits)
     sampling: Sampling = Sampling()  # `[models.ID]` sampling defaults (supervisor/sampling.py)
 
     @cached_property
@@ -103,7 +104,8 @@ def _spec(model_id: str, path: Path) -> ModelSpec:
     kind = model_kind(path)
     facts = memory_facts(path, kind)
     return ModelSpec(model_id, path, weights_bytes=weights_bytes(path), kind=kind, runtime_bytes=facts.runtime_bytes,
-                     kv_bytes_per_token=facts.kv_bytes_per_token, kv_dtype_bytes=facts.kv_dtype_bytes)
+                     kv_bytes_per_token=facts.kv_bytes_per_token, kv_dtype_bytes=facts.kv_dtype_bytes,
+                     kv_tokens=facts.kv_tokens)
 
 
 def discover(model_dir: Path) -> list[ModelSpec]:
@@ -174,7 +176,7 @@ def from_config(models: dict, base: Path) -> list[ModelSpec]:
         specs.append(ModelSpec(model_id, path, tuple(aliases), (*drafting, *args), weights_bytes(path) + draft_bytes,
                                None if ttl is None else float(ttl), pinned, cache, group, kind,
                                runtime_bytes=facts.runtime_bytes, kv_bytes_per_token=facts.kv_bytes_per_token,
-                               kv_dtype_bytes=facts.kv_dtype_bytes))
+                               kv_dtype_bytes=facts.kv_dtype_bytes, kv_tokens=facts.kv_tokens))
     return [replace(spec, sampling=check_sampling(models[spec.id], f"models.{spec.id}")) for spec in specs]
 
 

@@ -2,10 +2,11 @@
 `[cache] kv_bits`, read through the openai client (GET /v1/models/{id}) from the worker's Ready, and a prompt past it
 is the API's 400 (context_length_exceeded), as past a checkpoint's window.
 
-A ceiling leaving room for N tokens of a float32 model's K/V: the published context is N at full precision and
-N x 4 bytes / (1 byte + a 4-byte scale and bias per group of 32) at 8 bits, within a block. A model whose running
-cache cannot be quantized (the tiny preset's head dimension of 16 takes no MLX group) publishes N at kv_bits 8
-too: its worker counts the cap back to full precision (engine.full_precision_context).
+A ceiling leaving room for N tokens of a float32 model's K/V past its full-precision estimate: the published context
+is N at full precision and, at 8 bits, what the room past the 8-bit estimate (admission's: its first request's
+kv_tokens of K/V at 8 bits too) holds at 1 byte + a 4-byte scale and bias per group of 32, within a block. A model
+whose running cache cannot be quantized (the tiny preset's head dimension of 16 takes no MLX group) publishes N at
+kv_bits 8 too: its worker counts the cap back to full precision (engine.full_precision_context).
 """
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def published(root: Path, name: str, kv_bits: int, state: Path) -> tuple[int, int]:
-    """(the context GET /v1/models/{name} reports, the full-precision K/V bytes a token) under a ceiling that
-    leaves N tokens of full-precision K/V past the model's estimate."""
+def published(root: Path, name: str, kv_bits: int, state: Path) -> tuple[int, int, int]:
+    """(the context GET /v1/models/{name} reports, the full-precision K/V bytes a token, the tokens of the first
+    request's K/V in the estimate) under a ceiling that leaves N tokens of full-precision K/V past the model's
+    full-precision estimate."""
     import openai
 
     path = root / name
@@ -63,14 +65,15 @@ def published(root: Path, name: str, kv_bits: int, state: Path) -> tuple[int, in
         assert refused.value.code == "context_length_exceeded"
     finally:
         assert d.stop() == 0
-    return context, est.kv_bytes_per_token
+    return context, est.kv_bytes_per_token, est.kv_tokens
 
 
 def test_the_published_context_is_what_fits_at_the_model_s_kv_bits(models: Path, tmp_path: Path) -> None:
-    full, per_token = published(models, "kv32", 0, tmp_path / "full")
+    full, per_token, first = published(models, "kv32", 0, tmp_path / "full")
     assert abs(full - N) < BLOCK
-    eight, _ = published(models, "kv32", 8, tmp_path / "eight")
-    fits = N * per_token // kv_bytes_at(per_token, 4, 8, 32)
+    eight, _, _ = published(models, "kv32", 8, tmp_path / "eight")
+    at_8 = kv_bytes_at(per_token, 4, 8, 32)
+    fits = (N * per_token + first * (per_token - at_8)) // at_8  # the first request's K/V counted at 8 bits too
     assert abs(eight - fits) < BLOCK and eight > 2 * N  # float32 K/V: 8 bits hold ~3.2x the tokens
-    kept, _ = published(models, "tiny", 8, tmp_path / "kept")  # not quantized by its worker: counted back
+    kept, _, _ = published(models, "tiny", 8, tmp_path / "kept")  # not quantized by its worker: counted back
     assert abs(kept - N) < BLOCK

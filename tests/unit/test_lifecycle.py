@@ -203,3 +203,29 @@ def test_the_context_cap_counts_the_kv_at_the_model_s_kv_bits(tmp_path: Path) ->
     assert kv_bytes_at(per_token, 2, 8) == 1024 + 64 and kv_bytes_at(per_token, 2, 4) == 512 + 64
     assert abs(caps[8] - n * per_token / 1088) < 64 and caps[8] > 1.8 * n
     assert abs(caps[4] - n * per_token / 576) < 64 and caps[4] > 3.5 * n
+
+
+def test_admission_counts_a_first_request_s_kv_at_the_model_s_kv_bits(tmp_path: Path) -> None:
+    """issue 53. Catches: the estimate admission decides on counting the first request's K/V (kv_tokens of it) at
+    full precision for a model whose running cache is quantized: a model that fits at 8 bits refused for the bytes
+    16 would take (and the context cap, past that estimate, short by as much)."""
+    from protocol.modelconfig import kv_bytes_at
+    from supervisor import policy
+    from supervisor.cache_config import CacheConfig
+
+    per_token, tokens, logits = 2 * 2 * 4 * 64 * 2, 2048, 3 * MIB  # 2 layers, K and V, 4 kv heads of 64, float16
+    estimates = {}
+    for bits in (0, 8, 4):
+        spec = ModelSpec("m", tmp_path, weights_bytes=100 * MIB, runtime_bytes=tokens * per_token + logits,
+                         kv_bytes_per_token=per_token, kv_dtype_bytes=2, kv_tokens=tokens,
+                         cache=CacheConfig(kv_bits=bits))
+        ceiling = 100 * MIB + logits + tokens * kv_bytes_at(per_token, 2, 8)  # the 8-bit first request's, no more
+        settings = Settings(state_dir=tmp_path, spare_workers=0, memory_ceiling_bytes=ceiling, worker_overhead_bytes=0)
+        lifecycle = Lifecycle(Registry({"m": spec}), settings, transport=FakeTransport(), spawn=lambda *a: None,
+                              memory=FakeMemory(), clock=FakeClock(), metrics=Metrics())
+        estimates[bits] = lifecycle.estimate(spec)
+        admitted = not policy.admit(estimates[bits], lifecycle.views(), lifecycle.ceiling, None).refused
+        assert admitted == (bits != 0), bits
+    assert estimates[0] == 100 * MIB + tokens * per_token + logits
+    assert estimates[8] == 100 * MIB + tokens * (1024 + 64) + logits
+    assert estimates[4] == 100 * MIB + tokens * (512 + 64) + logits

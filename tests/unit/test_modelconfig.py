@@ -17,6 +17,7 @@ from protocol.modelconfig import (
     context_length,
     memory_estimate,
     model_estimate,
+    runtime_bytes_at,
     tensor_names,
     weight_layers,
 )
@@ -146,11 +147,17 @@ def test_the_memory_estimate_is_the_kv_of_its_attention_layers_and_one_chunks_lo
     estimate = memory_estimate(TINY)
     assert estimate.kv_bytes_per_token == per_token
     assert estimate.runtime_bytes == per_token * ESTIMATE_TOKENS + 1024 * ESTIMATE_TOKENS * 4
+    assert estimate.kv_tokens == ESTIMATE_TOKENS
+    # the same first request with its K/V at 8 bits in groups of 16 (a float32 scale and bias each): issue 53
+    eight = runtime_bytes_at(estimate.runtime_bytes, per_token, estimate.kv_tokens, 4, 8, 16)
+    assert eight == (per_token // 4 + per_token // 4 // 16 * 2 * 4) * ESTIMATE_TOKENS + 1024 * ESTIMATE_TOKENS * 4
+    assert runtime_bytes_at(estimate.runtime_bytes, per_token, estimate.kv_tokens, 4, None) == estimate.runtime_bytes
     bf16 = memory_estimate({**TINY, "torch_dtype": "bfloat16", "head_dim": 32, "num_hidden_layers": 4,
                             "layer_types": ["linear_attention"] * 3 + ["full_attention"]})
     assert bf16.kv_bytes_per_token == 1 * 2 * 2 * 32 * 2  # one full-attention layer's
     short = memory_estimate({**TINY, "max_position_embeddings": 512})
     assert short.runtime_bytes == per_token * 512 + 1024 * 512 * 4  # a context shorter than the estimate's tokens
+    assert short.kv_tokens == 512
     assert memory_estimate({}) == memory_estimate({"num_hidden_layers": "x", "hidden_size": -1}) == model_estimate(
         tmp_path / "none")
     assert memory_estimate({}).runtime_bytes == 0

@@ -87,13 +87,14 @@ log = logging.getLogger(__name__)
 
 
 def full_precision_context(config: dict, max_context: int, bits: int, group_size: int) -> int:
-    """The supervisor's cap counted this model's K/V at `bits` (supervisor/lifecycle.py); a worker that keeps full
-    precision (quantized_kv.quantize_cache said why) fits that many fewer tokens in the same bytes."""
+    """The supervisor's cap counted this model's K/V at `bits` (supervisor/lifecycle.py), its estimate's first
+    request's `kv_tokens` too; a worker that keeps full precision (quantized_kv.quantize_cache said why) fits that
+    many fewer tokens in the same bytes: (cap + kv_tokens) at `bits` is the room, less kv_tokens at full precision."""
     est = memory_estimate(config)
     if est.kv_bytes_per_token <= 0:
         return max_context
-    return max_context * kv_bytes_at(est.kv_bytes_per_token, est.kv_dtype_bytes, bits, group_size) // (
-        est.kv_bytes_per_token)
+    quantized = kv_bytes_at(est.kv_bytes_per_token, est.kv_dtype_bytes, bits, group_size)
+    return max(1, (max_context + est.kv_tokens) * quantized // est.kv_bytes_per_token - est.kv_tokens)
 
 
 class Engine:
