@@ -1,6 +1,8 @@
 """issue 53 against a real daemon: the context a model publishes is what fits under the memory ceiling at its
 `[cache] kv_bits`, read through the openai client (GET /v1/models/{id}) from the worker's Ready, and a prompt past it
-is the API's 400 (context_length_exceeded), as past a checkpoint's window.
+is the API's 400 (context_length_exceeded), as past a checkpoint's window. Ollama's /api/show and /api/ps (through the
+ollama client) and /api/status (the dashboard's and `mlxsup status`'s) report the same number, before the model's
+worker starts (the supervisor's cap) and after (the worker's). mlxsup has no Anthropic models route.
 
 A ceiling leaving room for N tokens of a float32 model's K/V past its full-precision estimate: the published context
 is N at full precision and, at 8 bits, what the room past the 8-bit estimate (admission's: its first request's
@@ -56,9 +58,9 @@ def published(root: Path, name: str, kv_bits: int, state: Path) -> tuple[int, in
     d: Daemon = start_daemon(state, "--config", str(config))
     try:
         client = openai.OpenAI(base_url=d.v1, api_key="none", timeout=120)
+        assert reported(d, client, name, loaded=False)  # before a worker: the supervisor's cap, the same everywhere
         client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=1)
-        model = client.models.retrieve(name)  # the worker is up: its Ready's context
-        context = (model.model_extra or {})["context_length"]
+        context = reported(d, client, name, loaded=True)  # the worker is up: its Ready's context
         with pytest.raises(openai.BadRequestError) as refused:  # a prompt past the fitted context: the API's 400
             client.chat.completions.create(model=name, messages=[{"role": "user", "content": "word " * (context + 50)}],
                                            max_tokens=1)
@@ -66,6 +68,22 @@ def published(root: Path, name: str, kv_bits: int, state: Path) -> tuple[int, in
     finally:
         assert d.stop() == 0
     return context, est.kv_bytes_per_token, est.kv_tokens
+
+
+def reported(d: Daemon, client: object, name: str, loaded: bool) -> int:
+    """The context every route reports, checked to be one number: OpenAI's GET /v1/models/{id}, Ollama's /api/show
+    (model_info's `<arch>.context_length`) and, once loaded, /api/ps and /api/status (the dashboard's and `mlxsup
+    status`'s), the first two read through the openai and ollama clients."""
+    import ollama
+
+    context = (client.models.retrieve(name).model_extra or {})["context_length"]  # type: ignore[attr-defined]
+    ollama_client = ollama.Client(host=d.url, timeout=120)
+    reports = {"openai": context, "ollama show": (ollama_client.show(name).modelinfo or {})["llama.context_length"]}
+    if loaded:
+        reports["ollama ps"] = next(m.context_length for m in ollama_client.ps().models if m.model == f"{name}:latest")
+        reports["status"] = d.model(name)["context_length"]
+    assert set(reports.values()) == {context}, reports
+    return context
 
 
 def test_the_published_context_is_what_fits_at_the_model_s_kv_bits(models: Path, tmp_path: Path) -> None:
