@@ -20,6 +20,15 @@ quantized cache (attention sinks: gpt-oss) keeps full precision, found by a one-
 chunks (the solo's, the batch's `prefill_step_size`) are quantized as they are written, so a long prompt's peak
 is the quantized cache plus one chunk's full-precision K/V.
 
+No `quantized_kv_start` (mlx-lm's: `maybe_quantize_kv_cache` turns a whole KVCache into a QuantizedKVCache after the
+first step whose offset reaches it): a request's cache is quantized from its first token. Converting mid-request
+makes the tokens computed before the switch depend on where the switch fell, which is the chunking (the solo's
+step target, the batch's prefill_step_size, padding), so solo = batch greedy parity would hold only with every
+lane cut at the same token; a batch holds one cache class a layer, so rows on either side of the start would need a
+mixed batch cache or a conversion at each merge; the solo's compiled decode graph traces the cache's class and
+would be rebuilt; and the prompt caches' blocks would be of two formats in one model (a hit restoring a prefix
+shorter than the start as full precision, a longer one quantized). Each is code in a lane that works today.
+
 Invariant: MLX work here runs on the worker's main thread.
 """
 
