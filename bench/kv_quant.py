@@ -2,6 +2,8 @@
 
     python -m bench.kv_quant --out bench/results/cpu/kv_quant/results.json                 # every section
     python -m bench.kv_quant --sections memory --tokens 16384 --out F.json                  # one of them
+    python -m bench.kv_quant --sections memory,speed --memory-preset 1b --speed-presets 1b --dtype bfloat16 \
+        --tokens 65536 --chunk 2048 --short 65536 --decode 256 --rounds 3 --out F.json      # a GPU, long context
 
 In one process on the worker's own classes (no sockets), MLX on whatever device it has:
 
@@ -17,7 +19,8 @@ In one process on the worker's own classes (no sockets), MLX on whatever device 
   peak allocation and the process's peak resident size, both prefill included.
 - **speed**: per `--speed-presets` model, decode tokens a second of one short request (`--short` prompt tokens, `--decode` out) through the
   Engine, full / 8 / 4 bits in interleaved rounds (the order reversed every other round): the median of each
-  round's ratio to full precision and its spread.
+  round's ratio to full precision and its spread, for the whole request (prefill included) and for its decode alone
+  (from the first token out to the last: a long `--short` prompt's decode at long context), and the TTFT.
 """
 
 from __future__ import annotations
@@ -49,17 +52,22 @@ def demo_model(work: Path) -> Path:
     return path
 
 
-def _greedy(engine: Any, rid: str, ids: list[int], n: int) -> list[int]:
+def _greedy(engine: Any, rid: str, ids: list[int], n: int, seen: list[tuple[float, int]] | None = None) -> list[int]:
+    """`n` greedy tokens of `ids` through the Engine; `seen` gets (the time, the tokens out so far) at each step that
+    gave tokens."""
     from protocol.messages import Submit
 
     engine.submit(Submit(rid=rid, max_tokens=n, prompt_ids=ids, temperature=0.0))
     out: list[int] = []
     while len(engine):
         chunks, finished = engine.step()
+        before = len(out)
         for chunk in chunks:
             out.extend(chunk[3])
         for f in finished:
             out.extend(f.token_ids)
+        if seen is not None and len(out) > before:
+            seen.append((time.perf_counter(), len(out)))
     return out
 
 
@@ -183,19 +191,31 @@ def speed(work: Path, preset: str, dtype: str, short: int, decode: int, rounds: 
     for e in engines.values():  # a first request each: the compiled graph's first trace is not timed
         _greedy(e, "warm", prompt, 4)
     per: dict[str, list[float]] = {n: [] for n in engines}
+    steps: dict[str, list[float]] = {n: [] for n in engines}  # decode alone: from the first token out to the last
+    ttft: dict[str, list[float]] = {n: [] for n in engines}
     for r in range(rounds):
         order = list(engines) if r % 2 == 0 else list(engines)[::-1]
         for name in order:
-            e = engines[name]
+            e, seen = engines[name], list[tuple[float, int]]()
             t0 = time.perf_counter()
-            out = _greedy(e, f"r{r}", prompt, decode)
+            out = _greedy(e, f"r{r}", prompt, decode, seen)
             per[name].append(len(out) / (time.perf_counter() - t0))
-    ratios = {n: [a / b for a, b in zip(per[n], per["full"], strict=True)] for n in per if n != "full"}
+            ttft[name].append(seen[0][0] - t0)
+            steps[name].append((seen[-1][1] - seen[0][1]) / (seen[-1][0] - seen[0][0]))
     return {"model": f"llama {preset} preset, head_dim 64, {dtype}", "prompt_tokens": short, "decode_tokens": decode,
             "rounds": rounds, "tok_s_median": {n: round(statistics.median(v), 2) for n, v in per.items()},
-            "ratio_to_full": {n: {"median": round(statistics.median(v), 4), "min": round(min(v), 4),
-                                  "max": round(max(v), 4)} for n, v in ratios.items()},
+            "ratio_to_full": _ratios(per),
+            "decode_tok_s_median": {n: round(statistics.median(v), 2) for n, v in steps.items()},
+            "decode_ratio_to_full": _ratios(steps),
+            "ttft_s_median": {n: round(statistics.median(v), 3) for n, v in ttft.items()},
             "compiled_decode": {n: e.graph is not None for n, e in engines.items()}}
+
+
+def _ratios(per: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    """Each side's per-round ratio to full precision: the median, the least and the most."""
+    ratios = {n: [a / b for a, b in zip(per[n], per["full"], strict=True)] for n in per if n != "full"}
+    return {n: {"median": round(statistics.median(v), 4), "min": round(min(v), 4), "max": round(max(v), 4)}
+            for n, v in ratios.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
