@@ -5,6 +5,7 @@
     python -m bench.speculative --model DIR --oracle 1-16 --out F.json          # the ceiling: the oracle's curve
     python -m bench.speculative --model DIR --oracle 1-8 --streams 4 --out F.json  # ... of 4 streams drafting together
     python -m bench.speculative --model DIR --oracle 4 --streams 8 --wrong 7 --out F.json  # rows keeping their own counts
+    python -m bench.speculative --model DIR --oracle 1-8 --mtp --out F.json   # an MTP head's forced-acceptance ceiling
 
 A code-editing request (the model is shown a code block and asked to give it back with one name changed, as a
 coding agent's edit asks), greedy, one stream, on the product's Engine driven by submit/step (no sockets: the
@@ -24,7 +25,10 @@ EOS ignored (random weights end early); per length: tokens/s and decode ms/token
 spread), the median ITL (a step's gap shared by the tokens it emitted), the per-round ratio to plain, and what
 draft_pricing.py measures for it (a plain step, a verification of k + 1 tokens, the break-even acceptance). With
 `--streams N`, N identical requests decode together, drafting in lockstep in the batch (batch_drafting.py); a stream's
-ms/token is then the time per step, and the costs are measured at N rows.
+ms/token is then the time per step, and the costs are measured at N rows. With `--mtp` (a model with an MTP head:
+`make-model --arch qwen3_5 --mtp`), each length's drafts are the head's, paid in full (its step per draft, its
+pairing of each kept token's hidden state), with the record proposed in their place (speculative.py's `Forced`):
+the head's ceiling with every draft kept, its draft step priced beside the verification.
 """
 
 from __future__ import annotations
@@ -216,12 +220,14 @@ def write(out: Path, result: dict) -> None:
     out.with_suffix(".md").write_text(markdown(result))
 
 
-def oracle_sweep(engine: object, msg: object, ks: list[int], rounds: int, streams: int = 1, wrong: int = 0) -> dict:
+def oracle_sweep(engine: object, msg: object, ks: list[int], rounds: int, streams: int = 1, wrong: int = 0,
+                 mtp: bool = False) -> dict:
     """Plain decoding and the oracle at each draft length, interleaved over rounds: the mechanism's ceiling; with
     `streams` > 1, that many identical streams drafting together in the batch. `wrong`: stream i's record has every
     `wrong`-th generated token changed, at offset i, so the rows reject drafts at different places and each keeps
     its own count (the ids stay plain decoding's)."""
     from worker.mlx_engine.draft_pricing import measure
+    from worker.mlx_engine.mtp import HeadStep
     from worker.mlx_engine.speculative import Speculation
 
     records: list[list[int]] | None = None
@@ -236,7 +242,11 @@ def oracle_sweep(engine: object, msg: object, ks: list[int], rounds: int, stream
         start = len(sequence) - len(record)
         records = [[t + 1 if j > start and (j + i) % wrong == 0 else t for j, t in enumerate(sequence)]
                    for i in range(streams)]
-    specs = {"off": plain} | {k: Speculation("oracle", k, oracle=sequence) for k in ks}
+    head = plain.head if mtp else None
+    if mtp and head is None:
+        raise SystemExit("--mtp: the model has no MTP head mlxsup loads")
+    specs = {"off": Speculation("off") if mtp else plain} | {
+        k: Speculation("mtp" if mtp else "oracle", k, oracle=sequence, head=head) for k in ks}
     for k in ks:  # a verification's first trace at each length, out of the timed rounds
         engine.speculation = specs[k]  # type: ignore[attr-defined]
         run(msg)
@@ -263,9 +273,9 @@ def oracle_sweep(engine: object, msg: object, ks: list[int], rounds: int, stream
                             "acceptance": acceptance([x[name] for x in runs])}
         if name != "off":
             c = measure(engine.model, engine.graph if streams == 1 else None,  # type: ignore[attr-defined]
-                        int(name), None, streams)
+                        int(name), HeadStep(head) if head is not None else None, streams)
             curve[str(name)]["priced"] = {"plain_ms": round(c.plain_s * 1e3, 4), "verify_ms": round(c.verify_s * 1e3, 4),
-                                          "break_even": round(c.break_even(c.k), 3)}
+                                          "draft_ms": round(c.draft_s * 1e3, 4), "break_even": round(c.break_even(c.k), 3)}
     parity = all(x[name]["ids"] == record for x in runs for name in specs)
     accepted_all = all(x[k]["drafted"] == x[k]["accepted"] > 0 for x in runs for k in ks) if not wrong else None
     best = max(ks, key=lambda k: curve[str(k)]["speedup_vs_off_p50"] or 0)
@@ -319,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="--oracle with this many identical streams decoding (and drafting) together in the batch")
     p.add_argument("--wrong", type=int, default=0, metavar="N",
                    help="--oracle --streams: each stream's record wrong at every N-th token, at its own offset")
+    p.add_argument("--mtp", action="store_true",
+                   help="--oracle: the model's MTP head drafts at each length, paid in full, the record proposed instead")
     p.add_argument("--hot-cache", type=int, default=0, metavar="BYTES",
                    help="the engines' hot prompt cache (0: none): every run after a mode's first reads the prompt "
                         "from it, where a CPU would prefill it for longer than it decodes (ids and decode unchanged)")
@@ -334,11 +346,12 @@ def main(argv: list[str] | None = None) -> int:
 
     model = args.model or demo_model(args.work)
     if args.oracle is not None:
-        engine = Engine(model, solo=args.solo, cache=cache)
+        engine = Engine(model, solo=args.solo, cache=cache, speculative="mtp" if args.mtp else "off")
         ask = Submit(rid="r", max_tokens=args.tokens, messages=[{"role": "user", "content": ASK}], temperature=0.0,
                      ignore_eos=True)
-        sweep = oracle_sweep(engine, ask, lengths(args.oracle), args.rounds, args.streams, args.wrong)
+        sweep = oracle_sweep(engine, ask, lengths(args.oracle), args.rounds, args.streams, args.wrong, args.mtp)
         result = {"model": str(model), "solo": args.solo, "hot_cache": args.hot_cache, "streams": args.streams,
+                  "mtp": args.mtp,
                   "wrong": args.wrong,
                   "graph": engine.graph is not None, "rounds": args.rounds, "tokens": args.tokens} | sweep
         write(args.out, result)

@@ -2,7 +2,7 @@
 
     [models.coder]
     path = "..."
-    speculative = "prompt-lookup"   # or "draft" (the default when `draft` is given), "off", or "auto"
+    speculative = "prompt-lookup"   # or "draft" (the default when `draft` is given), "mtp", "off", or "auto"
     draft = "../coder-0.5b"         # a smaller model with the same tokenizer, loaded in the same worker
     num_draft_tokens = 4
 
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-MODES = ("auto", "off", "prompt-lookup", "draft")  # worker/mlx_engine/speculative.py's
-SERVER_MODES = MODES[:3]  # every model's: "draft" needs a model's own draft
+MODES = ("auto", "off", "prompt-lookup", "draft", "mtp")  # worker/mlx_engine/speculative.py's
+SERVER_MODES = MODES[:3]  # every model's: "draft" needs a model's own draft, "mtp" a checkpoint's MTP head
 KEYS = frozenset({"speculative", "draft", "num_draft_tokens"})
 
 

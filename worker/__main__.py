@@ -82,11 +82,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-context", type=int, default=None,
                    help="the most context this worker publishes and serves, below its config's (the supervisor's: what"
                         " its memory ceiling leaves for the model's KV); never past protocol.modelconfig.MAX_CONTEXT")
-    p.add_argument("--speculative", choices=("auto", "off", "prompt-lookup", "draft"), default="auto",
+    p.add_argument("--speculative", choices=("auto", "off", "prompt-lookup", "draft", "mtp"), default="auto",
                    help="requests draft tokens and verify them in one pass (worker/mlx_engine/speculative.py; greedy"
                         " ones decoding together in lockstep):"
-                        " from its own prompt and output (prompt-lookup), or with --draft's model; auto (the default):"
-                        " draft with --draft, else prompt-lookup where MLX runs on a GPU, else off")
+                        " from its own prompt and output (prompt-lookup), with --draft's model, or with the"
+                        " checkpoint's MTP head (mtp); auto (the default): draft with --draft, else where MLX runs on"
+                        " a GPU the MTP head if the checkpoint has one we load, else prompt-lookup; off on a CPU")
     p.add_argument("--draft", type=Path, default=None, help="the draft model's folder (the same tokenizer)")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="the most tokens drafted per verification")
     p.add_argument("--lifeline", action="store_true", help="exit when stdin reaches EOF")

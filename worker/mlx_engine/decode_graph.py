@@ -49,6 +49,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
+from worker.mlx_engine.mtp import tap_of
 from worker.mlx_engine.quantized_kv import QuantizedKV
 
 KV = (KVCache, QuantizedKV)  # the attention layers the graph holds in fixed buffers
@@ -152,6 +153,7 @@ class DecodeGraph:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self._step = mx.compile(self._forward)
+        self._tap = tap_of(model)  # an MTP head's tap (mtp.py): the step returns the hidden states too
         # each layer's cache kind, as make_prompt_cache builds them: the graph's layout (used where they `fit`)
         self._kinds = tuple((c.group_size, c.bits) if type(c) is QuantizedKV else "kv" if type(c) is KVCache
                             else "arrays" for c in make_prompt_cache(model))
@@ -203,8 +205,10 @@ class DecodeGraph:
             capacity = capacity_for(state.n + n)
             state.keys = [_grown(a, capacity) for a in state.keys]
             state.values = [_grown(a, capacity) for a in state.values]
-        logprobs, state.off, state.keys, state.values, state.arrays = self._step(
+        logprobs, state.off, state.keys, state.values, state.arrays, *hidden = self._step(
             tokens, state.off, state.keys, state.values, state.arrays)
+        if self._tap is not None:
+            self._tap.hidden = hidden[0]
         state.n += n
         return logprobs
 
@@ -243,8 +247,15 @@ class DecodeGraph:
                 c = ArraysCache(len(state))
                 c.cache = list(state)
                 cache.append(c)
-        logits = self.model(token.reshape(1, -1), cache=cache)[0]
+        tap = self._tap
+        if tap is not None:
+            tap.on = True
+        try:
+            logits = self.model(token.reshape(1, -1), cache=cache)[0]
+        finally:
+            if tap is not None:
+                tap.on = False
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         slots = [c for c in cache if isinstance(c, (_Slots, _QSlots))]
         return (logprobs, off + token.size, [s.keys for s in slots], [s.values for s in slots],
-                [c.cache for c in cache if isinstance(c, ArraysCache)])
+                [c.cache for c in cache if isinstance(c, ArraysCache)], *([] if tap is None else [tap.hidden]))

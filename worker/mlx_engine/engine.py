@@ -57,6 +57,7 @@ from worker.mlx_engine.decode_graph import DecodeGraph, solo_modes
 from worker.mlx_engine.decoding import Decoding
 from worker.mlx_engine.guided import Grammars
 from worker.mlx_engine.loading import load_with_progress, time_one_token
+from worker.mlx_engine.mtp import install_tap, load_head
 from worker.mlx_engine.output_stage import OutputStage
 from worker.mlx_engine.prompt import Prompts
 from worker.mlx_engine.prompt_cache import CacheOptions, PromptCaches
@@ -146,11 +147,16 @@ class Engine:
         self.schedule = Scheduler(self.cost, max_batch_size, prefill_batch_size, DECODE_PLAN_STEPS)  # schedule.py
         # a request alone runs the generate_step way (solo.py): compiled, or each step's graph built ahead
         self.solo_on, compiled, ahead = solo_modes(solo)
+        # the checkpoint's MTP head (mtp.py), where it drafts: the target's final norm tapped before any graph is made
+        head = load_head(self.model, model_path) if speculative in ("auto", "mtp") and draft is None else None
+        if head is not None:
+            install_tap(self.model)
         self.graph = DecodeGraph(self.model) if compiled else None  # a solo's decode steps compiled
         draft_model, draft_bytes = load_draft(draft, self.tokenizer) if draft is not None else (None, 0)
         self.weights_bytes += draft_bytes  # admission counts the draft model's weights as the model's
         # idle_pricing: what drafting costs here is measured in the idle work (`warm_step`), not on a request's step
-        speculation = Speculation(speculative, num_draft_tokens, draft_model, self.vocab_size, idle=idle_pricing)
+        speculation = Speculation(speculative, num_draft_tokens, draft_model, self.vocab_size, idle=idle_pricing,
+                                  head=head)
         # the decode graph's first trace and the batch shapes are warmed after Ready, a step at a time while idle
         self.warmer = WarmUp(self.model, self.graph, max_batch_size, prefill_batch_size, prefill_step_size,
                              warm_budget_s, model_id) if wants_warm_up(warm) else None

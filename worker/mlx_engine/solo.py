@@ -71,6 +71,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from worker.job_thread import JobThread
 from worker.mlx_engine.decode_graph import DecodeGraph, DecodeState
+from worker.mlx_engine.mtp import tap_of
 from worker.mlx_engine.rollback import mark, restore, trim, undoable
 from worker.mlx_engine.speculative import Drafting
 from worker.pace import Pace
@@ -173,6 +174,11 @@ class Solo:
         self._state: DecodeState | None = None  # the cache while the graph holds it
         self.times = SoloTimes()
         self.drafting = drafting  # None: no drafts (never asked for, or this request's caches cannot roll back)
+        # the target's hidden states, for a drafter that reads them (an MTP head, mtp.py): each forward pass's goes to
+        # it (`_seen`); such a solo never builds ahead (a build's hidden state would be the other thread's)
+        self._tap = tap_of(model) if drafting is not None and getattr(drafting.drafter, "taps", False) else None
+        if self._tap is not None:
+            ahead = None
         self.stops = sorted(stops)  # prompt positions where its prefill stops for a cache snapshot (the engine's)
         self.boundary = boundary  # reply snapshots are taken where the cache fills a multiple of it (0: none)
         # where the graph after the one launched is built meanwhile (None: never); only on caches that are all KVCache,
@@ -203,6 +209,7 @@ class Solo:
         if self._state is not None:
             assert self.graph is not None
             logprobs = self.graph.feed(self._state, ids)
+            self._seen(self.fed)
             token = (self.sampler or _greedy)(logprobs)
             self.fed += ids.size
             return token, logprobs.squeeze(0)
@@ -211,9 +218,30 @@ class Solo:
 
     def _build(self, ids: mx.array) -> tuple[mx.array, mx.array]:
         """The model's graph for `ids` on the solo's cache, uncompiled: the next token and its logprobs."""
-        logits = self.model(ids[None], cache=self.cache)[:, -1, :]
+        logits = self._run(ids, self.fed - ids.size)[:, -1, :]  # (`fed` counts them already)
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
         return (self.sampler or _greedy)(logprobs), logprobs.squeeze(0)
+
+    def _run(self, ids: mx.array, start: int) -> mx.array:
+        """The model's logits for `ids` fed at position `start`, uncompiled; their hidden states to the drafter that
+        reads them."""
+        if self._tap is None:
+            return self.model(ids[None], cache=self.cache)
+        self._tap.on = True
+        try:
+            logits = self.model(ids[None], cache=self.cache)
+        finally:
+            self._tap.on = False
+        self._seen(start)
+        return logits
+
+    def _seen(self, start: int) -> None:
+        """The last forward pass's hidden states (from position `start`) to the drafter that reads them."""
+        tap = self._tap
+        if tap is not None and tap.hidden is not None:
+            hidden, tap.hidden = tap.hidden, None
+            if self.drafting is not None:
+                self.drafting.drafter.see(start, hidden, self.tokens)  # type: ignore[attr-defined]
 
     def _ahead_ok(self) -> bool:
         """Whether the next token's graph may be built ahead: plain steps (no compiled graph, no drafting step next,
@@ -290,9 +318,10 @@ class Solo:
             assert self.graph is not None
             self.graph.rollback(self._state, fed, marked)
             self.graph.verify(self._state, ids)
+            self._seen(self.fed - len(kept))
         else:
             restore(self.cache, marked, fed)
-            self.model(ids[None], cache=self.cache)
+            self._run(ids, self.fed - len(kept))
         return len(kept)
 
     def step(self, chunk: int) -> list[SoloResponse]:
@@ -305,7 +334,7 @@ class Solo:
     def _step(self, chunk: int) -> list[SoloResponse]:
         if self._next is None and self.prefill_left > 0:
             n = min(max(1, chunk), self.prefill_left, *(p - self.fed for p in self.stops if p > self.fed))
-            self.model(mx.array(self.tokens[self.fed:self.fed + n])[None], cache=self.cache)
+            self._run(mx.array(self.tokens[self.fed:self.fed + n]), self.fed)
             mx.eval([c.state for c in self.cache])
             self.fed += n
             mx.clear_cache()  # as generate_step: a chunk's transient buffers go back, not to MLX's buffer cache
@@ -382,8 +411,9 @@ class Solo:
         if compiled:
             assert self.graph is not None and self._state is not None
             logprobs = self.graph.verify(self._state, ids)
+            self._seen(self.fed)
         else:
-            logits = self.model(ids[None], cache=self.cache)[0]
+            logits = self._run(ids, self.fed)[0]
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         self.fed += k + 1
         kept, after = d.verify(logprobs, drafts, q)

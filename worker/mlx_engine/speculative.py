@@ -8,8 +8,9 @@ plus one token of the target's own (the correction, or the bonus when every draf
 
 Drafters: prompt lookup (`PromptLookup`: the tokens that followed the latest earlier occurrence of the last n
 tokens, n from MAX_NGRAM down to 1, in the prompt and the output so far, repeated up to k where they run into
-the end (a loop): no second model, and an agent editing code it was just shown repeats long runs of it), and a draft model (`ModelDrafter`: a smaller model with the same
-tokenizer, loaded in the same worker by `load_draft`, its own cache kept in step with the target's).
+the end (a loop): no second model, and an agent editing code it was just shown repeats long runs of it), a draft model (`ModelDrafter`: a smaller model with the same
+tokenizer, loaded in the same worker by `load_draft`, its own cache kept in step with the target's), and the
+checkpoint's own MTP head (mtp.py's `MTPDrafter`: one decoder layer on the target's last hidden state).
 
 Exact: a greedy request keeps a draft token only where it is the target's argmax, so its ids are plain decoding's.
 A sampled request uses the standard rule on the request's own distribution (its temperature, top-p, min-p,
@@ -65,9 +66,10 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 from protocol.messages import Submit
 from worker.mlx_engine.decode_graph import DecodeGraph
 from worker.mlx_engine.draft_pricing import Costs, Pricing
+from worker.mlx_engine.mtp import HeadStep, MTPDrafter, MTPHead
 from worker.mlx_engine.rollback import mark, restore, room, trim, undoable
 
-MODES = ("auto", "off", "prompt-lookup", "draft")  # the config's and the worker's; "oracle": a test and bench hook
+MODES = ("auto", "off", "prompt-lookup", "draft", "mtp")  # the config's and the worker's; "oracle": a test and bench hook
 DEFAULT_DRAFT_TOKENS = 4
 MAX_NGRAM = 3  # the longest suffix prompt lookup matches; then shorter ones, down to one token
 EMA_WEIGHT = 0.25  # each verification's weight in that average
@@ -80,11 +82,12 @@ MAX_IDLE = 16  # tokens decoded plainly after a step whose drafter proposed noth
 DRAFT_PREFILL = 512  # the draft model's catch-up (its prompt) in chunks of this many tokens
 
 
-def default_mode(draft: bool, gpu: bool) -> str:
-    """What `auto` drafts with: the draft model where one is given; else prompt lookup where MLX runs on a GPU (Metal,
-    CUDA: a verification of a few tokens costs about a plain step there, and the pricing stops what does not pay);
-    else nothing (a CPU, where a verification of k + 1 tokens costs about k + 1 plain steps)."""
-    return "draft" if draft else "prompt-lookup" if gpu else "off"
+def default_mode(draft: bool, gpu: bool, mtp: bool = False) -> str:
+    """What `auto` drafts with: the draft model where one is given; else, where MLX runs on a GPU (Metal, CUDA: a
+    verification of a few tokens costs about a plain step there, and the pricing stops what does not pay), the
+    checkpoint's MTP head where it has one (mtp.py), else prompt lookup; else nothing (a CPU, where a verification of
+    k + 1 tokens costs about k + 1 plain steps)."""
+    return "draft" if draft else ("mtp" if mtp else "prompt-lookup") if gpu else "off"
 
 
 def lookup(history: np.ndarray, k: int, max_n: int = MAX_NGRAM) -> list[int]:
@@ -237,6 +240,33 @@ class Oracle:
 
     def keep(self, valid: int) -> None:
         """Nothing to undo."""
+
+    def room(self) -> int:
+        return sys.maxsize
+
+
+class Forced:
+    """An MTP head's drafting, paid in full, with a recorded sequence's tokens proposed instead (mode "mtp" given an
+    oracle: a bench and test hook, the head's forced-acceptance ceiling: every draft kept, each costing the head's
+    step as well as its verification)."""
+
+    taps = True
+
+    def __init__(self, drafter: MTPDrafter, oracle: Oracle) -> None:
+        self.drafter, self.oracle = drafter, oracle
+
+    def see(self, start: int, hidden: mx.array, tokens: Sequence[int]) -> None:
+        self.drafter.see(start, hidden, tokens)
+
+    def propose(self, tokens: list[int], y: int, k: int, sampling: Sampling | None,
+                keys: Sequence[mx.array] | None) -> tuple[mx.array | None, mx.array | None]:
+        drafts, _ = self.drafter.propose(tokens, y, k, sampling, keys)
+        if drafts is not None:
+            mx.eval(drafts)
+        return self.oracle.propose(tokens, y, k, sampling, keys)
+
+    def keep(self, valid: int) -> None:
+        self.drafter.keep(valid)
 
     def room(self) -> int:
         return sys.maxsize
@@ -464,19 +494,24 @@ class Speculation:
     what drafting costs on this machine (measured once, on first use)."""
 
     def __init__(self, mode: str = "off", k: int = DEFAULT_DRAFT_TOKENS, draft: nn.Module | None = None,
-                 vocab: int = 0, oracle: list[int] | None = None, idle: bool = False) -> None:
+                 vocab: int = 0, oracle: list[int] | None = None, idle: bool = False,
+                 head: MTPHead | None = None) -> None:
         if mode == "auto":
-            mode = default_mode(draft is not None, mx.default_device() == mx.gpu)
+            mode = default_mode(draft is not None, mx.default_device() == mx.gpu, head is not None)
         if mode not in (*MODES, "oracle"):
             raise ValueError(f"speculative mode must be one of {MODES}, not {mode!r}")
         if mode == "draft" and draft is None:
             raise ValueError("speculative mode 'draft' needs a draft model")
-        if (mode == "oracle") != (oracle is not None):
-            raise ValueError("speculative mode 'oracle' goes with a recorded sequence, and a sequence with it")
+        if mode == "mtp" and head is None:
+            raise ValueError("speculative mode 'mtp' needs a checkpoint with an MTP head (mtp.* weights) mlxsup loads")
+        if (mode == "oracle" and oracle is None) or (oracle is not None and mode not in ("oracle", "mtp")):
+            raise ValueError("speculative mode 'oracle' goes with a recorded sequence, and a sequence with it or 'mtp'")
         if k < 1:
             raise ValueError(f"num_draft_tokens must be at least 1, not {k}")
         self.mode, self.k, self.draft, self.vocab, self.oracle = mode, k, draft, vocab, oracle
-        self.pricing = Pricing(k, draft, idle=idle)  # idle: measured in the worker's idle work (`price_step`)
+        self.head = head if mode == "mtp" else None  # the MTP head drafts (instead of prompt lookup)
+        # idle: measured in the worker's idle work (`price_step`); a head's draft step priced as a draft model's
+        self.pricing = Pricing(k, HeadStep(self.head) if self.head is not None else draft, idle=idle)
         self.record = Record()
 
     def price_step(self, model: nn.Module, graph: DecodeGraph | None, sizes: tuple[int, ...]) -> bool:
@@ -490,8 +525,12 @@ class Speculation:
         in the batch (batch_drafting.py: no logits processors but a grammar)."""
         if self.mode == "off" or not msg.speculative:
             return None
-        drafter: Drafter = (Oracle(self.oracle) if self.oracle is not None else PromptLookup() if self.draft is None
-                            else ModelDrafter(self.draft, self.vocab))
+        drafter: Drafter
+        if self.head is not None:  # the head's drafts, or (given a record) its cost with the record's drafts
+            drafter = MTPDrafter(self.head) if self.oracle is None else Forced(MTPDrafter(self.head), Oracle(self.oracle))
+        else:
+            drafter = (Oracle(self.oracle) if self.oracle is not None else PromptLookup() if self.draft is None
+                       else ModelDrafter(self.draft, self.vocab))
         sampling = None if msg.temperature == 0 else Sampling(
             msg.temperature, msg.top_p, msg.min_p, msg.top_k if self.vocab <= 0 or msg.top_k < self.vocab else 0)
         draws = None if msg.seed is None or sampling is None else Draws(msg.seed, len(msg.resume_tokens), sampling)
@@ -500,7 +539,7 @@ class Speculation:
         # a draft model's pauses carry over to the next request (Record); prompt lookup's acceptance is its request's
         # prompt's (a code edit after a chat), so each request starts drafting
         return Drafting(drafter, self.k, sampling, draws, self.pricing,
-                        self.record if isinstance(drafter, ModelDrafter) else None)
+                        self.record if isinstance(drafter, (ModelDrafter, MTPDrafter)) else None)
 
 
 def load_draft(path: Path, tokenizer: Any) -> tuple[nn.Module, int]:

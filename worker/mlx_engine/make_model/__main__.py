@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--draft-for", type=Path, default=None, metavar="TARGET",
                         help="a draft model for the model in TARGET: this preset's shape, TARGET's tokenizer")
+    parser.add_argument("--mtp", action="store_true",
+                        help="qwen3_5: an MTP head too (mtp.* weights of Qwen3.5's layout), for speculative mtp")
     return parser
 
 
@@ -96,7 +98,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
     else:
+        if args.mtp and (args.arch != "qwen3_5" or args.quantize):
+            print("error: --mtp makes Qwen3.5's MTP head: --arch qwen3_5, unquantized", file=sys.stderr)
+            return 2
         info = make_model(args.dir, args.preset, args.seed, arch=args.arch or "llama", quantize=args.quantize)
+        if args.mtp:
+            from worker.mlx_engine.make_model.weights import write_mtp_head
+
+            info["weights_bytes"] += write_mtp_head(args.dir, args.seed)
     quantized = f", {info['quantize']}-bit ({info['bits_per_weight']:.2f} bits per weight)" if info["quantize"] else ""
     drafts = f", a draft for {args.draft_for}" if args.draft_for is not None else ""
     print(f"wrote {info['arch']} {info['preset']} model to {info['path']}: {info['parameters'] / 1e6:.1f}M parameters"

@@ -96,3 +96,37 @@ def write_weights(out: Path, config: dict, dtype_name: str, seed: int, bits: int
     save_config(config, out / "config.json")
     return {"parameters": parameters, "bits_per_weight": bits_per_weight,
             "weights_bytes": sum(p.stat().st_size for p in out.glob("*.safetensors"))}
+
+
+def write_mtp_head(out: Path, seed: int) -> int:
+    """Random weights of Qwen3.5's MTP head (`mtp.*`, the layout its checkpoints ship: worker/mlx_engine/mtp.py) in
+    model-mtp.safetensors beside a qwen3_5 model's, its config's `mtp_num_hidden_layers` and index updated; their
+    bytes. mlx-lm's load drops them, as it drops a real checkpoint's."""
+    import json
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models.qwen3_5 import TextModelArgs
+
+    from worker.mlx_engine.mtp import MTPHead
+
+    config = json.loads((out / "config.json").read_text())
+    text = config.get("text_config")
+    if config.get("model_type") != "qwen3_5" or not isinstance(text, dict):
+        raise ValueError(f"an MTP head is Qwen3.5's: {out} holds a {config.get('model_type')} model")
+    if config.get("quantization"):
+        raise ValueError("the MTP head is written in the model's float dtype: not beside quantized weights")
+    mx.random.seed(seed + 1)
+    head = MTPHead(TextModelArgs.from_dict(text), None, None)  # type: ignore[arg-type]
+    dtype = getattr(mx, text.get("dtype") or "float32")
+    flat = typing.cast(list[tuple[str, mx.array]], tree_flatten(head.parameters()))
+    weights = {f"mtp.{name}": v.astype(dtype) for name, v in flat}
+    mx.save_safetensors(str(out / "model-mtp.safetensors"), weights, metadata={"format": "mlx"})
+    text["mtp_num_hidden_layers"] = 1
+    (out / "config.json").write_text(json.dumps(config, indent=4))
+    index = out / "model.safetensors.index.json"
+    if index.is_file():
+        data = json.loads(index.read_text())
+        data.setdefault("weight_map", {}).update(dict.fromkeys(weights, "model-mtp.safetensors"))
+        index.write_text(json.dumps(data, indent=4))
+    return (out / "model-mtp.safetensors").stat().st_size
