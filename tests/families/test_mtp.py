@@ -112,14 +112,14 @@ def test_auto_drafts_with_the_head_on_a_gpu_and_nothing_on_a_cpu(mtp_model: Path
         Engine(family_models / "qwen3_5", speculative="mtp")  # no mtp.* weights
 
 
-@pytest.mark.parametrize("solo", ["auto", "plain"], ids=["compiled", "uncompiled"])
+@pytest.mark.parametrize("solo", ["compiled", "plain"], ids=["compiled", "uncompiled"])
 @pytest.mark.parametrize("kept", [False, True], ids=["rejected", "all-kept"])
 def test_each_proposal_is_the_head_s_on_the_target_s_own_hidden_states(mtp_model: Path, plain: Engine,
                                                                       monkeypatch: pytest.MonkeyPatch, solo: str,
                                                                       kept: bool) -> None:
     expected, _ = run(plain, greedy(n=40))
     engine = always(Engine(mtp_model, speculative="mtp", solo=solo))
-    assert (engine.graph is not None) == (solo == "auto")
+    assert (engine.graph is not None) == (solo == "compiled")
     monkeypatch.setattr("worker.mlx_engine.speculative.MTPDrafter", Spy)
     if kept:  # the record proposed in the head's place: every draft kept, the head's cache fed as far
         head = engine.speculation.head
