@@ -6,6 +6,7 @@
     python -m bench.speculative --model DIR --oracle 1-8 --streams 4 --out F.json  # ... of 4 streams drafting together
     python -m bench.speculative --model DIR --oracle 4 --streams 8 --wrong 7 --out F.json  # rows keeping their own counts
     python -m bench.speculative --model DIR --oracle 1-8 --mtp --out F.json   # an MTP head's forced-acceptance ceiling
+    python -m bench.speculative --model DIR --oracle 1-7 --dflash DRAFTER --out F.json  # ... a DFlash drafter's
 
 A code-editing request (the model is shown a code block and asked to give it back with one name changed, as a
 coding agent's edit asks), greedy, one stream, on the product's Engine driven by submit/step (no sockets: the
@@ -28,7 +29,8 @@ draft_pricing.py measures for it (a plain step, a verification of k + 1 tokens, 
 ms/token is then the time per step, and the costs are measured at N rows. With `--mtp` (a model with an MTP head:
 `make-model --arch qwen3_5 --mtp`), each length's drafts are the head's, paid in full (its step per draft, its
 pairing of each kept token's hidden state), with the record proposed in their place (speculative.py's `Forced`):
-the head's ceiling with every draft kept, its draft step priced beside the verification.
+the head's ceiling with every draft kept, its draft step priced beside the verification. `--dflash DRAFTER` (a
+DFlash drafter: `make-model DRAFTER --dflash-for DIR`) the same for its blocks (k at most its block size - 1).
 """
 
 from __future__ import annotations
@@ -221,13 +223,14 @@ def write(out: Path, result: dict) -> None:
 
 
 def oracle_sweep(engine: object, msg: object, ks: list[int], rounds: int, streams: int = 1, wrong: int = 0,
-                 mtp: bool = False) -> dict:
+                 tapped: str | None = None) -> dict:
     """Plain decoding and the oracle at each draft length, interleaved over rounds: the mechanism's ceiling; with
     `streams` > 1, that many identical streams drafting together in the batch. `wrong`: stream i's record has every
     `wrong`-th generated token changed, at offset i, so the rows reject drafts at different places and each keeps
     its own count (the ids stay plain decoding's)."""
+    from worker.mlx_engine.dflash import DFlashStep
     from worker.mlx_engine.draft_pricing import measure
-    from worker.mlx_engine.mtp import HeadStep
+    from worker.mlx_engine.mtp import HeadStep, MTPHead
     from worker.mlx_engine.speculative import Speculation
 
     records: list[list[int]] | None = None
@@ -242,11 +245,11 @@ def oracle_sweep(engine: object, msg: object, ks: list[int], rounds: int, stream
         start = len(sequence) - len(record)
         records = [[t + 1 if j > start and (j + i) % wrong == 0 else t for j, t in enumerate(sequence)]
                    for i in range(streams)]
-    head = plain.head if mtp else None
-    if mtp and head is None:
-        raise SystemExit("--mtp: the model has no MTP head mlxsup loads")
-    specs = {"off": Speculation("off") if mtp else plain} | {
-        k: Speculation("mtp" if mtp else "oracle", k, oracle=sequence, head=head) for k in ks}
+    head = plain.head if tapped else None  # the MTP head or DFlash drafter the engine loaded
+    if tapped and head is None:
+        raise SystemExit(f"--{tapped}: the engine loaded no such drafter")
+    specs = {"off": Speculation("off") if tapped else plain} | {
+        k: Speculation(tapped or "oracle", k, oracle=sequence, head=head) for k in ks}
     for k in ks:  # a verification's first trace at each length, out of the timed rounds
         engine.speculation = specs[k]  # type: ignore[attr-defined]
         run(msg)
@@ -273,7 +276,8 @@ def oracle_sweep(engine: object, msg: object, ks: list[int], rounds: int, stream
                             "acceptance": acceptance([x[name] for x in runs])}
         if name != "off":
             c = measure(engine.model, engine.graph if streams == 1 else None,  # type: ignore[attr-defined]
-                        int(name), HeadStep(head) if head is not None else None, streams)
+                        int(name), None if head is None else HeadStep(head) if isinstance(head, MTPHead)
+                        else DFlashStep(head), streams)
             curve[str(name)]["priced"] = {"plain_ms": round(c.plain_s * 1e3, 4), "verify_ms": round(c.verify_s * 1e3, 4),
                                           "draft_ms": round(c.draft_s * 1e3, 4), "break_even": round(c.break_even(c.k), 3)}
     parity = all(x[name]["ids"] == record for x in runs for name in specs)
@@ -331,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="--oracle --streams: each stream's record wrong at every N-th token, at its own offset")
     p.add_argument("--mtp", action="store_true",
                    help="--oracle: the model's MTP head drafts at each length, paid in full, the record proposed instead")
+    p.add_argument("--dflash", type=Path, default=None, metavar="DRAFTER",
+                   help="--oracle: this DFlash drafter drafts at each length, paid in full, the record proposed instead")
     p.add_argument("--hot-cache", type=int, default=0, metavar="BYTES",
                    help="the engines' hot prompt cache (0: none): every run after a mode's first reads the prompt "
                         "from it, where a CPU would prefill it for longer than it decodes (ids and decode unchanged)")
@@ -346,12 +352,13 @@ def main(argv: list[str] | None = None) -> int:
 
     model = args.model or demo_model(args.work)
     if args.oracle is not None:
-        engine = Engine(model, solo=args.solo, cache=cache, speculative="mtp" if args.mtp else "off")
+        tapped = "mtp" if args.mtp else "dflash" if args.dflash else None
+        engine = Engine(model, solo=args.solo, cache=cache, speculative=tapped or "off", draft=args.dflash)
         ask = Submit(rid="r", max_tokens=args.tokens, messages=[{"role": "user", "content": ASK}], temperature=0.0,
                      ignore_eos=True)
-        sweep = oracle_sweep(engine, ask, lengths(args.oracle), args.rounds, args.streams, args.wrong, args.mtp)
+        sweep = oracle_sweep(engine, ask, lengths(args.oracle), args.rounds, args.streams, args.wrong, tapped)
         result = {"model": str(model), "solo": args.solo, "hot_cache": args.hot_cache, "streams": args.streams,
-                  "mtp": args.mtp,
+                  "drafter": tapped, "dflash": str(args.dflash) if args.dflash else None,
                   "wrong": args.wrong,
                   "graph": engine.graph is not None, "rounds": args.rounds, "tokens": args.tokens} | sweep
         write(args.out, result)

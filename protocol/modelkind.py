@@ -80,3 +80,9 @@ def is_decoder(path: Path) -> bool:
            for a in architectures):
         return False
     return config.get("model_type") not in ENCODER_TYPES
+
+
+def is_dflash(path: Path) -> bool:
+    """A DFlash drafter's folder (worker/mlx_engine/dflash.py): its config names a block size or a dflash_config."""
+    config = _config(path)
+    return bool(config.get("dflash_config")) or "block_size" in config

@@ -2,8 +2,8 @@
 
     [models.coder]
     path = "..."
-    speculative = "prompt-lookup"   # or "draft" (the default when `draft` is given), "mtp", "off", or "auto"
-    draft = "../coder-0.5b"         # a smaller model with the same tokenizer, loaded in the same worker
+    speculative = "prompt-lookup"   # or "draft" / "dflash" (the default when `draft` is given), "mtp", "off", "auto"
+    draft = "../coder-0.5b"         # a smaller model with the same tokenizer, or a DFlash drafter, in the same worker
     num_draft_tokens = 4
 
 They become the worker's `--speculative`, `--draft` and `--num-draft-tokens` (worker/__main__.py), placed before
@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-MODES = ("auto", "off", "prompt-lookup", "draft", "mtp")  # worker/mlx_engine/speculative.py's
+from protocol.modelkind import is_dflash
+
+MODES = ("auto", "off", "prompt-lookup", "draft", "mtp", "dflash")  # worker/mlx_engine/speculative.py's
 SERVER_MODES = MODES[:3]  # every model's: "draft" needs a model's own draft, "mtp" a checkpoint's MTP head
 KEYS = frozenset({"speculative", "draft", "num_draft_tokens"})
 
@@ -24,18 +26,22 @@ KEYS = frozenset({"speculative", "draft", "num_draft_tokens"})
 def speculative_args(entry: dict, where: str, base: Path) -> tuple[tuple[str, ...], int]:
     """(the worker's arguments, the draft's weights in bytes) of a model entry; ValueError naming the key."""
     draft = entry.get("draft")
-    mode = entry.get("speculative", "draft" if draft is not None else "auto")
-    if mode not in MODES:
-        raise ValueError(f"{where}.speculative: expected one of {', '.join(MODES)}, got {mode!r}")
-    args: list[str] = ["--speculative", mode] if set(entry) & KEYS else []
-    weights = 0
-    if (mode == "draft") != (draft is not None):
-        raise ValueError(f"{where}: speculative = \"draft\" goes with a `draft` model path, and a `draft` with it")
+    path = None
     if draft is not None:
         if not isinstance(draft, str):
             raise ValueError(f"{where}.draft: expected a model folder's path, got {draft!r}")
         path = Path(draft).expanduser()
         path = (base / path).resolve() if not path.is_absolute() else path
+    # a draft's kind by default: a DFlash drafter's folder (protocol.modelkind.is_dflash), else a draft model
+    mode = entry.get("speculative", "auto" if path is None else "dflash" if is_dflash(path) else "draft")
+    if mode not in MODES:
+        raise ValueError(f"{where}.speculative: expected one of {', '.join(MODES)}, got {mode!r}")
+    args: list[str] = ["--speculative", mode] if set(entry) & KEYS else []
+    weights = 0
+    if (mode in ("draft", "dflash")) != (path is not None):
+        raise ValueError(f"{where}: speculative = \"{mode}\" goes with a `draft` path (a model, or a DFlash "
+                         "drafter), and a `draft` with \"draft\" or \"dflash\"")
+    if path is not None:
         shards = list(path.glob("*.safetensors"))
         if not (path / "config.json").is_file() or not shards:
             raise ValueError(f"{where}.draft: {path} holds no config.json and *.safetensors")

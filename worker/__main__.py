@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 from protocol.messages import DUMP_STACKS_SIGNAL, EXIT_CRASHED, EXIT_LOAD_FAILED, EXIT_OK
-from protocol.modelkind import AUDIO_KINDS, EMBEDDING, RERANK, VISION, model_kind
+from protocol.modelkind import AUDIO_KINDS, EMBEDDING, RERANK, VISION, is_dflash, model_kind
 from worker.faults import FAULTS, Faults
 from worker.image_decode import DECODE_DEADLINE_S, MAX_JPEG_SCANS
 from worker.shutdown import Shutdown, install_signal_handlers, leave, watch_lifeline
@@ -82,12 +82,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-context", type=int, default=None,
                    help="the most context this worker publishes and serves, below its config's (the supervisor's: what"
                         " its memory ceiling leaves for the model's KV); never past protocol.modelconfig.MAX_CONTEXT")
-    p.add_argument("--speculative", choices=("auto", "off", "prompt-lookup", "draft", "mtp"), default="auto",
+    p.add_argument("--speculative", choices=("auto", "off", "prompt-lookup", "draft", "mtp", "dflash"), default="auto",
                    help="requests draft tokens and verify them in one pass (worker/mlx_engine/speculative.py; greedy"
                         " ones decoding together in lockstep):"
-                        " from its own prompt and output (prompt-lookup), with --draft's model, or with the"
-                        " checkpoint's MTP head (mtp); auto (the default): draft with --draft, else where MLX runs on"
-                        " a GPU the MTP head if the checkpoint has one we load, else prompt-lookup; off on a CPU")
+                        " from its own prompt and output (prompt-lookup), with --draft's model, with --draft's DFlash"
+                        " drafter (dflash), or with the checkpoint's MTP head (mtp); auto (the default): --draft's"
+                        " kind with --draft, else where MLX runs on a GPU the MTP head if the checkpoint has one we"
+                        " load, else prompt-lookup; off on a CPU")
     p.add_argument("--draft", type=Path, default=None, help="the draft model's folder (the same tokenizer)")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="the most tokens drafted per verification")
     p.add_argument("--lifeline", action="store_true", help="exit when stdin reaches EOF")
@@ -131,9 +132,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not args.spare and (args.model_path is None or args.model_id is None):
         p.error("--model-path and --model-id are required (or --spare)")
     if args.speculative == "auto" and args.draft is not None:
-        args.speculative = "draft"
-    if (args.speculative == "draft" and args.draft is None) or args.num_draft_tokens < 1:
-        p.error("--speculative draft needs --draft, and --num-draft-tokens is at least 1")
+        args.speculative = "dflash" if is_dflash(args.draft) else "draft"
+    if (args.speculative in ("draft", "dflash") and args.draft is None) or args.num_draft_tokens < 1:
+        p.error(f"--speculative {args.speculative} needs --draft, and --num-draft-tokens is at least 1")
     return args
 
 
@@ -290,7 +291,7 @@ def serve_model(args: argparse.Namespace, sock: zmq.Socket, shutdown: Shutdown, 
                             attention=args.attention, strict_context=args.strict_context,
                             max_context=args.max_context, speculative=args.speculative,
                             num_draft_tokens=args.num_draft_tokens,
-                            draft=args.draft if args.speculative == "draft" else None, defer_stores=True,
+                            draft=args.draft if args.speculative in ("draft", "dflash") else None, defer_stores=True,
                             text_thread=True, idle_pricing=True)
     except Exception as exc:
         log.error("[load] model=%s path=%s failed: %s", args.model_id, args.model_path, exc)

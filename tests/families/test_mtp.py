@@ -20,9 +20,10 @@ from mlx_lm import load
 
 from protocol.messages import Submit
 from worker.mlx_engine.engine import Engine
-from worker.mlx_engine.mtp import MTPDrafter, MTPHead, load_head, text_model
+from worker.mlx_engine.mtp import MTPDrafter, MTPHead, load_head
 from worker.mlx_engine.prompt_cache import CacheOptions
 from worker.mlx_engine.speculative import Speculation, default_mode
+from worker.mlx_engine.taps import text_model
 
 from .test_speculative import PROMPT, drive, greedy, run
 

@@ -49,8 +49,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
-from worker.mlx_engine.mtp import tap_of
 from worker.mlx_engine.quantized_kv import QuantizedKV
+from worker.mlx_engine.taps import tap_of
 
 KV = (KVCache, QuantizedKV)  # the attention layers the graph holds in fixed buffers
 
@@ -153,7 +153,7 @@ class DecodeGraph:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self._step = mx.compile(self._forward)
-        self._tap = tap_of(model)  # an MTP head's tap (mtp.py): the step returns the hidden states too
+        self._tap = tap_of(model)  # a drafter's tap (taps.py): the step returns the hidden states too
         # each layer's cache kind, as make_prompt_cache builds them: the graph's layout (used where they `fit`)
         self._kinds = tuple((c.group_size, c.bits) if type(c) is QuantizedKV else "kv" if type(c) is KVCache
                             else "arrays" for c in make_prompt_cache(model))
@@ -208,7 +208,7 @@ class DecodeGraph:
         logprobs, state.off, state.keys, state.values, state.arrays, *hidden = self._step(
             tokens, state.off, state.keys, state.values, state.arrays)
         if self._tap is not None:
-            self._tap.hidden = hidden[0]
+            self._tap.ready = hidden[0]
         state.n += n
         return logprobs
 
@@ -258,4 +258,4 @@ class DecodeGraph:
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         slots = [c for c in cache if isinstance(c, (_Slots, _QSlots))]
         return (logprobs, off + token.size, [s.keys for s in slots], [s.values for s in slots],
-                [c.cache for c in cache if isinstance(c, ArraysCache)], *([] if tap is None else [tap.hidden]))
+                [c.cache for c in cache if isinstance(c, ArraysCache)], *([] if tap is None else [tap.take()]))

@@ -60,14 +60,19 @@ class Costs:
     verify_s: float
     k: int
     draft_s: float = 0.0
+    block: bool = False  # draft_s is a drafter's one pass for every draft of a verification (DFlash), not a draft's
+
+    def drafting(self, k: int) -> float:
+        """The drafter's seconds for k drafts."""
+        return self.draft_s if self.block or k == 0 else k * self.draft_s
 
     @classmethod
-    def measured(cls, seconds: dict[int, float], k: int, draft_s: float = 0.0) -> Costs:
+    def measured(cls, seconds: dict[int, float], k: int, draft_s: float = 0.0, block: bool = False) -> Costs:
         """The costs from a forward pass's seconds per token count (1, 2 and k + 1), each no more than a longer
         one's."""
         plain_s, verify2_s, verify_s = (seconds[n] for n in (1, min(2, k + 1), k + 1))
         verify2_s = min(verify2_s, verify_s)
-        return cls(min(plain_s, verify2_s), verify2_s, verify_s, k, draft_s)
+        return cls(min(plain_s, verify2_s), verify2_s, verify_s, k, draft_s, block)
 
     def verify(self, n: int) -> float:
         """A verification of n tokens (linear between the two measured; one token is a plain step)."""
@@ -80,7 +85,7 @@ class Costs:
         emits the kept drafts and one token of its own, where plain decoding emits one per plain step. `refeed`:
         the tokens fed again after it (a rejection undone by a mark), a forward pass of its own."""
         again = self.verify(refeed) if refeed > 0 else 0.0
-        return (1 + MARGIN) * (self.verify(k + 1) + k * self.draft_s + again) / self.plain_s - 1
+        return (1 + MARGIN) * (self.verify(k + 1) + self.drafting(k) + again) / self.plain_s - 1
 
 
 def fastest(runs: dict[str, Callable[[], None]], clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
@@ -159,15 +164,16 @@ def measuring(model: nn.Module, graph: DecodeGraph | None, k: int, draft: nn.Mod
     step = ((lambda n: _compiled(graph, n)) if compiled and graph is not None
             else (lambda n: _one_by_one(model, n, rows)))
     runs = {str(n): step(n) for n in sorted({1, 2, k + 1})}
+    block = bool(getattr(draft, "block", False))  # a DFlash drafter: one pass of k + 1 a verification
     if draft is not None:
-        runs["draft"] = _one_by_one(draft, 1)
+        runs["draft"] = _one_by_one(draft, k + 1 if block else 1)
     yield
     seconds: dict[str, float] = {}
     yield from timing(runs, seconds)
     runs.clear()
     mx.clear_cache()
     return Costs.measured({int(n): s for n, s in seconds.items() if n != "draft"}, k,
-                          rows * seconds.get("draft", 0.0))
+                          rows * seconds.get("draft", 0.0), block)
 
 
 def _filled(model: nn.Module) -> list:

@@ -55,9 +55,10 @@ from worker.mlx_engine.batch_lane import BatchLane, Lane
 from worker.mlx_engine.checkpoints import crossed
 from worker.mlx_engine.decode_graph import DecodeGraph, solo_modes
 from worker.mlx_engine.decoding import Decoding
+from worker.mlx_engine.dflash import DFlashHead, load_dflash
 from worker.mlx_engine.guided import Grammars
 from worker.mlx_engine.loading import load_with_progress, time_one_token
-from worker.mlx_engine.mtp import install_tap, load_head
+from worker.mlx_engine.mtp import MTPHead, load_head
 from worker.mlx_engine.output_stage import OutputStage
 from worker.mlx_engine.prompt import Prompts
 from worker.mlx_engine.prompt_cache import CacheOptions, PromptCaches
@@ -68,6 +69,7 @@ from worker.mlx_engine.request_state import Request
 from worker.mlx_engine.snapshots import Snapshots
 from worker.mlx_engine.solo import Solo, SoloLane
 from worker.mlx_engine.speculative import DEFAULT_DRAFT_TOKENS, DraftCounts, Speculation, load_draft
+from worker.mlx_engine.taps import install_tap
 from worker.mlx_engine.warmup import Warmed, WarmUp, wants_warm_up
 from worker.schedule import Scheduler
 from worker.step_cost import PrefillSeq, StepCostModel, StepPlan
@@ -147,12 +149,18 @@ class Engine:
         self.schedule = Scheduler(self.cost, max_batch_size, prefill_batch_size, DECODE_PLAN_STEPS)  # schedule.py
         # a request alone runs the generate_step way (solo.py): compiled, or each step's graph built ahead
         self.solo_on, compiled, ahead = solo_modes(solo)
-        # the checkpoint's MTP head (mtp.py), where it drafts: the target's final norm tapped before any graph is made
-        head = load_head(self.model, model_path) if speculative in ("auto", "mtp") and draft is None else None
-        if head is not None:
+        # a drafter on the target's hidden states, its layers tapped before any graph is made (taps.py): a DFlash drafter
+        # (dflash.py, --draft), or the checkpoint's MTP head (mtp.py) where it drafts
+        head: MTPHead | DFlashHead | None = None
+        if speculative == "dflash" and draft is not None:
+            head = load_dflash(draft, self.model)
+            install_tap(self.model, head.layers)
+            self.weights_bytes += sum(p.stat().st_size for p in draft.glob("*.safetensors"))
+        elif speculative in ("auto", "mtp") and draft is None and (head := load_head(self.model, model_path)):
             install_tap(self.model)
         self.graph = DecodeGraph(self.model) if compiled else None  # a solo's decode steps compiled
-        draft_model, draft_bytes = load_draft(draft, self.tokenizer) if draft is not None else (None, 0)
+        draft_model, draft_bytes = load_draft(draft, self.tokenizer) if draft is not None and (
+            speculative != "dflash") else (None, 0)
         self.weights_bytes += draft_bytes  # admission counts the draft model's weights as the model's
         # idle_pricing: what drafting costs here is measured in the idle work (`warm_step`), not on a request's step
         speculation = Speculation(speculative, num_draft_tokens, draft_model, self.vocab_size, idle=idle_pricing,

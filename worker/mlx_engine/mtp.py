@@ -9,9 +9,8 @@ checkpoint's safetensors itself, in the layout vLLM and SGLang read (`mtp.fc`, `
 `mtp.pre_fc_norm_hidden`, `mtp.layers.0.*`, `mtp.norm`), the norms shifted by one where mlx-lm shifts the model's
 (an original Hugging Face checkpoint's zero-centred RMSNorm), quantized where the checkpoint quantized them.
 
-The target's hidden states come from a tap on its final norm (`TappedRMSNorm`: the norm's output kept, the model's
-parameters and graph unchanged); the solo hands each forward pass's to the request's `MTPDrafter` (`see`, with the
-positions they are at), compiled or not (decode_graph.py returns the tap's output as one more output). The head's
+The target's hidden states come from a tap on its final norm (taps.py); the solo hands each forward pass's to the
+request's `MTPDrafter` (`see`, with the positions they are at), compiled or not. The head's
 cache holds one pair (h_p, x_{p+1}) per position from the first position the request prefilled (after a prefix-cache
 hit its attention starts there: rotary positions are relative, so only the context it sees is shorter); a pair is
 fed once both halves are known (`_pair`: a prompt's as it is prefilled, a generated token's at the next proposal),
@@ -40,54 +39,12 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
+from worker.mlx_engine.taps import Seen, text_model
+
 log = logging.getLogger(__name__)
 
 PAIR_CHUNK = 512  # a catch-up's pairs fed in chunks of this many (a long prompt's, the first time)
 EAGER = 64  # pairable rows at which `see` feeds them at once (a prompt's prefill), not at the next proposal
-
-
-class Tap:
-    """The target's last hidden state, as its final norm left it (lazy), kept while `on` (a solo's forward pass,
-    a trace of the decode graph: the batch's are not kept)."""
-
-    __slots__ = ("hidden", "on")
-
-    def __init__(self) -> None:
-        self.hidden: mx.array | None = None
-        self.on = False
-
-
-class TappedRMSNorm(nn.RMSNorm):
-    """An RMSNorm that keeps its output in its `tap` (a plain attribute: not a parameter)."""
-
-    tap: Tap
-
-    def __call__(self, x: mx.array) -> mx.array:
-        out = super().__call__(x)
-        if self.tap.on:
-            self.tap.hidden = out
-        return out
-
-
-def text_model(model: nn.Module) -> nn.Module | None:
-    """The decoder stack whose final norm's output is the hidden state a head reads (None: none we know)."""
-    lm = getattr(model, "language_model", model)
-    inner = getattr(lm, "model", None)
-    return inner if isinstance(getattr(inner, "norm", None), nn.RMSNorm) else None
-
-
-def install_tap(model: nn.Module) -> Tap:
-    inner = text_model(model)
-    assert inner is not None
-    norm = inner.norm
-    norm.__class__ = TappedRMSNorm  # the same parameters under the same names
-    norm.tap = Tap()
-    return cast(TappedRMSNorm, norm).tap
-
-
-def tap_of(model: nn.Module) -> Tap | None:
-    inner = text_model(model)
-    return getattr(inner.norm, "tap", None) if inner is not None else None
 
 
 def _header(path: Path) -> dict:
@@ -191,61 +148,47 @@ def pick(logprobs: mx.array, sampling: Any, key: mx.array | None) -> tuple[mx.ar
     return mx.random.categorical(logits, key=key).astype(mx.uint32), mx.softmax(logits, axis=-1)
 
 
-class MTPDrafter:
+class MTPDrafter(Seen):
     """A head's proposals for one request (the module says how its cache follows the request's history)."""
-
-    taps = True  # the solo hands it the target's hidden states (`see`)
 
     def __init__(self, head: MTPHead) -> None:
         self.head = head
-        self.cache = head.make_cache()
-        self.base: int | None = None  # the first position paired (None: nothing seen yet)
-        self.fed = 0  # pairs in the cache
-        self.rows: mx.array | None = None  # hidden states from position base + fed on, not paired yet
+        super().__init__()
 
-    @property
-    def _next(self) -> int:
-        return (self.base or 0) + self.fed
+    def fresh(self) -> list:
+        return self.head.make_cache()
 
     def see(self, start: int, hidden: mx.array, tokens: Sequence[int]) -> None:
         """The target's hidden states at positions start, start + 1, ... (a forward pass of it); `tokens`: the
         request's history as verified so far (the tokens after the positions it pairs)."""
-        if self.base is None:
-            self.base = start
-        n = 0 if self.rows is None else self.rows.shape[1]
-        if start < self._next or start > self._next + n:  # a position already paired, or one missed: start afresh
-            self.cache, self.base, self.fed, self.rows = self.head.make_cache(), start, 0, None
-            n = 0
-        kept = start - self._next
-        self.rows = hidden if self.rows is None or kept == 0 else mx.concatenate([self.rows[:, :kept], hidden], axis=1)
-        pairable = min(self.rows.shape[1], len(tokens) - 1 - self._next)
+        self.seen(start, hidden)
+        assert self.rows is not None
+        pairable = min(self.rows.shape[1], len(tokens) - 1 - self.next)
         if pairable >= EAGER:
             self._pair(tokens, pairable)
             mx.eval([c.state for c in self.cache])
 
     def _pair(self, history: Sequence[int], n: int) -> mx.array:
         """Feed the first n pending rows with the tokens after them; the head's output at the last one."""
-        assert self.rows is not None and n >= 1
+        first = self.next
+        rows = self.used(n)
         out = None
         for a in range(0, n, PAIR_CHUNK):
             b = min(n, a + PAIR_CHUNK)
-            ids = mx.array(list(history[self._next + a + 1:self._next + b + 1]), mx.uint32)[None]
-            out = self.head(ids, self.rows[:, a:b], self.cache)
+            ids = mx.array(list(history[first + a + 1:first + b + 1]), mx.uint32)[None]
+            out = self.head(ids, rows[:, a:b], self.cache)
             if b < n:
                 mx.eval([c.state for c in self.cache])
-        self.rows = self.rows[:, n:] if n < self.rows.shape[1] else None
-        self.fed += n
         assert out is not None
         return out[:, -1:]
 
     def propose(self, tokens: list[int], y: int, k: int, sampling: Any,
                 keys: Sequence[mx.array] | None) -> tuple[mx.array | None, mx.array | None]:
-        history = [*tokens, y]
-        pending = len(tokens) - self._next  # rows for positions up to len(tokens) - 1, whose next token is y
-        if self.rows is None or pending < 1 or self.rows.shape[1] < pending:
-            return None, None  # its hidden states do not reach here (a batch row): nothing to propose
+        pending = self.pending(tokens)  # rows for positions up to len(tokens) - 1, whose next token is y
+        if not pending:
+            return None, None
         with mx.stream(generation_stream):
-            out = self._pair(history, pending)
+            out = self._pair([*tokens, y], pending)
             drafts, qs = [], []
             for i in range(k):
                 logits = self.head.logits(out)[0]
@@ -260,14 +203,3 @@ class MTPDrafter:
                 for c in self.cache:
                     c.trim(k - 1)  # the chained pairs: a draft's own hidden states, not the target's
         return mx.concatenate(drafts), (mx.concatenate(qs) if qs else None)
-
-    def keep(self, valid: int) -> None:
-        """Only the first `valid` tokens of the history hold: the hidden states past them go."""
-        if self.rows is not None:
-            n = valid - self._next
-            self.rows = self.rows[:, :n] if n > 0 else None
-
-    def room(self) -> int:
-        import sys
-
-        return sys.maxsize

@@ -71,9 +71,9 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from worker.job_thread import JobThread
 from worker.mlx_engine.decode_graph import DecodeGraph, DecodeState
-from worker.mlx_engine.mtp import tap_of
 from worker.mlx_engine.rollback import mark, restore, trim, undoable
 from worker.mlx_engine.speculative import Drafting
+from worker.mlx_engine.taps import tap_of
 from worker.pace import Pace
 
 if TYPE_CHECKING:
@@ -174,7 +174,7 @@ class Solo:
         self._state: DecodeState | None = None  # the cache while the graph holds it
         self.times = SoloTimes()
         self.drafting = drafting  # None: no drafts (never asked for, or this request's caches cannot roll back)
-        # the target's hidden states, for a drafter that reads them (an MTP head, mtp.py): each forward pass's goes to
+        # the target's hidden states, for a drafter that reads them (taps.py): each forward pass's goes to
         # it (`_seen`); such a solo never builds ahead (a build's hidden state would be the other thread's)
         self._tap = tap_of(model) if drafting is not None and getattr(drafting.drafter, "taps", False) else None
         if self._tap is not None:
@@ -237,9 +237,8 @@ class Solo:
 
     def _seen(self, start: int) -> None:
         """The last forward pass's hidden states (from position `start`) to the drafter that reads them."""
-        tap = self._tap
-        if tap is not None and tap.hidden is not None:
-            hidden, tap.hidden = tap.hidden, None
+        hidden = self._tap.take() if self._tap is not None else None
+        if hidden is not None:
             if self.drafting is not None:
                 self.drafting.drafter.see(start, hidden, self.tokens)  # type: ignore[attr-defined]
 

@@ -10,7 +10,8 @@ Drafters: prompt lookup (`PromptLookup`: the tokens that followed the latest ear
 tokens, n from MAX_NGRAM down to 1, in the prompt and the output so far, repeated up to k where they run into
 the end (a loop): no second model, and an agent editing code it was just shown repeats long runs of it), a draft model (`ModelDrafter`: a smaller model with the same
 tokenizer, loaded in the same worker by `load_draft`, its own cache kept in step with the target's), and the
-checkpoint's own MTP head (mtp.py's `MTPDrafter`: one decoder layer on the target's last hidden state).
+checkpoint's own MTP head (mtp.py's `MTPDrafter`: one decoder layer on the target's last hidden state), and a DFlash
+drafter (dflash.py's `DFlashDrafter`: a block of drafts in one pass, on some of the target's layers' hidden states).
 
 Exact: a greedy request keeps a draft token only where it is the target's argmax, so its ids are plain decoding's.
 A sampled request uses the standard rule on the request's own distribution (its temperature, top-p, min-p,
@@ -65,11 +66,12 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from protocol.messages import Submit
 from worker.mlx_engine.decode_graph import DecodeGraph
+from worker.mlx_engine.dflash import DFlashDrafter, DFlashHead, DFlashStep
 from worker.mlx_engine.draft_pricing import Costs, Pricing
 from worker.mlx_engine.mtp import HeadStep, MTPDrafter, MTPHead
 from worker.mlx_engine.rollback import mark, restore, room, trim, undoable
 
-MODES = ("auto", "off", "prompt-lookup", "draft", "mtp")  # the config's and the worker's; "oracle": a test and bench hook
+MODES = ("auto", "off", "prompt-lookup", "draft", "mtp", "dflash")  # the config's and the worker's; "oracle": a test and bench hook
 DEFAULT_DRAFT_TOKENS = 4
 MAX_NGRAM = 3  # the longest suffix prompt lookup matches; then shorter ones, down to one token
 EMA_WEIGHT = 0.25  # each verification's weight in that average
@@ -246,13 +248,13 @@ class Oracle:
 
 
 class Forced:
-    """An MTP head's drafting, paid in full, with a recorded sequence's tokens proposed instead (mode "mtp" given an
-    oracle: a bench and test hook, the head's forced-acceptance ceiling: every draft kept, each costing the head's
-    step as well as its verification)."""
+    """An MTP head's or a DFlash drafter's drafting, paid in full, with a recorded sequence's tokens proposed instead
+    (mode "mtp" or "dflash" given an oracle: a bench and test hook, the drafter's forced-acceptance ceiling: every
+    draft kept, each costing the drafter's work as well as its verification)."""
 
     taps = True
 
-    def __init__(self, drafter: MTPDrafter, oracle: Oracle) -> None:
+    def __init__(self, drafter: MTPDrafter | DFlashDrafter, oracle: Oracle) -> None:
         self.drafter, self.oracle = drafter, oracle
 
     def see(self, start: int, hidden: mx.array, tokens: Sequence[int]) -> None:
@@ -437,7 +439,7 @@ class Drafting:
         a = min(self.hits / (self.hits + self.misses), MAX_ACCEPTANCE)
 
         def rate(j: int) -> float:
-            return (1 - a ** (j + 1)) / (1 - a) / (c.verify(j + 1) + j * c.draft_s)
+            return (1 - a ** (j + 1)) / (1 - a) / (c.verify(j + 1) + c.drafting(j))
         return max(range(1, most + 1), key=rate)
 
     def draft_keys(self, k: int) -> list[mx.array] | None:
@@ -495,23 +497,30 @@ class Speculation:
 
     def __init__(self, mode: str = "off", k: int = DEFAULT_DRAFT_TOKENS, draft: nn.Module | None = None,
                  vocab: int = 0, oracle: list[int] | None = None, idle: bool = False,
-                 head: MTPHead | None = None) -> None:
+                 head: MTPHead | DFlashHead | None = None) -> None:
         if mode == "auto":
-            mode = default_mode(draft is not None, mx.default_device() == mx.gpu, head is not None)
+            mode = "dflash" if isinstance(head, DFlashHead) else default_mode(
+                draft is not None, mx.default_device() == mx.gpu, head is not None)
         if mode not in (*MODES, "oracle"):
             raise ValueError(f"speculative mode must be one of {MODES}, not {mode!r}")
         if mode == "draft" and draft is None:
             raise ValueError("speculative mode 'draft' needs a draft model")
-        if mode == "mtp" and head is None:
+        if mode == "mtp" and not isinstance(head, MTPHead):
             raise ValueError("speculative mode 'mtp' needs a checkpoint with an MTP head (mtp.* weights) mlxsup loads")
-        if (mode == "oracle" and oracle is None) or (oracle is not None and mode not in ("oracle", "mtp")):
-            raise ValueError("speculative mode 'oracle' goes with a recorded sequence, and a sequence with it or 'mtp'")
+        if mode == "dflash" and not isinstance(head, DFlashHead):
+            raise ValueError("speculative mode 'dflash' needs a DFlash drafter (--draft)")
+        if (mode == "oracle" and oracle is None) or (oracle is not None and mode not in ("oracle", "mtp", "dflash")):
+            raise ValueError("speculative mode 'oracle' goes with a recorded sequence, and a sequence with it, 'mtp' or "
+                             "'dflash'")
         if k < 1:
             raise ValueError(f"num_draft_tokens must be at least 1, not {k}")
         self.mode, self.k, self.draft, self.vocab, self.oracle = mode, k, draft, vocab, oracle
-        self.head = head if mode == "mtp" else None  # the MTP head drafts (instead of prompt lookup)
-        # idle: measured in the worker's idle work (`price_step`); a head's draft step priced as a draft model's
-        self.pricing = Pricing(k, HeadStep(self.head) if self.head is not None else draft, idle=idle)
+        self.head = head if mode in ("mtp", "dflash") else None  # drafts from the target's hidden states (taps.py)
+        # idle: measured in the worker's idle work (`price_step`); a head's draft step priced as a draft model's, a
+        # DFlash drafter's block once a verification
+        step: nn.Module | None = (None if self.head is None else HeadStep(self.head) if isinstance(self.head, MTPHead)
+                                  else DFlashStep(self.head))
+        self.pricing = Pricing(k, step if step is not None else draft, idle=idle)
         self.record = Record()
 
     def price_step(self, model: nn.Module, graph: DecodeGraph | None, sizes: tuple[int, ...]) -> bool:
@@ -527,7 +536,8 @@ class Speculation:
             return None
         drafter: Drafter
         if self.head is not None:  # the head's drafts, or (given a record) its cost with the record's drafts
-            drafter = MTPDrafter(self.head) if self.oracle is None else Forced(MTPDrafter(self.head), Oracle(self.oracle))
+            tapped = MTPDrafter(self.head) if isinstance(self.head, MTPHead) else DFlashDrafter(self.head)
+            drafter = tapped if self.oracle is None else Forced(tapped, Oracle(self.oracle))
         else:
             drafter = (Oracle(self.oracle) if self.oracle is not None else PromptLookup() if self.draft is None
                        else ModelDrafter(self.draft, self.vocab))
@@ -539,7 +549,7 @@ class Speculation:
         # a draft model's pauses carry over to the next request (Record); prompt lookup's acceptance is its request's
         # prompt's (a code edit after a chat), so each request starts drafting
         return Drafting(drafter, self.k, sampling, draws, self.pricing,
-                        self.record if isinstance(drafter, (ModelDrafter, MTPDrafter)) else None)
+                        self.record if isinstance(drafter, (ModelDrafter, MTPDrafter, DFlashDrafter)) else None)
 
 
 def load_draft(path: Path, tokenizer: Any) -> tuple[nn.Module, int]:

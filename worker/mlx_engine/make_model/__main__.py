@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--draft-for", type=Path, default=None, metavar="TARGET",
                         help="a draft model for the model in TARGET: this preset's shape, TARGET's tokenizer")
+    parser.add_argument("--dflash-for", type=Path, default=None, metavar="TARGET",
+                        help="a DFlash drafter for the model in TARGET (speculative dflash): random weights, its layout")
     parser.add_argument("--mtp", action="store_true",
                         help="qwen3_5: an MTP head too (mtp.* weights of Qwen3.5's layout), for speculative mtp")
     return parser
@@ -90,6 +92,17 @@ def main(argv: list[str] | None = None) -> int:
     if (args.dir / "config.json").exists():
         print(f"error: {args.dir} already holds a model (config.json exists)", file=sys.stderr)
         return 2
+    if args.dflash_for is not None:
+        from worker.mlx_engine.make_model.weights import write_dflash_drafter
+
+        try:
+            info = write_dflash_drafter(args.dir, args.dflash_for, args.seed)
+        except (OSError, ValueError, KeyError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(f"wrote a DFlash drafter for {args.dflash_for} to {info['path']}: {info['parameters'] / 1e6:.1f}M "
+              f"parameters, {info['weights_bytes'] / 2**20:.1f} MiB of weights")
+        return 0
     if args.draft_for is not None:
         try:
             family = FAMILIES[args.arch] if args.arch else family_of(args.draft_for, args.preset)

@@ -130,3 +130,44 @@ def write_mtp_head(out: Path, seed: int) -> int:
         data.setdefault("weight_map", {}).update(dict.fromkeys(weights, "model-mtp.safetensors"))
         index.write_text(json.dumps(data, indent=4))
     return (out / "model-mtp.safetensors").stat().st_size
+
+
+def write_dflash_drafter(out: Path, target: Path, seed: int, layers: int = 2, block: int = 8) -> dict:
+    """A random-weight DFlash drafter for the model in `target` (worker/mlx_engine/dflash.py): dflash-mlx's
+    `DFlashDraftModel` of `layers` decoder layers at the target's widths, reading `layers` of its layers (the
+    checkpoints' own choice, `build_target_layer_ids`), blocks of `block`; config.json and model.safetensors in the
+    layout z-lab's checkpoints ship. What was written, in numbers."""
+    import json
+
+    import mlx.core as mx
+    from dflash_mlx.model import DFlashDraftModel, DFlashDraftModelArgs, build_target_layer_ids
+    from mlx.utils import tree_flatten
+
+    wanted = json.loads((target / "config.json").read_text())
+    text = {**wanted, **(wanted.get("text_config") or {})}
+    hidden, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
+    n_target = int(text["num_hidden_layers"])
+    config = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": hidden,
+        "num_hidden_layers": layers, "intermediate_size": int(text["intermediate_size"]),
+        "num_attention_heads": heads, "num_key_value_heads": int(text.get("num_key_value_heads", heads)),
+        "head_dim": int(text.get("head_dim") or hidden // heads), "rms_norm_eps": float(text.get("rms_norm_eps", 1e-6)),
+        "vocab_size": int(text["vocab_size"]), "max_position_embeddings": int(text.get("max_position_embeddings", 4096)),
+        "rope_theta": float(text.get("rope_theta", 1e6)), "tie_word_embeddings": True,
+        "num_target_layers": n_target, "block_size": block,
+        # the checkpoints' spread of target layers; a tiny target's first ones (too few layers to spread over)
+        "dflash_config": {"target_layer_ids": build_target_layer_ids(n_target, layers) if n_target >= layers + 4
+                          else list(range(min(layers, n_target))), "mask_token_id": 0},
+        "dtype": text.get("dtype") or text.get("torch_dtype") or "float32",
+    }
+    mx.random.seed(seed)
+    model = DFlashDraftModel(DFlashDraftModelArgs.from_dict(config))
+    dtype = getattr(mx, str(config["dtype"]))
+    flat = typing.cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "model.safetensors"), {k: v.astype(dtype) for k, v in flat},
+                        metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(config, indent=4))
+    return {"path": str(out), "arch": "dflash", "preset": f"{layers} layers, block {block}", "quantize": None,
+            "vocab_size": config["vocab_size"], "parameters": sum(v.size for _, v in flat), "bits_per_weight": None,
+            "weights_bytes": (out / "model.safetensors").stat().st_size}
