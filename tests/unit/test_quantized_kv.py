@@ -4,9 +4,11 @@ after merge, extend, filter, a right-padded prefill's finalize, trim and extract
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
+from mlx_lm.models.cache import KVCache
 
-from worker.mlx_engine.quantized_kv import BatchQuantizedKVCache, QuantizedKV, group_for
+from worker.mlx_engine.quantized_kv import BatchQuantizedKVCache, QuantizedKV, group_for, quantize_cache
 
 HEADS, DIM = 2, 64
 
@@ -65,3 +67,31 @@ def test_a_right_padded_prefill_is_finalized_into_left_padding() -> None:
 def test_a_head_dimension_takes_the_group_asked_for_or_the_largest_that_divides_it() -> None:
     assert group_for(128, 64) == 64 and group_for(32, 64) == 32 and group_for(96, 64) == 32
     assert group_for(16, 64) is None
+
+
+class _NoGroupsOf64(nn.Module):
+    """A one-layer model whose attention, as MLX CUDA 0.32.4's, reads no quantized K/V in groups of 64 (head
+    dimension 64) and reads groups of 32: what cannot run here is the refusal, faked; the cache and its quantization
+    are mlx-lm's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = [nn.Linear(64, 64)]
+
+    def make_cache(self) -> list:
+        return [KVCache()]
+
+    def __call__(self, ids: mx.array, cache: list) -> mx.array:
+        c = cache[0]
+        if getattr(c, "group_size", None) == 64:
+            raise RuntimeError("[quantized_matmul] No implementation for problem shape: 2x2x64x32")
+        x = mx.zeros((1, 1, ids.shape[1], 64))
+        c.update_and_fetch(x, x)
+        return x
+
+
+def test_a_group_attention_cannot_read_falls_back_to_groups_of_32_not_to_full_precision() -> None:
+    model = _NoGroupsOf64()
+    assert quantize_cache(model, 8, 64) == 32
+    cache = model.make_cache()
+    assert type(cache[0]) is QuantizedKV and cache[0].group_size == 32 and cache[0].bits == 8

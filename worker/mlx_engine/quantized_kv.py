@@ -232,16 +232,23 @@ def quantize_cache(model: nn.Module, bits: int | None, group_size: int = 64) -> 
         log.warning("[kv] running cache kept at full precision: head dims %s take no group of %d", sorted(dims),
                     group_size)
         return None
-    group = min(g for g in groups if g is not None)
+    first = min(g for g in groups if g is not None)
+    # the group asked for, then a smaller one where attention cannot read that one: MLX CUDA 0.32.4 has no quantized
+    # matmul for a head dimension of 64 in groups of 64, and has it in groups of 32 (bench/results/gpu/kv_quant/)
+    tries = [first, *(g for g in (32,) if g < first and all(d % g == 0 for d in dims))]
+    for group in tries:
+        def make_cache(group: int = group) -> list:
+            return [QuantizedKV(group, bits) if type(c) is KVCache else c for c in base()]
 
-    def make_cache() -> list:
-        return [QuantizedKV(group, bits) if type(c) is KVCache else c for c in base()]
-
-    try:
-        mx.eval(model(mx.array([[0, 0]]), cache=make_cache()))
-    except Exception as e:  # attention sinks (gpt-oss: mlx-lm's quantized attention refuses them), or
-        # attention that reads the cache's K/V as arrays (another library's model classes): full precision, said so
-        log.warning("[kv] running cache kept at full precision: %s: %s", type(e).__name__, e)
-        return None
-    model.make_cache = make_cache
-    return group
+        try:
+            mx.eval(model(mx.array([[0, 0]]), cache=make_cache()))
+        except Exception as e:  # attention sinks (gpt-oss: mlx-lm's quantized attention refuses them), or
+            # attention that reads the cache's K/V as arrays (another library's model classes): full precision, said so
+            error = e
+            continue
+        if group != first:
+            log.warning("[kv] running cache quantized in groups of %d: groups of %d failed (%s)", group, first, error)
+        model.make_cache = make_cache
+        return group
+    log.warning("[kv] running cache kept at full precision: %s: %s", type(error).__name__, error)
+    return None
