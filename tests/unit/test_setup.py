@@ -91,3 +91,22 @@ def test_an_import_step_that_runs_long_says_so_until_it_ends(monkeypatch: pytest
     assert lines[0].endswith("] reading the file (94 MiB)") and lines[-1].endswith("] done: here"), lines
     assert len([line for line in lines if line.endswith("] ... still reading the file (94 MiB)")]) >= 2, lines
     assert all(re.match(r"\[ *\d+\.\ds\] ", line) for line in lines), lines
+
+
+def test_an_import_that_fails_stops_saying_it_is_still_running(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """A failed import in a long-lived process (a test run, a caller's) once left its ticker printing "... still" for
+    the rest of the process, into the next import's lines."""
+    import threading
+
+    from worker.mlx_engine import gguf_import
+
+    monkeypatch.setattr(gguf_import, "TICK_S", 0.05)
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file")
+    with pytest.raises(gguf_import.GGUFImportError, match="not a GGUF file"):
+        gguf_import.import_gguf(bad, tmp_path / "out")
+    for t in [t for t in threading.enumerate() if t.name == "import-progress"]:
+        t.join(timeout=5)
+        assert not t.is_alive()
+    capsys.readouterr()

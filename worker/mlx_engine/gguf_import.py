@@ -93,6 +93,12 @@ class Progress:
         self.finished = True
         self.stage(text)
 
+    def close(self) -> None:
+        """Stop the ticking, whatever happened (an import that failed never said `finish`: its thread went on
+        printing "... still" for as long as the process lived)."""
+        self.finished = True
+        self.moved.set()
+
     def _tick(self) -> None:
         while not self.finished:
             if self.moved.wait(TICK_S):
@@ -388,6 +394,13 @@ def swap_in(work: Path, out: Path, force: bool) -> None:
 
 def import_gguf(gguf: Path, out: Path, force: bool = False, quantize: int | None = None) -> dict:
     progress = Progress()
+    try:
+        return _import_gguf(gguf, out, force, quantize, progress)
+    finally:
+        progress.close()
+
+
+def _import_gguf(gguf: Path, out: Path, force: bool, quantize: int | None, progress: Progress) -> dict:
     if why := refusal(out, force):
         raise GGUFImportError(why)
     out = out.parent.resolve() / out.name  # the folder it is written in, as it is (no `..` to read twice)
