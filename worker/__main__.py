@@ -90,7 +90,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         " kind with --draft, else where MLX runs on a GPU the MTP head if the checkpoint has one we"
                         " load, else prompt-lookup; off on a CPU")
     p.add_argument("--draft", type=Path, default=None, help="the draft model's folder (the same tokenizer)")
-    p.add_argument("--num-draft-tokens", type=int, default=4, help="the most tokens drafted per verification")
+    p.add_argument("--num-draft-tokens", type=int, default=None,
+                   help="the most tokens drafted per verification (default 4; a DFlash drafter's block size - 1)")
     p.add_argument("--lifeline", action="store_true", help="exit when stdin reaches EOF")
     p.add_argument("--hot-cache-bytes", type=int, default=0, help="hot prefix cache budget (0: off)")
     p.add_argument("--ssd-cache-root", type=Path, default=None,
@@ -133,7 +134,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--model-path and --model-id are required (or --spare)")
     if args.speculative == "auto" and args.draft is not None:
         args.speculative = "dflash" if is_dflash(args.draft) else "draft"
-    if (args.speculative in ("draft", "dflash") and args.draft is None) or args.num_draft_tokens < 1:
+    if (args.speculative in ("draft", "dflash") and args.draft is None) or (args.num_draft_tokens is not None and args.num_draft_tokens < 1):
         p.error(f"--speculative {args.speculative} needs --draft, and --num-draft-tokens is at least 1")
     return args
 

@@ -108,6 +108,7 @@ def test_a_seeded_sampled_request_drafting_blocks_gives_plain_seeded_ids(family_
 
 def test_a_draft_folder_s_kind_picks_the_mode_and_a_wrong_drafter_is_refused(family_models: Path, drafters: Path,
                                                                             tmp_path: Path) -> None:
+    assert Engine(family_models / "llama", speculative="dflash", draft=drafters / "llama").speculation.k == 7
     args, weights = speculative_args({"draft": str(drafters / "llama")}, "models.m", tmp_path)
     assert args[:2] == ("--speculative", "dflash") and weights > 0
     args, _ = speculative_args({"draft": str(family_models / "llama")}, "models.m", tmp_path)

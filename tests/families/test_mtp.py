@@ -23,7 +23,7 @@ from worker.mlx_engine.engine import Engine
 from worker.mlx_engine.mtp import MTPDrafter, MTPHead, load_head
 from worker.mlx_engine.prompt_cache import CacheOptions
 from worker.mlx_engine.speculative import Speculation, default_mode
-from worker.mlx_engine.taps import text_model
+from worker.mlx_engine.taps import tap_of, text_model
 
 from .test_speculative import PROMPT, drive, greedy, run
 
@@ -108,7 +108,8 @@ def test_a_hugging_face_checkpoint_s_head_norms_are_shifted_as_mlx_lm_shifts_the
 def test_auto_drafts_with_the_head_on_a_gpu_and_nothing_on_a_cpu(mtp_model: Path, family_models: Path) -> None:
     assert default_mode(False, True, True) == "mtp" and default_mode(False, True, False) == "prompt-lookup"
     assert default_mode(False, False, True) == "off" and default_mode(True, True, True) == "draft"
-    assert Engine(mtp_model).speculation.mode == "off"  # this CPU
+    cpu = Engine(mtp_model)
+    assert cpu.speculation.mode == "off" and tap_of(cpu.model) is None  # this CPU: the head not even read
     with pytest.raises(ValueError, match="MTP head"):
         Engine(family_models / "qwen3_5", speculative="mtp")  # no mtp.* weights
 
@@ -181,3 +182,19 @@ def test_after_a_prefix_cache_hit_the_head_drafts_from_the_first_token_prefilled
     second, fin = run(engine, greedy(n=30))
     assert first == expected and second == again
     assert fin is not None and fin.cached_tokens > 0 and fin.drafted_tokens > 0 and Spy.calls
+
+
+def test_a_request_decoded_compiled_before_leaves_the_next_one_its_own_hidden_states(
+        mtp_model: Path, plain: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request that does not draft decodes through the compiled graph, whose steps hand back the tapped hidden
+    state too; the next request's first forward pass must read its own, not that one."""
+    expected, _ = run(plain, greedy(n=30))
+    engine = always(Engine(mtp_model, speculative="mtp", solo="compiled"))
+    run(engine, greedy("x", prompt=PROMPT[3:], n=10, speculative=False))
+    monkeypatch.setattr("worker.mlx_engine.speculative.MTPDrafter", Spy)
+    Spy.calls = []
+    got, _ = run(engine, greedy(n=30))
+    head = engine.speculation.head
+    assert got == expected and Spy.calls and isinstance(head, MTPHead)
+    for history, drafts in Spy.calls:
+        assert drafts == reference(engine, head, history, len(drafts)), len(history)

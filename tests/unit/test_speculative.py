@@ -17,6 +17,7 @@ from worker.__main__ import parse_args
 from worker.mlx_engine.draft_pricing import REPEATS, WARMUPS, Costs, Pricing, fastest
 from worker.mlx_engine.guided import seeded_sampler
 from worker.mlx_engine.speculative import (
+    DEFAULT_DRAFT_TOKENS,
     FIRST_PAUSE,
     MIN_VERIFIES,
     Drafting,
@@ -281,7 +282,9 @@ def test_config_keys_become_worker_arguments(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match=match):
             speculative_args(entry, "models.m", tmp_path)
     parsed = parse_args(["--endpoint", "e", "--identity", "i", "--model-path", "m", "--model-id", "m", *args])
-    assert parsed.speculative == "draft" and parsed.draft == draft and parsed.num_draft_tokens == 4
+    # no --num-draft-tokens: the kind's own default (4; a DFlash drafter's block size - 1)
+    assert parsed.speculative == "draft" and parsed.draft == draft and parsed.num_draft_tokens is None
+    assert Speculation("prompt-lookup").k == DEFAULT_DRAFT_TOKENS == 4
     plain = parse_args(["--endpoint", "e", "--identity", "i", "--model-path", "m", "--model-id", "m"])
     assert plain.speculative == "auto" and plain.draft is None
 

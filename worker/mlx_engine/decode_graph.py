@@ -258,4 +258,4 @@ class DecodeGraph:
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         slots = [c for c in cache if isinstance(c, (_Slots, _QSlots))]
         return (logprobs, off + token.size, [s.keys for s in slots], [s.values for s in slots],
-                [c.cache for c in cache if isinstance(c, ArraysCache)], *([] if tap is None else [tap.take()]))
+                [c.cache for c in cache if isinstance(c, ArraysCache)], *([] if tap is None else [tap.collect()]))

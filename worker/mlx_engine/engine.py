@@ -42,6 +42,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
 from protocol.messages import CONTEXT_WINDOW, INVALID_REQUEST, Failed, Finished, Submit
@@ -68,7 +69,7 @@ from worker.mlx_engine.request import EngineRequest, ImagePart, Requests
 from worker.mlx_engine.request_state import Request
 from worker.mlx_engine.snapshots import Snapshots
 from worker.mlx_engine.solo import Solo, SoloLane
-from worker.mlx_engine.speculative import DEFAULT_DRAFT_TOKENS, DraftCounts, Speculation, load_draft
+from worker.mlx_engine.speculative import DraftCounts, Speculation, load_draft
 from worker.mlx_engine.taps import install_tap
 from worker.mlx_engine.warmup import Warmed, WarmUp, wants_warm_up
 from worker.schedule import Scheduler
@@ -107,7 +108,7 @@ class Engine:
                  warm: str = "auto", warm_budget_s: float = 10.0, solo: str = "auto", attention: str = "auto",
                  strict_context: bool = False, max_context: int | None = None, speculative: str = "off",
                  draft: Path | None = None,
-                 num_draft_tokens: int = DEFAULT_DRAFT_TOKENS, defer_stores: bool = False, text_thread: bool = False,
+                 num_draft_tokens: int | None = None, defer_stores: bool = False, text_thread: bool = False,
                  idle_pricing: bool = False,
                  loader: Callable[[Path, Callable[[str, float], None]], tuple] = load_with_progress,
                  vision: VisionPart | None = None) -> None:
@@ -156,7 +157,8 @@ class Engine:
             head = load_dflash(draft, self.model)
             install_tap(self.model, head.layers)
             self.weights_bytes += sum(p.stat().st_size for p in draft.glob("*.safetensors"))
-        elif speculative in ("auto", "mtp") and draft is None and (head := load_head(self.model, model_path)):
+        elif (speculative == "mtp" or speculative == "auto" and mx.default_device() == mx.gpu) and draft is None and (
+                head := load_head(self.model, model_path)):  # (auto drafts nothing on a CPU: the head is not read)
             install_tap(self.model)
         self.graph = DecodeGraph(self.model) if compiled else None  # a solo's decode steps compiled
         draft_model, draft_bytes = load_draft(draft, self.tokenizer) if draft is not None and (

@@ -227,6 +227,7 @@ class Solo:
         reads them."""
         if self._tap is None:
             return self.model(ids[None], cache=self.cache)
+        self._tap.clear()
         self._tap.on = True
         try:
             logits = self.model(ids[None], cache=self.cache)

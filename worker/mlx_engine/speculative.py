@@ -495,7 +495,7 @@ class Speculation:
     """A model's speculative decoding, as configured: its mode, draft length and draft model (one per engine), and
     what drafting costs on this machine (measured once, on first use)."""
 
-    def __init__(self, mode: str = "off", k: int = DEFAULT_DRAFT_TOKENS, draft: nn.Module | None = None,
+    def __init__(self, mode: str = "off", k: int | None = None, draft: nn.Module | None = None,
                  vocab: int = 0, oracle: list[int] | None = None, idle: bool = False,
                  head: MTPHead | DFlashHead | None = None) -> None:
         if mode == "auto":
@@ -512,6 +512,8 @@ class Speculation:
         if (mode == "oracle" and oracle is None) or (oracle is not None and mode not in ("oracle", "mtp", "dflash")):
             raise ValueError("speculative mode 'oracle' goes with a recorded sequence, and a sequence with it, 'mtp' or "
                              "'dflash'")
+        if k is None:  # a DFlash drafter's one pass drafts its whole block; else DEFAULT_DRAFT_TOKENS
+            k = head.block - 1 if mode == "dflash" and isinstance(head, DFlashHead) else DEFAULT_DRAFT_TOKENS
         if k < 1:
             raise ValueError(f"num_draft_tokens must be at least 1, not {k}")
         self.mode, self.k, self.draft, self.vocab, self.oracle = mode, k, draft, vocab, oracle

@@ -37,6 +37,15 @@ class Tap:
         if self.ready is not None:
             out, self.ready = self.ready, None
             return out
+        return self.collect()
+
+    def clear(self) -> None:
+        """Forget what is left (before a forward pass of the solo's own: a decode graph's step another request ran
+        left its output in `ready`)."""
+        self.parts, self.ready = [None] * len(self.parts), None
+
+    def collect(self) -> mx.array | None:
+        """What the tapped modules left, concatenated, once (a trace's own: never `ready`)."""
         if any(p is None for p in self.parts):
             return None
         parts = cast(list[mx.array], self.parts)
