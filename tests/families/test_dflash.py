@@ -22,6 +22,7 @@ from worker.mlx_engine.engine import Engine
 from worker.mlx_engine.speculative import Speculation
 from worker.mlx_engine.taps import tap_of
 
+from .test_mtp import spying
 from .test_speculative import PROMPT, greedy, run
 
 
@@ -41,14 +42,7 @@ def engine_for(family_models: Path, drafters: Path, name: str, **kw: object) -> 
     return engine
 
 
-class Spy(DFlashDrafter):
-    calls: list[tuple[list[int], list[int]]] = []
-
-    def propose(self, tokens, y, k, sampling, keys):  # type: ignore[no-untyped-def]
-        drafts, q = super().propose(tokens, y, k, sampling, keys)
-        if drafts is not None:
-            Spy.calls.append(([*tokens, y], [int(t) for t in drafts.tolist()]))
-        return drafts, q
+Spy = spying(DFlashDrafter)
 
 
 def reference(engine: Engine, head: DFlashHead, history: list[int], k: int) -> list[int]:

@@ -50,16 +50,18 @@ def always(engine: Engine) -> Engine:
     return engine
 
 
-class Spy(MTPDrafter):
-    """The head's drafter, keeping each proposal with the history it was made after."""
-
-    calls: list[tuple[list[int], list[int]]] = []
-
+def spying(drafter: type) -> type:
+    """`drafter` keeping each proposal with the history it was made after, in the class's `calls` (a tapped drafter:
+    tests/families/test_dflash.py's too)."""
     def propose(self, tokens, y, k, sampling, keys):  # type: ignore[no-untyped-def]
-        drafts, q = super().propose(tokens, y, k, sampling, keys)
+        drafts, q = drafter.propose(self, tokens, y, k, sampling, keys)
         if drafts is not None:
-            Spy.calls.append(([*tokens, y], [int(t) for t in drafts.tolist()]))
+            type(self).calls.append(([*tokens, y], [int(t) for t in drafts.tolist()]))
         return drafts, q
+    return type(f"Spy{drafter.__name__}", (drafter,), {"calls": [], "propose": propose})
+
+
+Spy = spying(MTPDrafter)
 
 
 def reference(engine: Engine, head: MTPHead, history: list[int], k: int) -> list[int]:
